@@ -1,0 +1,80 @@
+"""Attention scores, masked softmax and the context vector.
+
+One module serves every attention type; the decoders decide *which* state is the query
+(Bahdanau: the state before the step, s_{t-1}; Luong: the state after it, s_t):
+
+- additive: v^T tanh(W q + U h)   (Bahdanau's score, and Luong's "concat": W [s; h] = W_s s + W_h h)
+- dot:      q^T h                 (needs d_s == d_h)
+- general:  q^T W h               (W is (d_s, d_h))
+
+The key projection (U h, or W h) does not depend on the decoder step: `project_keys` runs it
+once per sequence and `forward` reuses it at every step.
+
+Contract: query (B, T_dec, d_s), keys from `project_keys`, values (B, T_enc, d_h), mask (B, T_enc)
+-> context (B, T_dec, d_h), weights (B, T_dec, T_enc) summing to 1 over valid positions.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+SCORES = ("additive", "dot", "general")
+
+# Replaces the weights after the softmax, for counterfactual checks: (weights, mask) -> weights.
+Intervention = Callable[[Tensor, Tensor], Tensor]
+
+
+def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
+    """Softmax over the last axis of `scores` (B, T_dec, T_enc); positions where `mask` (B, T_enc)
+    is False get exactly zero weight."""
+    return torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, score: str, query_size: int, key_size: int, attention_size: int | None = None):
+        super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"unknown attention score {score!r}; choose one of {', '.join(SCORES)}")
+        if score == "dot" and query_size != key_size:
+            raise ValueError(
+                f"dot attention needs the decoder state size to equal the encoder state size, "
+                f"got d_s={query_size} and d_h={key_size}; use a general or concat score instead"
+            )
+        self.score = score
+        self.query_size, self.key_size = query_size, key_size
+        if score == "additive":
+            if not attention_size or attention_size < 1:
+                raise ValueError(f"additive attention needs attention_size >= 1, got {attention_size}")
+            self.query_proj = nn.Linear(query_size, attention_size, bias=False)  # W_a
+            self.key_proj = nn.Linear(key_size, attention_size)  # U_a (its bias is the score's bias)
+            self.v = nn.Linear(attention_size, 1, bias=False)  # v_a
+        elif score == "general":
+            self.key_proj = nn.Linear(key_size, query_size, bias=False)  # W, applied to h
+        self.intervention: Intervention | None = None
+
+    def project_keys(self, encoder_states: Tensor) -> Tensor:
+        """(B, T_enc, d_h) -> keys (B, T_enc, A) for additive, (B, T_enc, d_s) otherwise."""
+        if self.score == "dot":
+            return encoder_states
+        return self.key_proj(encoder_states)
+
+    def forward(self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        batch, t_dec, d_s = query.shape
+        t_enc = values.size(1)
+        assert d_s == self.query_size, f"query size {d_s} != {self.query_size}"
+        assert values.shape == (batch, t_enc, self.key_size), f"values {tuple(values.shape)}"
+        assert keys.shape[:2] == (batch, t_enc) and mask.shape == (batch, t_enc), "keys/mask do not match values"
+        if self.score == "additive":
+            # (B, T_dec, 1, A) + (B, 1, T_enc, A) -> tanh -> v -> (B, T_dec, T_enc)
+            hidden = torch.tanh(self.query_proj(query)[:, :, None, :] + keys[:, None, :, :])
+            scores = self.v(hidden).squeeze(-1)
+        else:
+            scores = query @ keys.transpose(1, 2)  # (B, T_dec, T_enc)
+        weights = masked_softmax(scores, mask)
+        if self.intervention is not None:
+            weights = self.intervention(weights, mask)
+        context = weights @ values  # (B, T_dec, d_h)
+        return context, weights

@@ -1,0 +1,97 @@
+"""The copy (and reverse) task: vocabulary, on-the-fly batches, masks.
+
+Token ids: PAD=0, BOS=1, EOS=2, then `vocab_size` content symbols 3 .. 3 + vocab_size - 1.
+A source is `L` content symbols (PAD after its length); the target is the same symbols
+(reversed for `reverse`) followed by EOS. The decoder reads `BOS + target` and predicts
+`target + EOS`, so `T_dec = T_enc + 1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+PAD, BOS, EOS = 0, 1, 2
+NUM_SPECIAL = 3
+TASKS = ("copy", "reverse")
+
+
+def total_vocab(vocab_size: int) -> int:
+    """Embedding / output size: content symbols plus PAD, BOS, EOS."""
+    return vocab_size + NUM_SPECIAL
+
+
+def length_mask(lengths: Tensor, max_length: int) -> Tensor:
+    """(B,) lengths -> (B, max_length) True on the first `length` positions of each row."""
+    return torch.arange(max_length, device=lengths.device)[None, :] < lengths[:, None]
+
+
+@dataclass
+class Batch:
+    src: Tensor  # (B, T_enc) content ids, PAD past each length
+    src_lengths: Tensor  # (B,) number of real source symbols
+    tgt_in: Tensor  # (B, T_dec) BOS + target, PAD past each length
+    tgt_out: Tensor  # (B, T_dec) target + EOS, PAD past each length
+
+    @property
+    def src_mask(self) -> Tensor:
+        """(B, T_enc) True on real source positions."""
+        return length_mask(self.src_lengths, self.src.size(1))
+
+    @property
+    def content_mask(self) -> Tensor:
+        """(B, T_dec) True on target positions holding a content symbol (EOS excluded)."""
+        return length_mask(self.src_lengths, self.tgt_out.size(1))
+
+    @property
+    def target_mask(self) -> Tensor:
+        """(B, T_dec) True on every real target position (content symbols and EOS)."""
+        return self.tgt_out != PAD
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(*(t.to(device) for t in (self.src, self.src_lengths, self.tgt_in, self.tgt_out)))
+
+    def __len__(self) -> int:
+        return self.src.size(0)
+
+    def select(self, index: Tensor | slice) -> Batch:
+        """A sub-batch (rows `index`), trimmed to its own longest source."""
+        lengths = self.src_lengths[index]
+        t_enc = int(lengths.max())
+        return Batch(self.src[index, :t_enc], lengths, self.tgt_in[index, : t_enc + 1], self.tgt_out[index, : t_enc + 1])
+
+
+def make_batch(
+    task: str,
+    batch_size: int,
+    length: int,
+    vocab_size: int,
+    generator: torch.Generator,
+    min_length: int | None = None,
+) -> Batch:
+    """Draw `batch_size` sequences of uniform random content symbols.
+
+    With `min_length`, each sequence's length is drawn uniformly from [min_length, length]
+    and the batch is padded to `length`; otherwise every sequence has exactly `length` symbols.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    if min_length is None:
+        lengths = torch.full((batch_size,), length, dtype=torch.long)
+    else:
+        lengths = torch.randint(min_length, length + 1, (batch_size,), generator=generator)
+    symbols = torch.randint(NUM_SPECIAL, total_vocab(vocab_size), (batch_size, length), generator=generator)
+    positions = torch.arange(length)
+    valid = positions[None, :] < lengths[:, None]  # (B, L)
+    src = symbols.masked_fill(~valid, PAD)
+    if task == "reverse":
+        source_index = (lengths[:, None] - 1 - positions[None, :]).clamp(min=0)
+        target = src.gather(1, source_index).masked_fill(~valid, PAD)
+    else:
+        target = src
+    pad_column = torch.full((batch_size, 1), PAD, dtype=torch.long)
+    tgt_out = torch.cat([target, pad_column], dim=1).scatter(1, lengths[:, None], EOS)
+    tgt_in = torch.cat([torch.full((batch_size, 1), BOS, dtype=torch.long), target], dim=1)
+    return Batch(src, lengths, tgt_in, tgt_out)

@@ -1,0 +1,189 @@
+"""GRU encoder-decoders: no attention, Bahdanau (additive) and Luong (dot / general / concat).
+
+Shapes: B batch, T_enc source length, T_dec target length, E embedding size, H hidden size,
+V total vocabulary (content symbols + PAD, BOS, EOS). The encoder's states and final state
+have size H whether or not it is bidirectional (each direction then has H / 2), so the decoder
+state size d_s and the encoder state size d_h are both H and `luong_dot` is always well-formed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from .attention import Attention
+from .data import BOS, PAD, length_mask
+
+DECODERS = ("plain", "bahdanau", "luong")
+
+Memory = tuple[Tensor, Tensor] | None  # (keys, values) the attention reads at every step
+
+
+class Encoder(nn.Module):
+    def __init__(self, vocab: int, embedding_size: int, hidden_size: int, bidirectional: bool):
+        super().__init__()
+        if bidirectional and hidden_size % 2:
+            raise ValueError(f"a bidirectional encoder needs an even hidden_size, got {hidden_size}")
+        self.bidirectional = bidirectional
+        self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
+        per_direction = hidden_size // 2 if bidirectional else hidden_size
+        self.rnn = nn.GRU(embedding_size, per_direction, batch_first=True, bidirectional=bidirectional)
+
+    def forward(self, src: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """src (B, T_enc), lengths (B,) -> states (B, T_enc, H), final (B, H)."""
+        embedded = self.embedding(src)
+        if bool((lengths < src.size(1)).any()):
+            # Packing keeps padding out of the recurrence (and out of the backward direction).
+            packed = pack_padded_sequence(embedded, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            states, final = self.rnn(packed)
+            states, _ = pad_packed_sequence(states, batch_first=True, total_length=src.size(1))
+        else:
+            states, final = self.rnn(embedded)
+        final = torch.cat([final[-2], final[-1]], dim=-1) if self.bidirectional else final[-1]
+        return states, final
+
+
+class PlainDecoder(nn.Module):
+    """No attention: the encoder's final state, as the initial state, is all the decoder sees."""
+
+    def __init__(self, vocab: int, embedding_size: int, hidden_size: int):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
+        self.rnn = nn.GRU(embedding_size, hidden_size, batch_first=True)
+        self.out = nn.Linear(hidden_size, vocab)
+
+    def memory(self, encoder_states: Tensor) -> Memory:
+        return None
+
+    def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
+        states, _ = self.rnn(self.embedding(tgt_in), final[None])  # (B, T_dec, H)
+        return self.out(states), None
+
+    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor):
+        state, _ = self.rnn(self.embedding(tokens)[:, None], hidden[None])  # (B, 1, H)
+        return self.out(state[:, 0]), None, state[:, 0]
+
+
+class BahdanauDecoder(nn.Module):
+    """Query is the state *before* the step, s_{t-1}; the context c_t is part of the GRU input,
+    so the decoder must run step by step even under teacher forcing."""
+
+    def __init__(self, vocab: int, embedding_size: int, hidden_size: int, attention_size: int):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
+        self.attention = Attention("additive", hidden_size, hidden_size, attention_size)
+        self.cell = nn.GRUCell(embedding_size + hidden_size, hidden_size)
+        self.out = nn.Linear(2 * hidden_size, vocab)
+
+    def memory(self, encoder_states: Tensor) -> Memory:
+        return self.attention.project_keys(encoder_states), encoder_states  # U_a h once per sequence
+
+    def _advance(self, embedded: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor):
+        """One step: embedded (B, E), hidden s_{t-1} (B, H) -> s_t (B, H), c_t (B, H), weights (B, T_enc)."""
+        keys, values = memory
+        context, weights = self.attention(hidden[:, None], keys, values, src_mask)
+        hidden = self.cell(torch.cat([embedded, context[:, 0]], dim=-1), hidden)
+        return hidden, context[:, 0], weights[:, 0]
+
+    def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
+        embedded = self.embedding(tgt_in)  # (B, T_dec, E)
+        memory = self.memory(encoder_states)
+        hidden, states, contexts, weights = final, [], [], []
+        for t in range(tgt_in.size(1)):
+            hidden, context, step_weights = self._advance(embedded[:, t], hidden, memory, src_mask)
+            states.append(hidden)
+            contexts.append(context)
+            weights.append(step_weights)
+        readout = torch.cat([torch.stack(states, 1), torch.stack(contexts, 1)], dim=-1)  # (B, T_dec, 2H)
+        return self.out(readout), torch.stack(weights, 1)
+
+    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor):
+        hidden, context, weights = self._advance(self.embedding(tokens), hidden, memory, src_mask)
+        return self.out(torch.cat([hidden, context], dim=-1)), weights, hidden
+
+
+class LuongDecoder(nn.Module):
+    """Query is the state *after* the step, s_t; no input feeding, so the GRU never depends on
+    attention: under teacher forcing it runs over the whole target at once and attention is
+    one batched product over all steps. Output: tanh(W_c [s_t; c_t]) -> vocabulary."""
+
+    def __init__(self, vocab: int, embedding_size: int, hidden_size: int, score: str, attention_size: int | None):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
+        self.rnn = nn.GRU(embedding_size, hidden_size, batch_first=True)
+        self.attention = Attention(score, hidden_size, hidden_size, attention_size)
+        self.combine = nn.Linear(2 * hidden_size, hidden_size)  # W_c
+        self.out = nn.Linear(hidden_size, vocab)
+
+    def memory(self, encoder_states: Tensor) -> Memory:
+        return self.attention.project_keys(encoder_states), encoder_states
+
+    def _readout(self, states: Tensor, memory: Memory, src_mask: Tensor):
+        """states s_t (B, T_dec, H) -> logits (B, T_dec, V), weights (B, T_dec, T_enc)."""
+        keys, values = memory
+        context, weights = self.attention(states, keys, values, src_mask)
+        attentional = torch.tanh(self.combine(torch.cat([states, context], dim=-1)))
+        return self.out(attentional), weights
+
+    def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
+        states, _ = self.rnn(self.embedding(tgt_in), final[None])  # (B, T_dec, H), all steps at once
+        return self._readout(states, self.memory(encoder_states), src_mask)
+
+    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor):
+        state, _ = self.rnn(self.embedding(tokens)[:, None], hidden[None])  # (B, 1, H)
+        logits, weights = self._readout(state, memory, src_mask)
+        return logits[:, 0], weights[:, 0], state[:, 0]
+
+
+class Seq2Seq(nn.Module):
+    def __init__(
+        self,
+        vocab: int,
+        decoder: str,
+        score: str | None = None,
+        embedding_size: int = 32,
+        hidden_size: int = 64,
+        attention_size: int | None = None,
+        bidirectional: bool = True,
+    ):
+        super().__init__()
+        self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional)
+        if decoder == "plain":
+            self.decoder = PlainDecoder(vocab, embedding_size, hidden_size)
+        elif decoder == "bahdanau":
+            self.decoder = BahdanauDecoder(vocab, embedding_size, hidden_size, attention_size)
+        elif decoder == "luong":
+            self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size)
+        else:
+            raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
+
+    @property
+    def attention(self) -> Attention | None:
+        return getattr(self.decoder, "attention", None)
+
+    def forward(self, src: Tensor, src_lengths: Tensor, tgt_in: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Teacher forcing: -> logits (B, T_dec, V), weights (B, T_dec, T_enc) or None."""
+        encoder_states, final = self.encoder(src, src_lengths)
+        src_mask = length_mask(src_lengths, src.size(1))
+        return self.decoder(tgt_in, encoder_states, final, src_mask)
+
+    @torch.no_grad()
+    def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor | None]:
+        """Greedy decoding, each step fed its own previous prediction:
+        -> tokens (B, steps), weights (B, steps, T_enc) or None."""
+        encoder_states, hidden = self.encoder(src, src_lengths)
+        src_mask = length_mask(src_lengths, src.size(1))
+        memory = self.decoder.memory(encoder_states)
+        tokens = torch.full((src.size(0),), BOS, dtype=torch.long, device=src.device)
+        outputs, weights = [], []
+        for _ in range(steps):
+            logits, step_weights, hidden = self.decoder.step(tokens, hidden, memory, src_mask)
+            tokens = logits.argmax(-1)
+            outputs.append(tokens)
+            weights.append(step_weights)
+        return torch.stack(outputs, 1), (torch.stack(weights, 1) if self.attention is not None else None)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,76 @@
+"""Run folders: identity, atomic writes, and loading finished runs into a table.
+
+A run's identity is its resolved config (less the keys that change where or how fast it runs,
+not what it computes). Its folder `runs_dir/<name>/` is complete once `metrics.json` exists:
+that file is written last, atomically, so a killed run never looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+METRICS = "metrics.json"
+CONFIG = "config.yaml"
+HISTORY = "history.csv"
+CHECKPOINT = "checkpoint.pt"
+ATTENTION = "attention_samples.json"
+FAILED = "failed.json"
+
+# Keys that do not change what a run computes.
+NOT_IDENTITY = ("runs_dir", "train.device", "train.threads", "train.progress")
+
+
+def identity(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config without the keys in NOT_IDENTITY."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    for dotted in NOT_IDENTITY:
+        *parents, leaf = dotted.split(".")
+        node = config
+        for key in parents:
+            node = node.get(key, {})
+        node.pop(leaf, None)
+    return config
+
+
+def run_name(cfg: DictConfig) -> str:
+    """Readable and unique: `<attention>-<task><length>-seed<seed>-<hash of the identity>`."""
+    digest = hashlib.sha1(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:8]
+    task = cfg.task
+    lengths = f"{task.min_length}-{task.length}" if task.variable_length else f"{task.length}"
+    return f"{cfg.attention.name}-{task.name}{lengths}-seed{cfg.seed}-{digest}"
+
+
+def run_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.runs_dir) / run_name(cfg)
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / METRICS).is_file()
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write to a temporary file beside `path`, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, json.dumps(obj, indent=2) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())

@@ -1,0 +1,248 @@
+"""One training run: validate the config, train with teacher forcing, evaluate by greedy decoding
+on a fixed held-out set, and write the run folder (config, history, checkpoint, attention
+samples, and metrics.json last)."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from . import store
+from .data import PAD, TASKS, Batch, make_batch, total_vocab
+from .model import DECODERS, Seq2Seq, count_parameters
+
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULES = ("onecycle", "constant")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be run; the message names the value and what is allowed."""
+
+
+def validate(cfg: DictConfig) -> None:
+    """Refuse bad values before anything is trained or written."""
+    task, train, model = cfg.task, cfg.train, cfg.model
+
+    def at_least(name: str, value, low: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+
+    if task.name not in TASKS:
+        raise ConfigError(f"task.name must be one of {', '.join(TASKS)}, got {task.name!r}")
+    at_least("task.length", task.length, 1)
+    at_least("task.vocab_size", task.vocab_size, 2)  # one symbol would make copying trivial
+    if task.variable_length:
+        at_least("task.min_length", task.min_length, 1)
+        if task.min_length > task.length:
+            raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")
+    if cfg.attention.decoder not in DECODERS:
+        raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {cfg.attention.decoder!r}")
+    at_least("model.embedding_size", model.embedding_size, 1)
+    at_least("model.hidden_size", model.hidden_size, 2 if model.bidirectional else 1)
+    if model.bidirectional and model.hidden_size % 2:
+        raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
+    if cfg.attention.score == "additive":
+        at_least("attention.size", cfg.attention.size, 1)
+    for key in ("steps", "batch_size", "eval_every", "eval_size"):
+        at_least(f"train.{key}", train[key], 1)
+    if not (isinstance(train.lr, (int, float)) and train.lr > 0):
+        raise ConfigError(f"train.lr must be a positive number, got {train.lr!r}")
+    if train.schedule not in SCHEDULES:
+        raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {train.schedule!r}")
+    if train.patience is not None:
+        at_least("train.patience", train.patience, 1)
+    if train.threads is not None:
+        at_least("train.threads", train.threads, 1)
+    resolve_device(train.device)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name not in DEVICES:
+        raise ConfigError(f"train.device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda was requested but no CUDA device is available; use auto or cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def build_model(cfg: DictConfig) -> Seq2Seq:
+    return Seq2Seq(
+        vocab=total_vocab(cfg.task.vocab_size),
+        decoder=cfg.attention.decoder,
+        score=cfg.attention.score,
+        embedding_size=cfg.model.embedding_size,
+        hidden_size=cfg.model.hidden_size,
+        attention_size=cfg.attention.size,
+        bidirectional=cfg.model.bidirectional,
+    )
+
+
+def sample_batch(cfg: DictConfig, batch_size: int, generator: torch.Generator) -> Batch:
+    task = cfg.task
+    min_length = task.min_length if task.variable_length else None
+    return make_batch(task.name, batch_size, task.length, task.vocab_size, generator, min_length)
+
+
+def eval_batch(cfg: DictConfig) -> Batch:
+    """The fixed held-out set: drawn from its own seed, never seen in training."""
+    return sample_batch(cfg, cfg.train.eval_size, torch.Generator().manual_seed(cfg.train.eval_seed))
+
+
+@torch.no_grad()
+def evaluate(model: Seq2Seq, batch: Batch, chunk_size: int = 512) -> dict:
+    """Greedy decoding (no teacher forcing) on `batch`: token accuracy over the content positions,
+    and exact-sequence accuracy (every symbol and the EOS right). Also returns the decoded tokens
+    (B, T_dec) and attention weights (B, T_dec, T_enc) or None."""
+    was_training = model.training
+    model.eval()
+    tokens, weights = [], []
+    for start in range(0, len(batch), chunk_size):
+        part = batch.select(slice(start, start + chunk_size))
+        out, w = model.greedy(part.src, part.src_lengths, steps=batch.tgt_out.size(1))
+        tokens.append(_pad_to(out, batch.tgt_out.size(1)))
+        weights.append(None if w is None else _pad_to(w, batch.src.size(1), dim=2))
+    model.train(was_training)
+    tokens = torch.cat(tokens)
+    correct = tokens == batch.tgt_out
+    content, target = batch.content_mask, batch.target_mask
+    return {
+        "token_acc": (correct & content).sum().item() / content.sum().item(),
+        "seq_acc": (correct | ~target).all(dim=1).float().mean().item(),
+        "tokens": tokens,
+        "weights": None if weights[0] is None else torch.cat(weights),
+    }
+
+
+def _pad_to(t: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
+    missing = size - t.size(dim)
+    if missing == 0:
+        return t
+    pad_shape = list(t.shape)
+    pad_shape[dim] = missing
+    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+
+
+def train(cfg: DictConfig) -> dict:
+    """Train one run and write its folder; returns metrics.json's content. A run whose
+    complete results already exist is not trained again."""
+    validate(cfg)
+    folder = store.run_dir(cfg)
+    if store.is_complete(folder):
+        metrics = store.read_json(folder / store.METRICS)
+        print(f"{folder.name}: already complete, skipped (delete {folder} to train it again)")
+        return metrics
+    if folder.exists():  # leftovers of an interrupted or failed run
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    store.atomic_write(folder / store.CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
+
+    device = resolve_device(cfg.train.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    model = build_model(cfg).to(device)
+    heldout = eval_batch(cfg).to(device)
+    steps = cfg.train.steps
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
+    if cfg.train.schedule == "onecycle":
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.train.lr, total_steps=steps, pct_start=cfg.train.warmup)
+    else:
+        schedule = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)
+
+    history, hits, loss_sum, loss_count = [], 0, torch.zeros((), device=device), 0
+    started = time.perf_counter()
+    bar = tqdm(total=steps, desc=folder.name, unit="step", disable=not cfg.train.progress, dynamic_ncols=True)
+    for step in range(1, steps + 1):
+        batch = sample_batch(cfg, cfg.train.batch_size, generator).to(device)
+        logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)  # (B, T_dec, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip)
+        optimizer.step()
+        schedule.step()
+        loss_sum += loss.detach()
+        loss_count += 1
+        bar.update()
+
+        if step % cfg.train.eval_every == 0 or step == steps:
+            result = evaluate(model, heldout)
+            history.append(
+                {
+                    "step": step,
+                    "loss": loss_sum.item() / loss_count,
+                    "token_acc": result["token_acc"],
+                    "seq_acc": result["seq_acc"],
+                    "seconds": time.perf_counter() - started,
+                }
+            )
+            loss_sum.zero_()
+            loss_count = 0
+            bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", acc=f"{result['token_acc']:.3f}")
+            hits = hits + 1 if result["token_acc"] >= cfg.train.target_acc else 0
+            if cfg.train.patience and hits >= cfg.train.patience:
+                break
+    bar.close()
+    train_seconds = time.perf_counter() - started
+
+    store.atomic_write(folder / store.HISTORY, pd.DataFrame(history).to_csv(index=False))
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "config": OmegaConf.to_container(cfg, resolve=True)}, buffer)
+    store.atomic_write(folder / store.CHECKPOINT, buffer.getvalue())
+    store.write_json(folder / store.ATTENTION, attention_samples(cfg, heldout, result))
+    final = history[-1]
+    metrics = {
+        "attention": cfg.attention.name,
+        "task": cfg.task.name,
+        "length": cfg.task.length,
+        "min_length": cfg.task.min_length if cfg.task.variable_length else cfg.task.length,
+        "vocab_size": cfg.task.vocab_size,
+        "seed": cfg.seed,
+        "token_acc": final["token_acc"],
+        "seq_acc": final["seq_acc"],
+        "chance": 1.0 / cfg.task.vocab_size,
+        "params": count_parameters(model),
+        "steps": final["step"],
+        "step_budget": steps,
+        "final_loss": final["loss"],
+        "train_seconds": train_seconds,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "run": folder.name,
+    }
+    store.write_json(folder / store.METRICS, metrics)  # last: marks the run complete
+    print(
+        f"{folder.name}: greedy token acc {metrics['token_acc']:.2%}, seq acc {metrics['seq_acc']:.2%} "
+        f"(chance {metrics['chance']:.1%}), {metrics['steps']} steps, {train_seconds:.1f} s, "
+        f"{metrics['params']:,} params -> {folder}"
+    )
+    return metrics
+
+
+def attention_samples(cfg: DictConfig, heldout: Batch, result: dict) -> dict:
+    """The first few held-out examples: source, target, greedy output and attention weights
+    (output step x source position), trimmed to each example's real length."""
+    samples = []
+    for i in range(min(cfg.train.attention_samples, len(heldout))):
+        length = int(heldout.src_lengths[i])
+        weights = result["weights"]
+        samples.append(
+            {
+                "source": heldout.src[i, :length].tolist(),
+                "target": heldout.tgt_out[i, : length + 1].tolist(),
+                "output": result["tokens"][i, : length + 1].tolist(),
+                # four decimals keep a length-80 map small and exact enough for a heatmap
+                "weights": None if weights is None else weights[i, : length + 1, :length].double().mul(1e4).round().div(1e4).tolist(),
+            }
+        )
+    return {"attention": cfg.attention.name, "task": cfg.task.name, "samples": samples}

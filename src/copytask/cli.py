@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 
 import hydra
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -57,7 +58,16 @@ def hydra_job(cfg: DictConfig) -> None:
         print(f"copytask: job failed: {store.run_name(cfg)}: {error}", file=sys.stderr)
 
 
-def _hydra(args: list[str]) -> int:
+def _hydra(args: list[str], multirun: bool = False) -> int:
+    if multirun:
+        # Hydra's parser accepts overrides before flags but not on both sides of one, so the
+        # mode override goes with the user's overrides, after every flag. (Not `--multirun`:
+        # that clashes with `--cfg`.)
+        overrides = get_args_parser().parse_intermixed_args(args).overrides
+        flags = list(args)
+        for override in overrides:
+            flags.remove(override)
+        args = [*flags, *overrides, "hydra.mode=MULTIRUN"]
     sys.argv = [sys.argv[0], *args]
     hydra_job()
     return 0
@@ -72,6 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train":
         return _hydra(rest)
     if command == "sweep":
-        return _hydra(["hydra.mode=MULTIRUN", *rest])
+        return _hydra(rest, multirun=True)
     print(f"copytask: error: unknown command {command!r}; choose one of train, sweep\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -1,0 +1,104 @@
+import pytest
+import torch
+
+from copytask.data import make_batch, total_vocab
+from copytask.model import Seq2Seq, count_parameters
+
+ATTENTION = {
+    "none": ("plain", None, None),
+    "bahdanau": ("bahdanau", "additive", 12),
+    "luong_dot": ("luong", "dot", None),
+    "luong_general": ("luong", "general", None),
+    "luong_concat": ("luong", "additive", 12),
+}
+
+
+def make_model(name: str, bidirectional: bool = True) -> Seq2Seq:
+    torch.manual_seed(0)
+    decoder, score, size = ATTENTION[name]
+    return Seq2Seq(total_vocab(6), decoder, score, embedding_size=8, hidden_size=16, attention_size=size, bidirectional=bidirectional).eval()
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_forward_shapes(name):
+    model = make_model(name)
+    batch = make_batch("copy", 3, 7, 6, torch.Generator().manual_seed(0))
+    logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
+    assert logits.shape == (3, 8, total_vocab(6))
+    if name == "none":
+        assert weights is None
+    else:
+        assert weights.shape == (3, 8, 7)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(3, 8))
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_mixed_lengths_match_each_sequence_alone(name, bidirectional):
+    model = make_model(name, bidirectional)
+    batch = make_batch("copy", 6, 9, 6, torch.Generator().manual_seed(1), min_length=2)
+    assert len(set(batch.src_lengths.tolist())) > 1
+    logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
+    tokens, greedy_weights = model.greedy(batch.src, batch.src_lengths, steps=10)
+    for i in range(len(batch)):
+        alone = batch.select([i])
+        length = int(alone.src_lengths[0])
+        alone_logits, alone_weights = model(alone.src, alone.src_lengths, alone.tgt_in)
+        torch.testing.assert_close(logits[i, : length + 1], alone_logits[0], atol=1e-5, rtol=1e-5)
+        alone_tokens, alone_greedy = model.greedy(alone.src, alone.src_lengths, steps=10)
+        assert torch.equal(tokens[i], alone_tokens[0])
+        if weights is not None:
+            assert (weights[i, :, length:] == 0).all() and (greedy_weights[i, :, length:] == 0).all()
+            torch.testing.assert_close(weights[i, : length + 1, :length], alone_weights[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(greedy_weights[i, :, :length], alone_greedy[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_greedy_agrees_with_teacher_forcing_on_its_own_outputs(name):
+    """Feeding greedy's outputs back as the teacher-forced input gives the same predictions,
+    so the batched training path and the step-by-step decoding path compute one model."""
+    model = make_model(name)
+    batch = make_batch("copy", 4, 6, 6, torch.Generator().manual_seed(2))
+    tokens, greedy_weights = model.greedy(batch.src, batch.src_lengths, steps=7)
+    tgt_in = torch.cat([batch.tgt_in[:, :1], tokens[:, :-1]], dim=1)
+    logits, weights = model(batch.src, batch.src_lengths, tgt_in)
+    assert torch.equal(logits.argmax(-1), tokens)
+    if weights is not None:
+        torch.testing.assert_close(weights, greedy_weights)
+
+
+def capture_queries(model: Seq2Seq) -> list:
+    queries = []
+    model.attention.register_forward_pre_hook(lambda module, args: queries.append(args[0].detach()))
+    return queries
+
+
+def test_bahdanau_queries_the_state_before_the_step():
+    model = make_model("bahdanau")
+    batch = make_batch("copy", 2, 5, 6, torch.Generator().manual_seed(3))
+    queries = capture_queries(model)
+    model(batch.src, batch.src_lengths, batch.tgt_in)
+    _, final = model.encoder(batch.src, batch.src_lengths)
+    decoder = model.decoder
+    # s_0 is the encoder's final state; s_1 follows from it, the first input and the first context.
+    torch.testing.assert_close(queries[0][:, 0], final)
+    context, _ = decoder.attention(final[:, None], *decoder.memory(model.encoder(batch.src, batch.src_lengths)[0]), batch.src_mask)
+    s1 = decoder.cell(torch.cat([decoder.embedding(batch.tgt_in[:, 0]), context[:, 0]], -1), final)
+    torch.testing.assert_close(queries[1][:, 0], s1)
+
+
+def test_luong_queries_the_state_after_the_step():
+    model = make_model("luong_general")
+    batch = make_batch("copy", 2, 5, 6, torch.Generator().manual_seed(3))
+    queries = capture_queries(model)
+    model(batch.src, batch.src_lengths, batch.tgt_in)
+    _, final = model.encoder(batch.src, batch.src_lengths)
+    states, _ = model.decoder.rnn(model.decoder.embedding(batch.tgt_in), final[None])  # s_1 .. s_T
+    torch.testing.assert_close(queries[0], states)
+    assert not torch.allclose(queries[0][:, 0], final)  # the pre-step state would be the encoder's
+
+
+def test_attention_adds_parameters_and_none_has_no_attention():
+    sizes = {name: count_parameters(make_model(name)) for name in ATTENTION}
+    assert make_model("none").attention is None
+    assert sizes["luong_dot"] < sizes["luong_general"] and sizes["none"] < sizes["luong_dot"]

@@ -1,0 +1,116 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from copytask import store
+from copytask.train import ConfigError, train, validate
+
+from .conftest import TINY
+
+RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store.ATTENTION}
+
+
+def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "copytask", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
+    result = run_cli("train", *TINY, "attention=bahdanau", f"runs_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert folder.name.startswith("bahdanau-copy5-seed0-")
+    assert RUN_FILES <= {p.name for p in folder.iterdir()}
+    metrics = json.loads((folder / store.METRICS).read_text())
+    for key in ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "device"):
+        assert key in metrics
+    assert metrics["attention"] == "bahdanau" and metrics["length"] == 5 and metrics["steps"] == 8
+    samples = json.loads((folder / store.ATTENTION).read_text())["samples"]
+    assert len(samples[0]["weights"]) == 6 and len(samples[0]["weights"][0]) == 5  # (T_dec, T_enc)
+    assert folder.name in result.stdout  # the one-line summary names the run
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("task.length=0", "task.length"),
+        ("task.vocab_size=1", "task.vocab_size"),
+        ("train.batch_size=0", "train.batch_size"),
+        ("train.steps=0", "train.steps"),
+        ("train.device=tpu", "'tpu'"),
+        ("task.name=sort", "'sort'"),
+        ("attention.decoder=transformer", "'transformer'"),
+        ("train.schedule=cosine", "'cosine'"),
+    ],
+)
+def test_bad_values_are_refused_before_training(make_config, override, named):
+    cfg = make_config(*TINY, override)
+    with pytest.raises(ConfigError, match=named):
+        validate(cfg)
+    with pytest.raises(ConfigError):
+        train(cfg)
+    assert not (tmp := store.run_dir(cfg)).exists(), tmp
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_refused_where_there_is_none(make_config):
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        validate(make_config(*TINY, "train.device=cuda"))
+
+
+def test_cli_bad_input_is_one_clear_line_and_a_failing_exit(tmp_path):
+    result = run_cli("train", *TINY, "task.length=0", f"runs_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.strip() == "copytask: error: task.length must be an integer >= 1, got 0"
+    assert not list(tmp_path.iterdir())
+    unknown = run_cli("train", "attention=foo", f"runs_dir={tmp_path}", cwd=tmp_path)
+    assert unknown.returncode != 0
+    assert "attention/foo" in unknown.stderr and "luong_general" in unknown.stderr  # names what is allowed
+
+
+def test_same_config_and_seed_give_the_same_metrics(make_config, tmp_path):
+    first = train(make_config(*TINY, "attention=bahdanau", f"runs_dir={tmp_path / 'a'}"))
+    second = train(make_config(*TINY, "attention=bahdanau", f"runs_dir={tmp_path / 'b'}"))
+    for key in ("token_acc", "seq_acc", "final_loss", "steps", "params", "run"):
+        assert first[key] == second[key], key
+    third = train(make_config(*TINY, "attention=bahdanau", "seed=1", f"runs_dir={tmp_path / 'c'}"))
+    assert third["final_loss"] != first["final_loss"]
+
+
+def test_interrupted_run_never_looks_complete_and_is_trained_again(make_config, monkeypatch):
+    cfg = make_config(*TINY)
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr("copytask.train.evaluate", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+    folder = store.run_dir(cfg)
+    assert folder.exists() and not store.is_complete(folder)
+    metrics = train(cfg)
+    assert store.is_complete(folder) and metrics["steps"] == 8
+
+
+def test_complete_run_is_skipped(make_config, monkeypatch):
+    cfg = make_config(*TINY)
+    first = train(cfg)
+    monkeypatch.setattr("copytask.train.build_model", lambda cfg: pytest.fail("a complete run was trained again"))
+    assert train(cfg) == first
+
+
+def test_early_stop_once_target_holds(make_config):
+    metrics = train(make_config(*TINY, "train.steps=40", "train.target_acc=0.0", "train.patience=2"))
+    assert metrics["steps"] == 8 and metrics["step_budget"] == 40  # two evaluations at the target, 4 steps apart
+
+
+@pytest.mark.slow
+def test_attention_learns_to_copy_length_10(make_config):
+    metrics = train(make_config("task.length=10", "train.progress=false", "train.eval_every=50"))
+    assert metrics["token_acc"] >= 0.99, metrics
+    assert metrics["chance"] == pytest.approx(1 / 9)

@@ -10,6 +10,12 @@ One module serves every attention type; the decoders decide *which* state is the
 The key projection (U h, or W h) does not depend on the decoder step: `project_keys` runs it
 once per sequence and `forward` reuses it at every step.
 
+Multi-head (dot and general only): with `heads` > 1 the query, the projected keys and the values
+are split into `heads` equal slices along the feature axis; each head attends with its own slices
+and the per-head contexts are concatenated back to d_h. With one head this is exactly the
+single-head score. The returned weights are the mean over heads; each head's own weights are what
+the `intervention` hook sees (below), which is how `analysis.head_weights` records them.
+
 Contract: query (B, T_dec, d_s), keys from `project_keys`, values (B, T_enc, d_h), mask (B, T_enc)
 -> context (B, T_dec, d_h), weights (B, T_dec, T_enc) summing to 1 over valid positions.
 """
@@ -22,8 +28,11 @@ import torch
 from torch import Tensor, nn
 
 SCORES = ("additive", "dot", "general")
+MULTI_HEAD_SCORES = ("dot", "general")  # a dot product splits into per-head dot products; additive does not
 
-# Replaces the weights after the softmax, for counterfactual checks: (weights, mask) -> weights.
+# Replaces the weights after the softmax, for counterfactual checks: (weights, mask) -> weights,
+# weights (B, heads * T_dec, T_enc) with one row per head and step, head-major (row h * T_dec + t),
+# mask (B, T_enc). With one head that is simply (B, T_dec, T_enc).
 Intervention = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -34,16 +43,26 @@ def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, score: str, query_size: int, key_size: int, attention_size: int | None = None):
+    def __init__(
+        self, score: str, query_size: int, key_size: int, attention_size: int | None = None, heads: int = 1
+    ):
         super().__init__()
         if score not in SCORES:
             raise ValueError(f"unknown attention score {score!r}; choose one of {', '.join(SCORES)}")
+        if heads < 1:
+            raise ValueError(f"heads must be >= 1, got {heads}")
+        if heads > 1 and score not in MULTI_HEAD_SCORES:
+            raise ValueError(f"heads={heads} needs a {' or '.join(MULTI_HEAD_SCORES)} score, got {score!r}")
+        if query_size % heads or key_size % heads:
+            raise ValueError(
+                f"heads={heads} must divide the state sizes, got d_s={query_size} and d_h={key_size}"
+            )
         if score == "dot" and query_size != key_size:
             raise ValueError(
                 f"dot attention needs the decoder state size to equal the encoder state size, "
                 f"got d_s={query_size} and d_h={key_size}; use a general or concat score instead"
             )
-        self.score = score
+        self.score, self.heads = score, heads
         self.query_size, self.key_size = query_size, key_size
         if score == "additive":
             if not attention_size or attention_size < 1:
@@ -61,6 +80,10 @@ class Attention(nn.Module):
             return encoder_states
         return self.key_proj(encoder_states)
 
+    def _split(self, x: Tensor) -> Tensor:
+        """(B, T, d) -> (B, heads, T, d / heads)."""
+        return x.view(x.size(0), x.size(1), self.heads, -1).transpose(1, 2)
+
     def forward(self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         batch, t_dec, d_s = query.shape
         t_enc = values.size(1)
@@ -70,11 +93,13 @@ class Attention(nn.Module):
         if self.score == "additive":
             # (B, T_dec, 1, A) + (B, 1, T_enc, A) -> tanh -> v -> (B, T_dec, T_enc)
             hidden = torch.tanh(self.query_proj(query)[:, :, None, :] + keys[:, None, :, :])
-            scores = self.v(hidden).squeeze(-1)
+            scores = self.v(hidden).squeeze(-1)[:, None]  # (B, 1, T_dec, T_enc): one head
         else:
-            scores = query @ keys.transpose(1, 2)  # (B, T_dec, T_enc)
-        weights = masked_softmax(scores, mask)
+            scores = self._split(query) @ self._split(keys).transpose(-1, -2)  # (B, heads, T_dec, T_enc)
+        # Heads and steps as rows, so the softmax and an intervention act on each head's row alone.
+        weights = masked_softmax(scores.flatten(1, 2), mask)  # (B, heads * T_dec, T_enc)
         if self.intervention is not None:
             weights = self.intervention(weights, mask)
-        context = weights @ values  # (B, T_dec, d_h)
-        return context, weights
+        weights = weights.view(batch, self.heads, t_dec, t_enc)
+        context = (weights @ self._split(values)).transpose(1, 2).flatten(2)  # (B, T_dec, d_h), heads concatenated
+        return context, weights.mean(1)

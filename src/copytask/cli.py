@@ -11,12 +11,14 @@ import traceback
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import store
+from .analysis import analyze, summary
 from .train import ConfigError, train
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
@@ -26,6 +28,9 @@ commands:
              python -m copytask train attention=bahdanau task.length=40
   sweep    train the grid in configs/config.yaml (hydra.sweeper.params), skipping finished runs
              python -m copytask sweep 'attention=none,luong_general' 'seed=0,1'
+  analyze  counterfactual attention, alignment and length generalisation of every finished run
+           in runs_dir (writes analysis.json into each run folder; analysed runs are skipped)
+             python -m copytask analyze runs_dir=runs
 
 Overrides are Hydra's: attention=none|bahdanau|luong_dot|luong_general|luong_concat,
 task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
@@ -83,5 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         return _hydra(rest)
     if command == "sweep":
         return _hydra(rest, multirun=True)
-    print(f"copytask: error: unknown command {command!r}; choose one of train, sweep\n\n{USAGE}", file=sys.stderr)
+    if command == "analyze":
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):  # read-only: no Hydra output
+            runs_dir = Path(compose(config_name="config", overrides=rest).runs_dir)
+        if not runs_dir.is_dir():
+            print(f"copytask: error: runs_dir {str(runs_dir)!r} does not exist", file=sys.stderr)
+            return 2
+        analyze(runs_dir)
+        print(summary(runs_dir))
+        return 0
+    print(f"copytask: error: unknown command {command!r}; choose one of train, sweep, analyze\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -108,11 +108,13 @@ class LuongDecoder(nn.Module):
     attention: under teacher forcing it runs over the whole target at once and attention is
     one batched product over all steps. Output: tanh(W_c [s_t; c_t]) -> vocabulary."""
 
-    def __init__(self, vocab: int, embedding_size: int, hidden_size: int, score: str, attention_size: int | None):
+    def __init__(
+        self, vocab: int, embedding_size: int, hidden_size: int, score: str, attention_size: int | None, heads: int = 1
+    ):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
         self.rnn = nn.GRU(embedding_size, hidden_size, batch_first=True)
-        self.attention = Attention(score, hidden_size, hidden_size, attention_size)
+        self.attention = Attention(score, hidden_size, hidden_size, attention_size, heads)
         self.combine = nn.Linear(2 * hidden_size, hidden_size)  # W_c
         self.out = nn.Linear(hidden_size, vocab)
 
@@ -146,6 +148,7 @@ class Seq2Seq(nn.Module):
         hidden_size: int = 64,
         attention_size: int | None = None,
         bidirectional: bool = True,
+        heads: int = 1,  # Luong dot / general only
     ):
         super().__init__()
         self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional)
@@ -154,7 +157,7 @@ class Seq2Seq(nn.Module):
         elif decoder == "bahdanau":
             self.decoder = BahdanauDecoder(vocab, embedding_size, hidden_size, attention_size)
         elif decoder == "luong":
-            self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size)
+            self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size, heads)
         else:
             raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
 

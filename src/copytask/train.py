@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import store
+from .attention import MULTI_HEAD_SCORES
 from .data import PAD, TASKS, Batch, make_batch, total_vocab
 from .model import DECODERS, Seq2Seq, count_parameters
 
@@ -51,6 +52,15 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
     if cfg.attention.score == "additive":
         at_least("attention.size", cfg.attention.size, 1)
+    heads = cfg.attention.get("heads", 1)
+    at_least("attention.heads", heads, 1)
+    if heads > 1 and (cfg.attention.decoder != "luong" or cfg.attention.score not in MULTI_HEAD_SCORES):
+        raise ConfigError(
+            f"attention.heads={heads} needs Luong attention with a {' or '.join(MULTI_HEAD_SCORES)} score, "
+            f"got attention={cfg.attention.name}"
+        )
+    if model.hidden_size % heads:
+        raise ConfigError(f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({heads})")
     for key in ("steps", "batch_size", "eval_every", "eval_size"):
         at_least(f"train.{key}", train[key], 1)
     if not (isinstance(train.lr, (int, float)) and train.lr > 0):
@@ -83,6 +93,7 @@ def build_model(cfg: DictConfig) -> Seq2Seq:
         hidden_size=cfg.model.hidden_size,
         attention_size=cfg.attention.size,
         bidirectional=cfg.model.bidirectional,
+        heads=cfg.attention.get("heads", 1),  # absent from configs without multi-head and from older runs
     )
 
 

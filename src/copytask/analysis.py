@@ -1,0 +1,323 @@
+"""Evidence beyond the heatmap, computed from finished run folders (evaluation only, never training).
+
+- Counterfactual attention (Jain and Wallace, 2019): greedy token accuracy with the model's own
+  weights, and with its weights replaced after the softmax by uniform weights over the valid
+  positions, by its own weights permuted among the valid positions, or by all weight on one fixed
+  position. The drop from its own accuracy says how much the output depends on *where* it attends.
+- Alignment: how often the attention argmax at an output step lands on the source position being
+  copied at that step, and the mean weight on that position.
+- Length generalisation: a model evaluated on fixed-length held-out sets at other lengths.
+- Per-length accuracy: a model evaluated on one mixed-length set (padding and masks in place),
+  its accuracy grouped by each sequence's length; the curve of a variable-length model.
+
+Step convention: row t of the attention weights (B, T_dec, T_enc) is the attention used to produce
+output token t in greedy decoding. Bahdanau computes it from the state before the step, s_{t-1},
+Luong from the state after it, s_t; either way it serves output token t, so the source position
+being copied at row t is t for copy and length - 1 - t for reverse. The EOS row is not scored.
+
+`analyze(runs_dir)` writes `analysis.json` into each complete run folder (derived data, the only
+file besides training's own that may be added to a run folder); the `*_table` functions load those
+files for printing and for the report.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from . import store
+from .attention import Attention, Intervention
+from .data import Batch, make_batch
+from .model import Seq2Seq
+from .train import build_model, eval_batch, evaluate, resolve_device
+
+ANALYSIS = "analysis.json"
+COUNTERFACTUALS = ("uniform", "permuted", "fixed")
+FIXED_POSITION = 0  # the `fixed` counterfactual puts all weight here (always a valid position)
+PER_LENGTH_SIZE = 64  # held-out sequences per length in the per-length evaluation
+
+
+# --- counterfactual weights: (weights (B, N, T_enc), mask (B, T_enc)) -> (B, N, T_enc) ------------
+# N is every (head, step) row the attention computes at once; each row is replaced on its own.
+
+
+def uniform_weights(weights: Tensor, mask: Tensor) -> Tensor:
+    """Equal weight on every valid position of each row, zero on padding."""
+    uniform = mask.to(weights.dtype) / mask.sum(-1, keepdim=True)  # (B, T_enc)
+    return uniform[:, None, :].expand_as(weights)
+
+
+def permuted_weights(generator: torch.Generator) -> Intervention:
+    """An intervention that shuffles each row's weights among its valid positions: the row keeps
+    its values (so its sum) and padding keeps zero weight (so its support)."""
+
+    def permute(weights: Tensor, mask: Tensor) -> Tensor:
+        valid = mask[:, None, :].expand_as(weights)  # (B, N, T_enc)
+        inf = torch.tensor(float("inf"), device=weights.device)
+        # Both orders list the valid positions first: `source` in random order, `target` in order.
+        keys = torch.rand(weights.shape, generator=generator).to(weights.device)
+        source = torch.where(valid, keys, inf).argsort(-1)
+        positions = torch.arange(weights.size(-1), device=weights.device, dtype=keys.dtype).expand_as(keys)
+        target = torch.where(valid, positions, inf).argsort(-1)
+        return torch.zeros_like(weights).scatter(-1, target, weights.gather(-1, source))
+
+    return permute
+
+
+def fixed_weights(weights: Tensor, mask: Tensor) -> Tensor:
+    """All weight on FIXED_POSITION (on the last valid position of a shorter sequence)."""
+    last = mask.sum(-1) - 1  # (B,) masks are prefixes: the last valid position
+    position = last.clamp(max=FIXED_POSITION)
+    one_hot = torch.nn.functional.one_hot(position, mask.size(-1)).to(weights.dtype)  # (B, T_enc)
+    return one_hot[:, None, :].expand_as(weights)
+
+
+@contextmanager
+def intervention(attention: Attention, replace: Intervention) -> Iterator[None]:
+    """Apply `replace` to the attention weights inside the `with` block."""
+    attention.intervention = replace
+    try:
+        yield
+    finally:
+        attention.intervention = None
+
+
+def counterfactual_accuracy(model: Seq2Seq, batch: Batch, seed: int = 0) -> dict[str, float]:
+    """Greedy token accuracy on `batch` under each counterfactual in COUNTERFACTUALS. The replaced
+    weights act at every decoding step, so later steps see the consequences of earlier ones."""
+    replacements = {
+        "uniform": uniform_weights,
+        "permuted": permuted_weights(torch.Generator().manual_seed(seed)),
+        "fixed": fixed_weights,
+    }
+    accuracy = {}
+    for name, replace in replacements.items():
+        with intervention(model.attention, replace):
+            accuracy[name] = evaluate(model, batch)["token_acc"]
+    return accuracy
+
+
+# --- alignment ---------------------------------------------------------------------------------
+
+
+def copied_positions(task: str, lengths: Tensor, steps: int) -> Tensor:
+    """(B,) lengths -> (B, steps) the source position whose symbol output step t must produce
+    (t for copy, length - 1 - t for reverse); meaningful only for t < length."""
+    t = torch.arange(steps, device=lengths.device)[None, :]  # (1, steps)
+    positions = t.expand(lengths.size(0), -1) if task == "copy" else lengths[:, None] - 1 - t
+    return positions.clamp(min=0, max=int(lengths.max()) - 1)
+
+
+def alignment(weights: Tensor, batch: Batch, task: str) -> dict[str, float]:
+    """weights (B, T_dec, T_enc) from greedy decoding on `batch` -> over all content output steps,
+    `hit`: the fraction whose attention argmax is the copied position, `mass`: the mean weight on it."""
+    target = copied_positions(task, batch.src_lengths, weights.size(1))  # (B, T_dec)
+    content = batch.content_mask  # (B, T_dec) output steps that copy a symbol
+    hit = (weights.argmax(-1) == target)[content]
+    mass = weights.gather(-1, target[..., None]).squeeze(-1)[content]
+    return {"hit": hit.float().mean().item(), "mass": mass.mean().item()}
+
+
+def head_weights(model: Seq2Seq, batch: Batch) -> Tensor:
+    """Each head's weights in greedy decoding: -> (B, heads, T_dec, T_enc), T_dec = batch's target length."""
+    attention = model.attention
+    recorded = []
+
+    def record(weights: Tensor, mask: Tensor) -> Tensor:  # rows are (head, step), head-major
+        recorded.append(weights.view(weights.size(0), attention.heads, -1, weights.size(-1)))
+        return weights
+
+    with intervention(attention, record):
+        model.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))
+    return torch.cat(recorded, dim=2)
+
+
+# --- accuracy across lengths ---------------------------------------------------------------------
+
+
+def at_length(cfg: DictConfig, length: int) -> DictConfig:
+    """`cfg` with every sequence exactly `length` symbols long."""
+    return OmegaConf.merge(cfg, {"task": {"length": length, "variable_length": False}})
+
+
+def length_generalisation(model: Seq2Seq, cfg: DictConfig, lengths: list[int]) -> list[dict]:
+    """Greedy accuracy on the held-out set (the run's eval seed and size) at each test length."""
+    device, rows = next(model.parameters()).device, []
+    for length in lengths:
+        result = evaluate(model, eval_batch(at_length(cfg, length)).to(device))
+        rows.append({"test_length": length, "token_acc": result["token_acc"], "seq_acc": result["seq_acc"]})
+    return rows
+
+
+def accuracy_by_length(batch: Batch, tokens: Tensor) -> pd.DataFrame:
+    """Greedy output `tokens` (B, T_dec) for `batch` -> one row per source length present:
+    count, token accuracy (content positions) and exact-sequence accuracy (EOS included)."""
+    correct = tokens == batch.tgt_out
+    content, target = batch.content_mask, batch.target_mask
+    per_sequence = pd.DataFrame(
+        {
+            "length": batch.src_lengths.tolist(),
+            "hits": (correct & content).sum(1).tolist(),
+            "symbols": content.sum(1).tolist(),
+            "exact": (correct | ~target).all(1).tolist(),
+        }
+    )
+    grouped = per_sequence.groupby("length")
+    table = grouped.agg(count=("exact", "size"), hits=("hits", "sum"), symbols=("symbols", "sum"), seq_acc=("exact", "mean"))
+    table["token_acc"] = table.hits / table.symbols
+    return table.reset_index()[["length", "count", "token_acc", "seq_acc"]]
+
+
+def per_length_batch(cfg: DictConfig, per_length: int = PER_LENGTH_SIZE) -> Batch:
+    """A mixed-length held-out set for a variable-length run: lengths drawn from [min_length, length]
+    (about `per_length` sequences each) from the run's eval seed, padded to `length`, so every
+    decoding chunk mixes lengths and runs through the masks as in training."""
+    task = cfg.task
+    size = per_length * (task.length - task.min_length + 1)
+    generator = torch.Generator().manual_seed(cfg.train.eval_seed)
+    return make_batch(task.name, size, task.length, task.vocab_size, generator, task.min_length)
+
+
+def per_length_accuracy(model: Seq2Seq, batch: Batch) -> pd.DataFrame:
+    """Greedy accuracy on a mixed-length `batch`, one row per length (see `accuracy_by_length`)."""
+    batch = batch.to(next(model.parameters()).device)
+    return accuracy_by_length(batch, evaluate(model, batch)["tokens"])
+
+
+# --- run folders ---------------------------------------------------------------------------------
+
+
+def load_run(folder: Path, device: str = "auto") -> tuple[DictConfig, Seq2Seq]:
+    """A finished run's resolved config and its trained model (in eval mode)."""
+    cfg = OmegaConf.load(folder / store.CONFIG)
+    model = build_model(cfg)
+    checkpoint = torch.load(folder / store.CHECKPOINT, map_location="cpu", weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    return cfg, model.to(resolve_device(device)).eval()
+
+
+def attention_label(cfg: DictConfig) -> str:
+    """The attention name, with the head count when there is more than one head."""
+    heads = cfg.attention.get("heads", 1)
+    return cfg.attention.name if heads == 1 else f"{cfg.attention.name}-{heads}heads"
+
+
+def analyze_run(folder: Path, lengths: list[int]) -> dict:
+    """Everything above for one run folder -> the content of its analysis.json."""
+    cfg, model = load_run(folder)
+    device = next(model.parameters()).device
+    task = cfg.task
+    analysis = {
+        "run": folder.name,
+        "attention": attention_label(cfg),
+        "task": task.name,
+        "length": task.length,
+        "min_length": task.min_length if task.variable_length else task.length,
+        "seed": cfg.seed,
+        "length_generalisation": length_generalisation(model, cfg, lengths),
+    }
+    if task.variable_length:
+        per_length = per_length_accuracy(model, per_length_batch(cfg)).rename(columns={"length": "test_length"})
+        analysis["per_length"] = per_length.to_dict("records")
+    if model.attention is None:
+        return analysis
+    heldout = eval_batch(cfg).to(device)
+    own = evaluate(model, heldout)
+    accuracy = {"own": own["token_acc"], **counterfactual_accuracy(model, heldout, seed=cfg.seed)}
+    analysis["counterfactual"] = accuracy
+    analysis["drop"] = {name: accuracy["own"] - accuracy[name] for name in COUNTERFACTUALS}
+    analysis["alignment"] = alignment(own["weights"], heldout, task.name)
+    if model.attention.heads > 1:
+        first = heldout.select(slice(0, 1))  # trimmed to its own length: weights (1, heads, L + 1, L)
+        analysis["head_weights"] = {
+            "source": first.src[0].tolist(),
+            "target": first.tgt_out[0].tolist(),
+            "weights": head_weights(model, first)[0].double().mul(1e4).round().div(1e4).tolist(),
+        }
+    return analysis
+
+
+def complete_runs(runs_dir: Path) -> list[Path]:
+    return sorted(folder for folder in Path(runs_dir).iterdir() if folder.is_dir() and store.is_complete(folder))
+
+
+def analyze(runs_dir: Path) -> None:
+    """Write analysis.json into every complete run folder under `runs_dir`. Length generalisation
+    covers every length trained in `runs_dir`; a run already analysed at all of them is skipped."""
+    folders = complete_runs(runs_dir)
+    lengths = sorted({store.read_json(folder / store.METRICS)["length"] for folder in folders})
+    for folder in tqdm(folders, desc="analyze", unit="run"):
+        path = folder / ANALYSIS
+        if path.is_file():
+            tested = {row["test_length"] for row in store.read_json(path)["length_generalisation"]}
+            if tested >= set(lengths):
+                continue
+        store.write_json(path, analyze_run(folder, lengths))
+
+
+def _analyses(runs_dir: Path) -> list[dict]:
+    return [store.read_json(folder / ANALYSIS) for folder in complete_runs(runs_dir) if (folder / ANALYSIS).is_file()]
+
+
+def _run_columns(analysis: dict) -> dict:
+    """The columns that identify a run in every table; `train_length` reads 5-80 for a variable-length run."""
+    low, high = analysis["min_length"], analysis["length"]
+    identity = {key: analysis[key] for key in ("run", "attention", "task", "length", "seed")}
+    return identity | {"train_length": str(high) if low == high else f"{low}-{high}"}
+
+
+def analysis_table(runs_dir: Path) -> pd.DataFrame:
+    """One row per analysed run with attention: accuracy under each counterfactual, the drops,
+    and the alignment (hit rate and mass). Join on `run` with the results table."""
+    rows = [
+        _run_columns(a)
+        | {name: a["counterfactual"][name] for name in ("own", *COUNTERFACTUALS)}
+        | {f"drop_{name}": a["drop"][name] for name in COUNTERFACTUALS}
+        | {"align_hit": a["alignment"]["hit"], "align_mass": a["alignment"]["mass"]}
+        for a in _analyses(runs_dir)
+        if "counterfactual" in a
+    ]
+    return pd.DataFrame(rows)
+
+
+def length_generalisation_table(runs_dir: Path) -> pd.DataFrame:
+    """Long form: one row per (analysed run, test length) with token_acc and seq_acc."""
+    rows = [_run_columns(a) | row for a in _analyses(runs_dir) for row in a["length_generalisation"]]
+    return pd.DataFrame(rows)
+
+
+def per_length_table(runs_dir: Path) -> pd.DataFrame:
+    """Long form: one row per (variable-length run, test_length) with count, token_acc and seq_acc."""
+    rows = [_run_columns(a) | row for a in _analyses(runs_dir) if "per_length" in a for row in a["per_length"]]
+    return pd.DataFrame(rows)
+
+
+def summary(runs_dir: Path) -> str:
+    """The tables `python -m copytask analyze` prints: counterfactuals and alignment per attention,
+    task and train length (mean over seeds), then the train length x test length token accuracy."""
+    keys, number = ["attention", "task", "train_length"], "{:.3f}".format
+    generalisation = length_generalisation_table(runs_dir)
+    if generalisation.empty:
+        return f"no analysed runs under {runs_dir}"
+    parts = []
+    table = analysis_table(runs_dir)
+    if not table.empty:
+        columns = ["own", *COUNTERFACTUALS, *(f"drop_{n}" for n in COUNTERFACTUALS), "align_hit", "align_mass"]
+        counterfactual = table.groupby(keys)[columns].mean().join(table.groupby(keys).size().rename("seeds"))
+        parts.append(
+            "greedy token accuracy with the model's own attention and under each counterfactual (mean over seeds)\n"
+            + counterfactual.to_string(float_format=number)
+        )
+    matrix = generalisation.pivot_table(index=keys, columns="test_length", values="token_acc", aggfunc="mean")
+    parts.append(
+        "length generalisation: greedy token accuracy, train length (rows) x test length (columns)\n"
+        + matrix.to_string(float_format=number)
+    )
+    return "\n\n".join(parts)

@@ -1,0 +1,94 @@
+"""Figures for the analysis in report.md, drawn from the tables and analysis.json files of
+`copytask.analysis` (run folders only: nothing here loads a model).
+
+- `plot_counterfactual(analysis_table(runs_dir), path)`: accuracy vs length under each counterfactual
+- `plot_length_generalisation(length_generalisation_table(runs_dir), path)`: train x test length
+- `plot_per_length(ax, per_length_table(runs_dir))`: variable-length curves onto an accuracy-vs-length axis
+- `plot_head_weights(read_json(run / "analysis.json"), path)`: one heatmap per attention head
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from .analysis import COUNTERFACTUALS  # noqa: E402
+
+GROUP = ["attention", "task"]  # one panel per attention type and task
+
+
+def _panels(count: int, width: float = 4.0, height: float = 3.2):
+    figure, axes = plt.subplots(1, count, figsize=(width * count, height), squeeze=False, layout="constrained")
+    return figure, axes[0]
+
+
+def _save(figure, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def plot_counterfactual(table: pd.DataFrame, path: Path) -> Path:
+    """Greedy token accuracy vs train length with the model's own attention and under each
+    counterfactual, mean over seeds; one panel per attention type and task (fixed-length runs)."""
+    table = table[table.train_length == table.length.astype(str)]
+    groups = list(table.groupby(GROUP))
+    figure, axes = _panels(len(groups))
+    for ax, ((attention, task), runs) in zip(axes, groups):
+        means = runs.groupby("length")[["own", *COUNTERFACTUALS]].mean()
+        for name in ("own", *COUNTERFACTUALS):
+            ax.plot(means.index, means[name], marker="o", label=name)
+        ax.set(title=f"{attention} ({task})", xlabel="sequence length", ylabel="greedy token accuracy", ylim=(0, 1.02))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(means.index, [str(n) for n in means.index])
+    axes[0].legend(title="attention weights")
+    return _save(figure, path)
+
+
+def plot_length_generalisation(table: pd.DataFrame, path: Path) -> Path:
+    """Train length (rows) x test length (columns) greedy token accuracy, mean over seeds;
+    one panel per attention type and task."""
+    groups = list(table.groupby(GROUP))
+    figure, axes = _panels(len(groups), width=4.4, height=3.8)
+    for ax, ((attention, task), runs) in zip(axes, groups):
+        matrix = runs.pivot_table(index="train_length", columns="test_length", values="token_acc", aggfunc="mean")
+        # numeric order of the rows ("5" < "40" < "5-80"), not string order
+        matrix = matrix.loc[sorted(matrix.index, key=lambda label: tuple(map(int, label.split("-")))[::-1])]
+        image = ax.imshow(matrix.to_numpy(), vmin=0, vmax=1, cmap="viridis")
+        for (i, j), value in np.ndenumerate(matrix.to_numpy()):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color="white" if value < 0.6 else "black")
+        ax.set_xticks(range(matrix.shape[1]), matrix.columns)
+        ax.set_yticks(range(matrix.shape[0]), matrix.index)
+        ax.set(title=f"{attention} ({task})", xlabel="test length", ylabel="train length")
+    figure.colorbar(image, ax=list(axes), shrink=0.8, label="greedy token accuracy")
+    return _save(figure, path)
+
+
+def plot_per_length(ax: plt.Axes, table: pd.DataFrame) -> plt.Axes:
+    """Draw each variable-length model's accuracy at every length in its range (mean over seeds)
+    onto `ax`, an accuracy-vs-length axis that may already hold the per-length models' points."""
+    for (attention, task, lengths), runs in table.groupby([*GROUP, "train_length"]):
+        curve = runs.groupby("test_length")["token_acc"].mean()
+        ax.plot(curve.index, curve.to_numpy(), linestyle="--", label=f"{attention} ({task}) trained on {lengths}")
+    return ax
+
+
+def plot_head_weights(analysis: dict, path: Path) -> Path:
+    """One heatmap per head (output step x source position) for the first held-out example of a
+    multi-head run, from its analysis.json."""
+    sample = analysis["head_weights"]
+    weights = np.asarray(sample["weights"])  # (heads, L + 1, L)
+    figure, axes = _panels(weights.shape[0], width=3.2, height=3.4)
+    for head, ax in enumerate(axes):
+        ax.imshow(weights[head], vmin=0, vmax=1, cmap="Greys", aspect="auto")
+        ax.set(title=f"head {head}", xlabel="source position", ylabel="output step")
+    figure.suptitle(f"{analysis['attention']} ({analysis['task']}, length {analysis['length']})")
+    return _save(figure, path)

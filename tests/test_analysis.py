@@ -1,0 +1,169 @@
+"""Counterfactual weights, alignment, per-length evaluation and `analyze` through the real CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from copytask import analysis, analysis_figures, cli, store
+from copytask.data import EOS, Batch, make_batch, total_vocab
+from copytask.model import Seq2Seq
+from copytask.train import evaluate
+
+LENGTHS = torch.tensor([5, 3, 1])
+T_ENC = 5
+
+
+def masked_random_weights(rows: int = 4, seed: int = 0):
+    """Softmax weights (3, rows, T_enc) that are zero on padding, and their mask (3, T_enc)."""
+    mask = torch.arange(T_ENC)[None, :] < LENGTHS[:, None]
+    scores = torch.randn(len(LENGTHS), rows, T_ENC, generator=torch.Generator().manual_seed(seed))
+    return torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), -1), mask
+
+
+def test_uniform_weights_are_uniform_over_valid_positions_only():
+    weights, mask = masked_random_weights()
+    uniform = analysis.uniform_weights(weights, mask)
+    assert uniform.shape == weights.shape
+    for row, length in enumerate(LENGTHS.tolist()):
+        torch.testing.assert_close(uniform[row, :, :length], torch.full((4, length), 1 / length))
+        assert (uniform[row, :, length:] == 0).all()
+
+
+def test_permuted_weights_keep_sum_and_support_but_move_the_weight():
+    weights, mask = masked_random_weights(rows=50)
+    permuted = analysis.permuted_weights(torch.Generator().manual_seed(0))(weights, mask)
+    torch.testing.assert_close(permuted.sum(-1), weights.sum(-1))
+    assert (permuted[~mask[:, None, :].expand_as(permuted)] == 0).all()  # support: padding stays at zero
+    torch.testing.assert_close(permuted.sort(-1).values, weights.sort(-1).values)  # the same values, moved
+    assert not torch.allclose(permuted[0], weights[0])  # a length-5 row is really shuffled
+
+
+def test_fixed_weights_put_everything_on_one_valid_position():
+    weights, mask = masked_random_weights()
+    fixed = analysis.fixed_weights(weights, mask)
+    assert (fixed[..., analysis.FIXED_POSITION] == 1).all() and (fixed.sum(-1) == 1).all()
+
+
+def hand_built(task: str, lengths: torch.Tensor, on_target: float = 1.0):
+    """A batch and weights (B, T_dec, T_enc) with `on_target` on the copied position, the rest spread."""
+    t_enc = int(lengths.max())
+    t_dec = t_enc + 1
+    # alignment reads only the lengths: the symbols do not matter here
+    batch = Batch(torch.zeros(len(lengths), t_enc, dtype=torch.long), lengths, *torch.zeros(2, len(lengths), t_dec, dtype=torch.long))
+    weights = torch.zeros(len(lengths), t_dec, t_enc)
+    for b, length in enumerate(lengths.tolist()):
+        for t in range(length):
+            source = t if task == "copy" else length - 1 - t
+            weights[b, t, :length] = (1 - on_target) / max(length - 1, 1)
+            weights[b, t, source] = on_target
+    return weights, batch
+
+
+@pytest.mark.parametrize("task", ["copy", "reverse"])
+def test_alignment_of_a_hand_built_matrix(task):
+    lengths = torch.tensor([4, 2, 3])
+    diagonal, batch = hand_built(task, lengths)
+    assert analysis.alignment(diagonal, batch, task) == {"hit": 1.0, "mass": 1.0}
+    spread, _ = hand_built(task, lengths, on_target=0.7)
+    result = analysis.alignment(spread, batch, task)
+    assert result["hit"] == 1.0 and result["mass"] == pytest.approx(0.7)
+    # the other task's matrix (anti-diagonal for copy, diagonal for reverse) mostly misses
+    other, _ = hand_built("reverse" if task == "copy" else "copy", lengths)
+    assert analysis.alignment(other, batch, task)["hit"] == pytest.approx(1 / 9)  # only the middle of length 3 agrees
+
+
+def test_reverse_targets_are_the_reversed_sources():
+    batch = make_batch("reverse", 16, 7, 5, torch.Generator().manual_seed(3), min_length=1)
+    for src, tgt, length in zip(batch.src, batch.tgt_out, batch.src_lengths.tolist()):
+        assert tgt[:length].tolist() == src[:length].flip(0).tolist()
+        assert tgt[length] == EOS
+
+
+def tiny_model(heads: int = 1) -> Seq2Seq:
+    torch.manual_seed(0)  # untrained: its outputs are arbitrary but depend on every input it sees
+    return Seq2Seq(total_vocab(4), "luong", "general", embedding_size=8, hidden_size=8, heads=heads).eval()
+
+
+def test_interventions_act_inside_greedy_decoding_and_are_removed_after():
+    model = tiny_model(heads=2)
+    batch = make_batch("copy", 6, 5, 4, torch.Generator().manual_seed(1), min_length=2)
+    with analysis.intervention(model.attention, analysis.uniform_weights):
+        weights = evaluate(model, batch)["weights"]  # (B, T_dec, T_enc)
+    assert model.attention.intervention is None
+    expected = batch.src_mask.float() / batch.src_lengths[:, None]
+    torch.testing.assert_close(weights, expected[:, None, :].expand_as(weights))
+
+
+def test_per_length_evaluation_mixes_lengths_with_masks_in_place():
+    with initialize_config_dir(config_dir=cli.config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["task.variable_length=true", "task.min_length=2", "task.length=6", "task.vocab_size=4"])
+    model = tiny_model()
+    batch = analysis.per_length_batch(cfg, per_length=8)
+    assert not batch.src_mask.all()  # padded: decoding runs through the masks
+    table = analysis.per_length_accuracy(model, batch)
+    assert table.length.tolist() == [2, 3, 4, 5, 6] and table["count"].sum() == len(batch)
+    mixed = evaluate(model, batch)
+    assert (mixed["weights"][~batch.src_mask[:, None, :].expand_as(mixed["weights"])] == 0).all()
+    for row in table.itertuples():
+        rows = batch.src_lengths == row.length
+        alone = batch.select(rows)  # one length: no padding at all
+        assert alone.src_mask.all()
+        result = evaluate(model, alone)
+        # each sequence decodes as if alone: same attention and tokens, so the same accuracy
+        torch.testing.assert_close(mixed["weights"][rows, : row.length + 1, : row.length], result["weights"])
+        assert torch.equal(mixed["tokens"][rows, : row.length + 1], result["tokens"])
+        assert (row.token_acc, row.seq_acc) == pytest.approx((result["token_acc"], result["seq_acc"]))
+
+
+@pytest.fixture(scope="module")
+def analysed_runs(tmp_path_factory) -> Path:
+    """Two tiny runs trained and analysed through the real CLI: a 2-head Luong general model on
+    copy and a variable-length baseline on reverse."""
+    runs_dir = tmp_path_factory.mktemp("runs")
+    tiny = ["experiment=quick", "model.hidden_size=8", "model.embedding_size=8", "train.steps=4", "train.eval_every=4",
+            "train.eval_size=16", "train.progress=false", f"runs_dir={runs_dir}"]  # fmt: skip
+    assert cli.main(["train", *tiny, "attention=luong_general", "attention.heads=2", "task.length=4"]) == 0
+    assert cli.main(["train", *tiny, "attention=none", "task=reverse", "task.variable_length=true", "task.min_length=2", "task.length=3"]) == 0
+    assert cli.main(["analyze", f"runs_dir={runs_dir}"]) == 0
+    return runs_dir
+
+
+def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, capsys):
+    folders = {f.name.split("-")[0]: f for f in analysis.complete_runs(analysed_runs)}
+    attended = store.read_json(folders["luong_general"] / analysis.ANALYSIS)
+    metrics = store.read_json(folders["luong_general"] / store.METRICS)
+    assert attended["attention"] == "luong_general-2heads"
+    assert attended["counterfactual"]["own"] == pytest.approx(metrics["token_acc"])  # the same held-out set
+    assert set(attended["drop"]) == set(analysis.COUNTERFACTUALS)
+    assert 0 <= attended["alignment"]["hit"] <= 1
+    assert [row["test_length"] for row in attended["length_generalisation"]] == [3, 4]  # lengths in runs_dir
+    assert torch.tensor(attended["head_weights"]["weights"]).shape == (2, 5, 4)
+    baseline = store.read_json(folders["none"] / analysis.ANALYSIS)
+    assert "counterfactual" not in baseline and [row["test_length"] for row in baseline["per_length"]] == [2, 3]
+
+    # analysed runs are skipped: a second analyze leaves the files alone
+    stamps = {f: (f / analysis.ANALYSIS).stat().st_mtime_ns for f in folders.values()}
+    capsys.readouterr()
+    assert cli.main(["analyze", f"runs_dir={analysed_runs}"]) == 0
+    assert stamps == {f: (f / analysis.ANALYSIS).stat().st_mtime_ns for f in folders.values()}
+    printed = capsys.readouterr().out
+    assert "luong_general-2heads" in printed and "length generalisation" in printed
+
+
+def test_figures_are_drawn_from_the_analysis_files(analysed_runs, tmp_path):
+    import matplotlib.pyplot as plt
+
+    paths = [
+        analysis_figures.plot_counterfactual(analysis.analysis_table(analysed_runs), tmp_path / "counterfactual.png"),
+        analysis_figures.plot_length_generalisation(analysis.length_generalisation_table(analysed_runs), tmp_path / "generalisation.png"),
+    ]
+    attended = next(f for f in analysis.complete_runs(analysed_runs) if f.name.startswith("luong_general"))
+    paths.append(analysis_figures.plot_head_weights(json.loads((attended / analysis.ANALYSIS).read_text()), tmp_path / "heads.png"))
+    figure, ax = plt.subplots()
+    analysis_figures.plot_per_length(ax, analysis.per_length_table(analysed_runs))
+    assert len(ax.lines) == 1
+    plt.close(figure)
+    assert all(path.stat().st_size > 1000 for path in paths)

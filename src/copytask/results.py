@@ -57,7 +57,7 @@ def load(grid: list[GridRun]) -> Loaded:
             rows.append(metrics)
             runs[metrics["run"]] = run
         else:
-            if status != "not run":  # a folder is there, but without results
+            if status == "incomplete":  # a half-written folder; failed runs are named by their sweep
                 warn(f"skipping {run.folder}: {run.failure()}")
             missing.append((run, run.failure()))
     table = pd.DataFrame(rows)

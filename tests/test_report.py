@@ -114,3 +114,15 @@ def test_compare_missing_lists_and_trains_nothing(runs_copy, capsys):
 @pytest.mark.parametrize("df, expected", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (1000, 1.962)])
 def test_t_quantile_matches_tables(df, expected):
     assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+
+
+def test_compare_runs_the_missing_runs_first(runs_copy, capsys):
+    removed = pd.read_csv(runs_copy / "results.csv")["run"].iloc[6]
+    shutil.rmtree(runs_copy / removed)
+
+    assert main(["compare", *overrides(runs_copy)]) == 0
+
+    output = capsys.readouterr().out
+    assert "1 of 8 runs missing: running the sweep first" in output
+    assert store.is_complete(runs_copy / removed)
+    assert len(parse_compare(output)) == 4  # then the full table

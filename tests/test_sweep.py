@@ -85,3 +85,15 @@ def test_sweep_through_submitit_local(tmp_path):
     assert set(table["attention"]) == {"none", "luong_general"}
     assert (tmp_path / ".sweep" / ".submitit").is_dir()  # the jobs really went through submitit
     assert store.read_json(tmp_path / "sweep.json")["launcher"] == "submitit_local"
+
+
+def test_slurm_preset_passes_cluster_settings_and_sets_torch_threads():
+    from hydra.utils import instantiate
+
+    master, _ = compose_grid(
+        ["experiment=quick", "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=30",
+         "hydra.launcher.gpus_per_node=1", "hydra.launcher.cpus_per_task=4"]
+    )
+    params = instantiate(master.hydra.launcher).params
+    assert (params["partition"], params["timeout_min"], params["gpus_per_node"]) == ("gpu", 30, 1)
+    assert params["setup"] == ["export OMP_NUM_THREADS=4"]  # torch in the job uses the CPUs it was given

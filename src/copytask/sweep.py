@@ -21,6 +21,7 @@ from typing import Any
 
 from hydra import initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.utils import run_and_report
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
@@ -98,11 +99,15 @@ def compose_grid(overrides: list[str]) -> tuple[DictConfig, list[GridRun]]:
     from .cli import config_dir  # the one place that knows where configs live (checkout or wheel)
 
     GlobalHydra.instance().clear()  # a sweep earlier in this process leaves Hydra initialised
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="copytask"):
+
+    def compose() -> tuple[DictConfig, list[GridRun]]:
         master = GlobalHydra.instance().hydra.compose_config(
             "config", ["hydra.mode=MULTIRUN", *overrides], run_mode=RunMode.MULTIRUN
         )
         return master, expand(master)
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="copytask"):
+        return run_and_report(compose)  # a bad override: Hydra's one-line error and exit 1, as with sweep
 
 
 def sweep_command(master: DictConfig) -> str:

@@ -94,7 +94,7 @@ def read_part(run: GridRun, name: str, reader) -> object | None:
     """A run file read by `reader`, or None with a warning naming the run if it is corrupt."""
     try:
         return reader(run.folder / name)
-    except (OSError, ValueError, KeyError, TypeError, pd.errors.ParserError) as error:
+    except (OSError, ValueError, KeyError, TypeError) as error:  # pandas' parser errors are ValueErrors
         results.warn(f"skipping {name} of {run.folder}: {type(error).__name__}: {error}")
         return None
 
@@ -139,7 +139,7 @@ def plot_heatmaps(loaded: results.Loaded, out: Path) -> list[tuple[str, int, Pat
     first_runs = loaded.table.sort_values("seed").groupby(["attention", "length"], sort=False).head(1)
     for row in first_runs.sort_values(["attention", "length"]).itertuples():
         samples = read_part(loaded.runs[row.run], store.ATTENTION, store.read_json)
-        if samples is None or not samples.get("samples") or samples["samples"][0]["weights"] is None:
+        if samples is None or not samples.get("samples") or samples["samples"][0].get("weights") is None:
             continue  # the baseline has no attention (or the file was corrupt: warned above)
         path = out / f"attention_{row.attention}_length{row.length}.png"
         title = f"{row.attention}, length {row.length}, seed {row.seed} (run token acc {100 * row.token_acc:.1f}%)"
@@ -160,6 +160,7 @@ def setup_section(config: DictConfig, grid: list[GridRun], table: pd.DataFrame, 
     attentions = ", ".join(dict.fromkeys(run.config.attention.name for run in grid))
     lengths = ", ".join(map(str, sorted({run.config.task.length for run in grid})))
     seeds = ", ".join(map(str, sorted({run.config.seed for run in grid})))
+    swept = ", ".join(f"`{key}`" for key in dict.fromkeys(o.split("=", 1)[0] for run in grid for o in run.label.split()))
     early_stop = (
         f"stops early once held-out token accuracy is >= {train.target_acc:.0%} at {train.patience} evaluations in a row"
         if train.patience
@@ -170,7 +171,8 @@ def setup_section(config: DictConfig, grid: list[GridRun], table: pd.DataFrame, 
         "",
         f"- Task: `{task.name}`, {task.vocab_size} content symbols (chance token accuracy {1 / task.vocab_size:.1%}), "
         f"lengths {lengths}.",
-        f"- Attention types: {attentions}; seeds: {seeds}.",
+        f"- Attention types: {attentions}; seeds: {seeds}. Swept: {swept or 'nothing'}; the settings below are shared by every run "
+        "unless swept.",
         f"- Model: GRU encoder-decoder, hidden size {model.hidden_size}, embedding size {model.embedding_size}, "
         f"{'bidirectional' if model.bidirectional else 'unidirectional'} encoder.",
         f"- Training: budget {train.steps} steps of batch {train.batch_size}, Adam, {train.schedule} schedule peaking at "
@@ -186,7 +188,8 @@ def setup_section(config: DictConfig, grid: list[GridRun], table: pd.DataFrame, 
         lines.append(
             f"- Last sweep in `{runs_dir}`: `{record['command']}` ({record.get('launcher')} launcher) trained "
             f"{record['trained']} of {record['jobs']} runs in **{record['wall_seconds']:.0f} s wall time**, "
-            f"finished {record['finished']} on {record['machine']} with {record['cpus']} CPUs."
+            f"finished {record['finished']} on {record['machine']} with {record['cpus']} CPUs"
+            + (f" and a {record['gpu']}." if record.get("gpu") else ".")
         )
     return lines
 
@@ -224,7 +227,7 @@ def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path) ->
         "",
         f"![accuracy against length]({ACCURACY_FIGURE}.png) ([vector copy]({ACCURACY_FIGURE}.svg))",
         "",
-        "Mean over seeds with a 95% t-interval (clipped to [0, 100]); the gap is the attention type's mean minus "
+        "Mean over seeds with a 95% t-interval (clipped to [0, 100]; none with a single seed); the gap is the attention type's mean minus "
         f"the `{results.BASELINE}` baseline's at the same length, in percentage points. Per-run numbers: "
         f"[`{results.RESULTS_CSV}`](../{results.RESULTS_CSV}).",
         "",

@@ -180,6 +180,6 @@ def compare(overrides: list[str], missing_only: bool, run_sweep: Callable[[], ob
         return 1
     if loaded.missing:
         print(describe_missing(loaded.missing, len(grid)))
-    print(f"{master.task.name} task, mean over seeds with 95% t-interval, accuracies in %; gap = mean - {BASELINE}'s mean")
+    print(f"{master.task.name} task, mean over seeds with 95% t-interval (none with one seed), accuracies in %; gap = mean - {BASELINE}'s mean")
     print(comparison_table(summarise(loaded.table)).to_string(index=False))
     return status

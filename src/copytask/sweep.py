@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra import initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import run_and_report
@@ -116,6 +117,16 @@ def sweep_command(master: DictConfig) -> str:
     return shlex.join(["python", "-m", "copytask", "sweep", *master.hydra.overrides.task, *hydra_overrides])
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 class SweepSummary(Callback):
     """At the end of a sweep: name the failed jobs, write results.csv and the report, print
     the wall time, and exit non-zero if any job of this sweep has no results."""
@@ -145,17 +156,18 @@ class SweepSummary(Callback):
                 "wall_seconds": round(wall_seconds, 1),
                 "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "launcher": config.hydra.runtime.choices.get("hydra/launcher"),
-                "machine": f"{platform.machine()} {platform.processor()}".strip(),
+                "machine": cpu_model(),
                 "cpus": os.cpu_count(),
+                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                 "python": platform.python_version(),
             },
         )
+        for run in unfinished:
+            print(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}", file=sys.stderr)
         loaded = results.load(runs)
         if not loaded.table.empty:
             results.save(loaded.table, runs_dir)
             report.write_report(runs, loaded, runs_dir)
-        for run in unfinished:
-            print(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}", file=sys.stderr)
         print(
             f"sweep: {len(runs) - len(unfinished)}/{len(runs)} runs complete ({trained} trained now), "
             f"{len(unfinished)} failed; {wall_seconds:.1f} s wall time"

@@ -1,6 +1,13 @@
-"""Tests compose the real Hydra configs and shrink them with overrides."""
+"""Shared fixtures: the real Hydra configs composed and shrunk with overrides, and one tiny real
+sweep through the CLI, reused (copied) by the tests that need finished runs."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -8,8 +15,35 @@ from hydra.core.global_hydra import GlobalHydra
 
 from copytask.cli import config_dir
 
-# A tiny but complete run: the quick experiment, shrunk further.
-TINY = ["experiment=quick", "train.steps=8", "train.eval_every=4", "train.eval_size=16", "train.progress=false"]
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# A budget small enough to train a run in about a second on a busy CPU; one torch thread so
+# parallel test runs and other processes do not fight over cores.
+TINY = [
+    "experiment=quick",
+    "train.steps=10",
+    "train.eval_every=5",
+    "train.eval_size=16",
+    "train.batch_size=8",
+    "model.hidden_size=8",
+    "model.embedding_size=8",
+    "train.threads=1",
+    "train.progress=false",
+]
+# The grid: 2 attention types x 2 lengths x 2 seeds (two seeds give an interval).
+GRID = ["attention=none,luong_general", "task.length=3,6", "seed=0,1"]
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m copytask ARGS` with this checkout's sources, as a user runs it."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run(
+        [sys.executable, "-m", "copytask", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
+    )
+
+
+def overrides(runs_dir: Path, *extra: str) -> list[str]:
+    return [*TINY, *GRID, f"runs_dir={runs_dir}", *extra]
 
 
 @pytest.fixture
@@ -23,3 +57,18 @@ def make_config(tmp_path):
 
     yield _compose
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture(scope="session")
+def swept(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The tiny grid swept once through the real CLI: (runs_dir, the finished process)."""
+    runs_dir = tmp_path_factory.mktemp("swept") / "runs"
+    return runs_dir, run_cli("sweep", *overrides(runs_dir))
+
+
+@pytest.fixture
+def runs_copy(swept, tmp_path) -> Path:
+    """A private copy of the swept runs folder, for tests that damage or extend it."""
+    copy = tmp_path / "runs"
+    shutil.copytree(swept[0], copy)
+    return copy

@@ -1,22 +1,13 @@
 import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from copytask import store
 from copytask.train import ConfigError, train, validate
 
-from .conftest import TINY
+from .conftest import TINY, run_cli
 
 RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store.ATTENTION}
-
-
-def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "copytask", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
@@ -28,7 +19,7 @@ def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
     metrics = json.loads((folder / store.METRICS).read_text())
     for key in ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "device"):
         assert key in metrics
-    assert metrics["attention"] == "bahdanau" and metrics["length"] == 5 and metrics["steps"] == 8
+    assert metrics["attention"] == "bahdanau" and metrics["length"] == 5 and metrics["steps"] == 10
     samples = json.loads((folder / store.ATTENTION).read_text())["samples"]
     assert len(samples[0]["weights"]) == 6 and len(samples[0]["weights"][0]) == 5  # (T_dec, T_enc)
     assert folder.name in result.stdout  # the one-line summary names the run
@@ -94,7 +85,7 @@ def test_interrupted_run_never_looks_complete_and_is_trained_again(make_config, 
     folder = store.run_dir(cfg)
     assert folder.exists() and not store.is_complete(folder)
     metrics = train(cfg)
-    assert store.is_complete(folder) and metrics["steps"] == 8
+    assert store.is_complete(folder) and metrics["steps"] == 10
 
 
 def test_complete_run_is_skipped(make_config, monkeypatch):
@@ -106,7 +97,7 @@ def test_complete_run_is_skipped(make_config, monkeypatch):
 
 def test_early_stop_once_target_holds(make_config):
     metrics = train(make_config(*TINY, "train.steps=40", "train.target_acc=0.0", "train.patience=2"))
-    assert metrics["steps"] == 8 and metrics["step_budget"] == 40  # two evaluations at the target, 4 steps apart
+    assert metrics["steps"] == 10 and metrics["step_budget"] == 40  # two evaluations at the target, 5 steps apart
 
 
 @pytest.mark.slow

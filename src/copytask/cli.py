@@ -26,8 +26,16 @@ USAGE = """usage: python -m copytask <command> [key=value ...]
 commands:
   train    train one run (default: Luong general attention, length 20)
              python -m copytask train attention=bahdanau task.length=40
-  sweep    train the grid in configs/config.yaml (hydra.sweeper.params), skipping finished runs
+  sweep    train the grid in configs/config.yaml (hydra.sweeper.params), skipping finished runs;
+           ends by naming failed jobs (exit status 1), writing runs_dir/results.csv and the report
              python -m copytask sweep 'attention=none,luong_general' 'seed=0,1'
+             python -m copytask sweep hydra/launcher=parallel      (2 jobs at a time; see docs/sweep.md)
+  compare  per length, the baseline and each attention side by side (mean, 95% interval over
+           seeds, chance, params, gap); takes the sweep's overrides and first trains missing runs
+             python -m copytask compare experiment=quick
+             python -m copytask compare --missing    (only list the grid's missing runs)
+  report   figures and report.md in runs_dir/report/ from the grid's finished runs; never trains
+             python -m copytask report experiment=quick
   analyze  counterfactual attention, alignment and length generalisation of every finished run
            in runs_dir (writes analysis.json into each run folder; analysed runs are skipped)
              python -m copytask analyze runs_dir=runs
@@ -35,6 +43,9 @@ commands:
 Overrides are Hydra's: attention=none|bahdanau|luong_dot|luong_general|luong_concat,
 task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
 Hydra's own flags work too (--cfg job, --help)."""
+
+
+COMMANDS = ("train", "sweep", "compare", "report", "analyze")
 
 
 def config_dir() -> str:
@@ -97,5 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         analyze(runs_dir)
         print(summary(runs_dir))
         return 0
-    print(f"copytask: error: unknown command {command!r}; choose one of train, sweep, analyze\n\n{USAGE}", file=sys.stderr)
+    if command in ("compare", "report") and {"-h", "--help"} & set(rest):
+        print(USAGE)
+        return 0
+    if command == "compare":
+        from .results import compare
+
+        overrides = [arg for arg in rest if arg != "--missing"]
+        return compare(overrides, "--missing" in rest, run_sweep=lambda: _hydra(overrides, multirun=True))
+    if command == "report":
+        from .report import report_command
+
+        return report_command(rest)
+    print(f"copytask: error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -1,0 +1,270 @@
+"""`python -m copytask report`: figures and report.md from a grid's run folders alone.
+
+Reads metrics.json, history.csv and attention_samples.json; never trains. Works on partial
+results (a sweep still running) and says what is missing; a run whose files are corrupt is
+left out of what needs them, with a warning that names it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from . import results, store  # noqa: E402
+from .data import BOS, EOS, NUM_SPECIAL, PAD  # noqa: E402
+from .sweep import SWEEP_RECORD, GridRun, compose_grid, sweep_command  # noqa: E402
+
+REPORT_DIR = "report"
+ACCURACY_FIGURE = "accuracy_vs_length"
+CURVES_FIGURE = "training_curves.png"
+SPECIAL_SYMBOLS = {PAD: "·", BOS: "<s>", EOS: "</s>"}
+
+
+def symbol(token: int, vocab_size: int) -> str:
+    """Content symbols as letters a, b, c, ... (numbers past 26 symbols), specials by name."""
+    if token in SPECIAL_SYMBOLS:
+        return SPECIAL_SYMBOLS[token]
+    index = token - NUM_SPECIAL
+    return chr(ord("a") + index) if vocab_size <= 26 else str(index)
+
+
+def colours(attentions: list[str]) -> dict[str, str]:
+    """One colour per attention type, the same in every figure."""
+    return {attention: f"C{i}" for i, attention in enumerate(attentions)}
+
+
+def plot_accuracy(summary: pd.DataFrame, chance: float, stem: Path) -> list[Path]:
+    """Token and sequence accuracy against length (log axis), mean and 95% band over seeds."""
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    lengths = sorted(summary["length"].unique())
+    colour = colours(list(dict.fromkeys(summary["attention"])))
+    for axis, metric, title in zip(axes, ("token_acc", "seq_acc"), ("greedy token accuracy", "exact-sequence accuracy")):
+        for attention, rows in summary.groupby("attention", sort=False):
+            axis.plot(rows["length"], 100 * rows[metric], "o-", color=colour[attention], label=attention)
+            low, high = rows[f"{metric}_lo"].clip(lower=0), rows[f"{metric}_hi"].clip(upper=1)
+            axis.fill_between(rows["length"], 100 * low, 100 * high, color=colour[attention], alpha=0.2, linewidth=0)
+        if metric == "token_acc":
+            axis.axhline(100 * chance, color="grey", linestyle="--", label=f"chance ({100 * chance:.1f}%)")
+        axis.set_xscale("log")
+        axis.set_xticks(lengths, [str(length) for length in lengths])
+        axis.minorticks_off()
+        axis.set(title=title, xlabel="sequence length", ylabel="% (held-out set, greedy decoding)", ylim=(-2, 102))
+        axis.grid(alpha=0.3)
+    axes[0].legend(loc="lower left")
+    figure.suptitle("Copy accuracy against length: mean over seeds, band = 95% t-interval")
+    figure.tight_layout()
+    paths = [stem.with_suffix(".png"), stem.with_suffix(".svg")]
+    for path in paths:
+        figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return paths
+
+
+def plot_heatmap(sample: dict, vocab_size: int, title: str, path: Path) -> None:
+    """Attention weights of one held-out example: output steps (rows) against source positions
+    (columns), symbols on both axes, one colour scale from 0 to 1 for every map. Output symbols
+    that differ from the target are red."""
+    weights = sample["weights"]  # (T_dec, T_enc)
+    rows, columns = len(weights), len(weights[0])
+    size = max(4.0, 0.13 * max(rows, columns))  # about 9 pt per cell keeps a length-80 map readable
+    figure, axis = plt.subplots(figsize=(size + 1.5, size))
+    image = axis.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+    font = 7 if max(rows, columns) > 30 else 9
+    axis.set_xticks(range(columns), [symbol(t, vocab_size) for t in sample["source"]], fontsize=font)
+    axis.set_yticks(range(rows), [symbol(t, vocab_size) for t in sample["output"][:rows]], fontsize=font)
+    for label, output, target in zip(axis.get_yticklabels(), sample["output"], sample["target"]):
+        if output != target:
+            label.set_color("red")
+    axis.set(xlabel="source symbol", ylabel="output symbol (greedy; red: wrong)", title=title)
+    figure.colorbar(image, ax=axis, fraction=0.04, label="attention weight")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def read_part(run: GridRun, name: str, reader) -> object | None:
+    """A run file read by `reader`, or None with a warning naming the run if it is corrupt."""
+    try:
+        return reader(run.folder / name)
+    except (OSError, ValueError, KeyError, TypeError) as error:  # pandas' parser errors are ValueErrors
+        results.warn(f"skipping {name} of {run.folder}: {type(error).__name__}: {error}")
+        return None
+
+
+def plot_curves(loaded: results.Loaded, path: Path) -> Path | None:
+    """Training loss and held-out greedy token accuracy against step: one row per length,
+    one colour per attention type, one line per seed."""
+    histories = []
+    for row in loaded.table.itertuples():
+        history = read_part(loaded.runs[row.run], store.HISTORY, pd.read_csv)
+        if history is not None and {"step", "loss", "token_acc"} <= set(history.columns):
+            histories.append((row.length, row.attention, history))
+    if not histories:
+        return None
+    lengths = sorted({length for length, _, _ in histories})
+    colour = colours(list(dict.fromkeys(loaded.table["attention"])))
+    figure, axes = plt.subplots(len(lengths), 2, figsize=(11, 2.6 * len(lengths)), squeeze=False)
+    for length, attention, history in histories:
+        loss_axis, acc_axis = axes[lengths.index(length)]
+        loss_axis.plot(history["step"], history["loss"], color=colour[attention], alpha=0.7, label=attention)
+        acc_axis.plot(history["step"], 100 * history["token_acc"], color=colour[attention], alpha=0.7, label=attention)
+    for (loss_axis, acc_axis), length in zip(axes, lengths):
+        loss_axis.set(yscale="log", ylabel=f"length {length}\ntraining loss")
+        acc_axis.set(ylabel="held-out token acc %", ylim=(-2, 102))
+        for axis in (loss_axis, acc_axis):
+            axis.grid(alpha=0.3)
+    for axis in axes[-1]:
+        axis.set_xlabel("step")
+    handles, labels = axes[0][1].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    axes[0][1].legend(unique.values(), unique.keys(), loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def plot_heatmaps(loaded: results.Loaded, out: Path) -> list[tuple[str, int, Path]]:
+    """For every attention type with weights and every length: the first held-out example of
+    the lowest seed's run."""
+    made = []
+    first_runs = loaded.table.sort_values("seed").groupby(["attention", "length"], sort=False).head(1)
+    for row in first_runs.sort_values(["attention", "length"]).itertuples():
+        samples = read_part(loaded.runs[row.run], store.ATTENTION, store.read_json)
+        if samples is None or not samples.get("samples") or samples["samples"][0].get("weights") is None:
+            continue  # the baseline has no attention (or the file was corrupt: warned above)
+        path = out / f"attention_{row.attention}_length{row.length}.png"
+        title = f"{row.attention}, length {row.length}, seed {row.seed} (run token acc {100 * row.token_acc:.1f}%)"
+        plot_heatmap(samples["samples"][0], int(row.vocab_size), title, path)
+        made.append((row.attention, row.length, path))
+    return made
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    lines = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def setup_section(config: DictConfig, grid: list[GridRun], table: pd.DataFrame, runs_dir: Path) -> list[str]:
+    """The settings every run shares, what varies, the hardware and the wall time."""
+    task, model, train = config.task, config.model, config.train
+    attentions = ", ".join(dict.fromkeys(run.config.attention.name for run in grid))
+    lengths = ", ".join(map(str, sorted({run.config.task.length for run in grid})))
+    seeds = ", ".join(map(str, sorted({run.config.seed for run in grid})))
+    swept = ", ".join(f"`{key}`" for key in dict.fromkeys(o.split("=", 1)[0] for run in grid for o in run.label.split()))
+    early_stop = (
+        f"stops early once held-out token accuracy is >= {train.target_acc:.0%} at {train.patience} evaluations in a row"
+        if train.patience
+        else "no early stop"
+    )
+    lines = [
+        "## Setup",
+        "",
+        f"- Task: `{task.name}`, {task.vocab_size} content symbols (chance token accuracy {1 / task.vocab_size:.1%}), "
+        f"lengths {lengths}.",
+        f"- Attention types: {attentions}; seeds: {seeds}. Swept: {swept or 'nothing'}; the settings below are shared by every run "
+        "unless swept.",
+        f"- Model: GRU encoder-decoder, hidden size {model.hidden_size}, embedding size {model.embedding_size}, "
+        f"{'bidirectional' if model.bidirectional else 'unidirectional'} encoder.",
+        f"- Training: budget {train.steps} steps of batch {train.batch_size}, Adam, {train.schedule} schedule peaking at "
+        f"lr {train.lr}, gradient clipping {train.clip}; {early_stop}. The same for every attention type.",
+        f"- Evaluation: greedy decoding (no teacher forcing) on {train.eval_size} held-out sequences (seed {train.eval_seed}).",
+        f"- Hardware (from the runs): device {', '.join(map(str, table['device'].unique()))}, "
+        f"torch threads {', '.join(map(str, table['threads'].unique()))}.",
+        f"- Compute: {table['train_seconds'].sum():.0f} s of training summed over {len(table)} runs.",
+    ]
+    record_path = runs_dir / SWEEP_RECORD
+    if record_path.is_file():
+        record = store.read_json(record_path)
+        lines.append(
+            f"- Last sweep in `{runs_dir}`: `{record['command']}` ({record.get('launcher')} launcher) trained "
+            f"{record['trained']} of {record['jobs']} runs in **{record['wall_seconds']:.0f} s wall time**, "
+            f"finished {record['finished']} on {record['machine']} with {record['cpus']} CPUs"
+            + (f" and a {record['gpu']}." if record.get("gpu") else ".")
+        )
+    return lines
+
+
+CAUTION = (
+    "**A caution on reading these maps.** An attention map shows where the model put weight, not "
+    "why it produced its output. Jain and Wallace (2019, *Attention is not Explanation*) show that "
+    "quite different weights can give the same predictions, so a clean diagonal is a hint, not a "
+    "proof, that the model copies by looking at the right position. Back a map with "
+    "counterfactual checks (replace the weights by uniform or permuted ones and measure the "
+    "accuracy drop) before reading it as an explanation."
+)
+
+
+def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path) -> Path:
+    """Write runs_dir/report/ (figures and report.md) from `loaded`, which must not be empty."""
+    started = time.perf_counter()
+    out = Path(runs_dir) / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    summary = results.summarise(loaded.table)
+    chance = float(loaded.table["chance"].iloc[0])
+    plot_accuracy(summary, chance, out / ACCURACY_FIGURE)
+    curves = plot_curves(loaded, out / CURVES_FIGURE)
+    heatmaps = plot_heatmaps(loaded, out)
+
+    lines = [
+        "# copytask report",
+        "",
+        f"Made by `python -m copytask report` from the run folders in `{runs_dir}` "
+        f"({len(loaded.table)} of {len(grid)} runs of the grid complete). Regenerate it with the same overrides as the sweep.",
+        "",
+        *setup_section(grid[0].config, grid, loaded.table, Path(runs_dir)),
+        "",
+        "## Accuracy against length",
+        "",
+        f"![accuracy against length]({ACCURACY_FIGURE}.png) ([vector copy]({ACCURACY_FIGURE}.svg))",
+        "",
+        "Mean over seeds with a 95% t-interval (clipped to [0, 100]; none with a single seed); the gap is the attention type's mean minus "
+        f"the `{results.BASELINE}` baseline's at the same length, in percentage points. Per-run numbers: "
+        f"[`{results.RESULTS_CSV}`](../{results.RESULTS_CSV}).",
+        "",
+        markdown_table(results.comparison_table(summary)),
+        "",
+    ]
+    if loaded.missing:
+        lines += ["## Missing runs", "", "These runs of the grid have no usable results and are left out:", ""]
+        lines += [f"- `{run.label or run.folder.name}` (`{run.folder.name}`): {reason}" for run, reason in loaded.missing]
+        lines.append("")
+    if curves:
+        lines += ["## Training curves", "", f"![training curves]({CURVES_FIGURE})", ""]
+    if heatmaps:
+        lines += ["## Attention maps", "", CAUTION, ""]
+        for attention, length, path in heatmaps:
+            lines += [f"### {attention}, length {length}", "", f"![{attention} attention, length {length}]({path.name})", ""]
+    store.atomic_write(out / "report.md", "\n".join(lines))
+    print(f"report: {out / 'report.md'} and {len(heatmaps) + 2 + bool(curves)} figures in {time.perf_counter() - started:.1f} s")
+    return out / "report.md"
+
+
+def report_command(overrides: list[str]) -> int:
+    """`python -m copytask report [overrides]`: results.csv and report/ for the grid of
+    `python -m copytask sweep [overrides]`; exit status 1 when no run of it is complete."""
+    master, grid = compose_grid(overrides)
+    runs_dir = Path(master.runs_dir)
+    loaded = results.load(grid)
+    if loaded.table.empty:
+        what = "does not exist" if not runs_dir.is_dir() else "has no finished run of this grid"
+        print(
+            f"copytask: error: nothing to report: {runs_dir} {what} (0 of {len(grid)} runs complete); "
+            f"train them with: {sweep_command(master)}",
+            file=sys.stderr,
+        )
+        return 1
+    if loaded.missing:
+        print(results.describe_missing(loaded.missing, len(grid)))
+    print(f"results: {results.save(loaded.table, runs_dir)}")
+    write_report(grid, loaded, runs_dir)
+    return 0

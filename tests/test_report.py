@@ -1,0 +1,128 @@
+"""report and compare on the tiny sweep's runs: partial, corrupt and empty folders; compare's
+numbers against results.csv."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pandas as pd
+import pytest
+
+from copytask import store
+from copytask.cli import main
+from copytask.results import t_quantile
+
+from .conftest import overrides
+
+
+def test_report_skips_corrupt_and_half_written_runs_with_a_warning(runs_copy, capsys):
+    table = pd.read_csv(runs_copy / "results.csv")
+    corrupt, half_written = table["run"].iloc[0], table["run"].iloc[5]
+    metrics = runs_copy / corrupt / store.METRICS
+    metrics.write_text(metrics.read_text()[:40])  # cut off mid-write
+    (runs_copy / half_written / store.METRICS).unlink()  # killed before it finished
+    shutil.rmtree(runs_copy / "report")
+
+    assert main(["report", *overrides(runs_copy)]) == 0
+
+    err = capsys.readouterr().err
+    assert re.search(rf"warning: skipping \S*{corrupt}: corrupt metrics.json", err)
+    assert re.search(rf"warning: skipping \S*{half_written}: incomplete", err)
+    reported = pd.read_csv(runs_copy / "results.csv")
+    assert len(reported) == len(table) - 2 and not {corrupt, half_written} & set(reported["run"])
+    markdown = (runs_copy / "report" / "report.md").read_text()
+    assert "6 of 8 runs of the grid complete" in markdown
+    assert corrupt in markdown and half_written in markdown  # listed under missing runs
+    assert (runs_copy / "report" / "accuracy_vs_length.png").stat().st_size > 0
+
+
+def test_report_on_a_corrupt_attention_file_warns_and_goes_on(runs_copy, capsys):
+    table = pd.read_csv(runs_copy / "results.csv")
+    run = table[table["attention"] == "luong_general"].sort_values("seed")["run"].iloc[0]
+    (runs_copy / run / store.ATTENTION).write_text("{")
+
+    assert main(["report", *overrides(runs_copy)]) == 0
+    assert f"skipping attention_samples.json of {runs_copy / run}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_report_on_an_empty_folder_says_so(tmp_path, capsys, exists):
+    runs_dir = tmp_path / "runs"
+    if exists:
+        runs_dir.mkdir()
+
+    assert main(["report", *overrides(runs_dir)]) == 1
+
+    err = capsys.readouterr().err
+    assert "nothing to report" in err and str(runs_dir) in err and "0 of 8 runs complete" in err
+    assert not (runs_dir / "report").exists()
+
+
+def test_report_takes_only_the_grids_runs(runs_copy, capsys):
+    assert main(["report", *overrides(runs_copy, "attention=none")]) == 0
+    assert set(pd.read_csv(runs_copy / "results.csv")["attention"]) == {"none"}
+    assert "4 of 4 runs of the grid complete" in (runs_copy / "report" / "report.md").read_text()
+
+
+def parse_compare(output: str) -> dict[tuple[int, str], list[str]]:
+    """Table rows of compare's output, keyed by (length, attention)."""
+    rows = {}
+    for line in output.splitlines():
+        match = re.match(r"\s*(\d+)\s+(none|luong_general)\s+(\d+)\s+(.*)$", line)
+        if match:
+            rows[int(match[1]), match[2]] = [int(match[3]), *re.findall(r"[+-]?\d[\d,]*\.?\d*", match[4])]
+    return rows
+
+
+def test_compare_numbers_match_the_results_table(swept, capsys):
+    runs_dir, _ = swept
+    assert main(["compare", *overrides(runs_dir)]) == 0
+    output = capsys.readouterr().out
+    assert "running the sweep" not in output  # every run exists: nothing is trained
+
+    table = pd.read_csv(runs_dir / "results.csv")
+    means = table.groupby(["length", "attention"])[["token_acc", "seq_acc"]].mean()
+    rows = parse_compare(output)
+    assert set(rows) == set(means.index)
+    for (length, attention), numbers in rows.items():
+        seeds, token, token_lo, token_hi, seq, seq_lo, seq_hi, chance, params, *gaps = numbers
+        assert seeds == 2
+        assert float(token) == pytest.approx(100 * means.loc[(length, attention), "token_acc"], abs=0.051)
+        assert float(seq) == pytest.approx(100 * means.loc[(length, attention), "seq_acc"], abs=0.051)
+        assert float(token_lo) <= float(token) <= float(token_hi)
+        assert float(chance) == pytest.approx(100 / 9, abs=0.051)
+        assert int(params.replace(",", "")) == table[table["attention"] == attention]["params"].iloc[0]
+        if attention == "none":
+            assert gaps == []
+        else:
+            expected = means.loc[(length, attention), "token_acc"] - means.loc[(length, "none"), "token_acc"]
+            assert float(gaps[0]) == pytest.approx(100 * expected, abs=0.051)
+
+
+def test_compare_missing_lists_and_trains_nothing(runs_copy, capsys):
+    removed = pd.read_csv(runs_copy / "results.csv")["run"].iloc[2]
+    shutil.rmtree(runs_copy / removed)
+
+    assert main(["compare", "--missing", *overrides(runs_copy)]) == 0
+
+    output = capsys.readouterr().out
+    assert "1 of 8 runs missing" in output and removed in output
+    assert not (runs_copy / removed).exists()
+
+
+@pytest.mark.parametrize("df, expected", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (1000, 1.962)])
+def test_t_quantile_matches_tables(df, expected):
+    assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+
+
+def test_compare_runs_the_missing_runs_first(runs_copy, capsys):
+    removed = pd.read_csv(runs_copy / "results.csv")["run"].iloc[6]
+    shutil.rmtree(runs_copy / removed)
+
+    assert main(["compare", *overrides(runs_copy)]) == 0
+
+    output = capsys.readouterr().out
+    assert "1 of 8 runs missing: running the sweep first" in output
+    assert store.is_complete(runs_copy / removed)
+    assert len(parse_compare(output)) == 4  # then the full table

@@ -1,0 +1,99 @@
+"""The sweep through the real CLI: results table, resume, failed jobs, submitit launcher."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+
+import pandas as pd
+import pytest
+
+from copytask import store
+from copytask.sweep import compose_grid
+
+from .conftest import GRID, TINY, overrides, run_cli
+
+EXPECTED = set(itertools.product(["none", "luong_general"], [3, 6], [0, 1]))
+
+
+def test_sweep_trains_the_grid_and_writes_results_and_report(swept):
+    runs_dir, process = swept
+    assert process.returncode == 0, process.stderr
+    table = pd.read_csv(runs_dir / "results.csv")
+    assert set(zip(table["attention"], table["length"], table["seed"])) == EXPECTED
+    assert len(table) == len(EXPECTED)
+    for run in table["run"]:
+        metrics = store.read_json(runs_dir / run / store.METRICS)
+        assert metrics["run"] == run
+    assert "8/8 runs complete (8 trained now), 0 failed" in process.stdout
+    assert "s wall time" in process.stdout
+    for name in ("report.md", "accuracy_vs_length.png", "accuracy_vs_length.svg", "training_curves.png"):
+        assert (runs_dir / "report" / name).is_file(), name
+    assert store.read_json(runs_dir / "sweep.json")["jobs"] == 8
+
+
+def test_grid_expansion_finds_the_sweeps_folders(swept):
+    runs_dir, _ = swept
+    _, grid = compose_grid(overrides(runs_dir))
+    table = pd.read_csv(runs_dir / "results.csv")
+    assert sorted(run.folder.name for run in grid) == sorted(table["run"])
+    # a swept key given on the command line replaces the preset's list
+    _, narrowed = compose_grid([*TINY, f"runs_dir={runs_dir}", "attention=none"])
+    assert {run.config.attention.name for run in narrowed} == {"none"}
+    assert {run.config.task.length for run in narrowed} == {5, 10}  # experiment=quick's lengths
+
+
+def test_resume_retrains_exactly_the_removed_run(runs_copy):
+    table = pd.read_csv(runs_copy / "results.csv")
+    removed = table["run"].iloc[3]
+    kept = {run: (runs_copy / run / store.METRICS).read_text() for run in table["run"] if run != removed}
+    shutil.rmtree(runs_copy / removed)
+
+    process = run_cli("sweep", *overrides(runs_copy))
+
+    assert process.returncode == 0, process.stderr
+    trained = [line for line in process.stdout.splitlines() if "greedy token acc" in line]
+    assert len(trained) == 1 and trained[0].startswith(removed)
+    assert process.stdout.count("already complete, skipped") == len(kept)
+    assert store.is_complete(runs_copy / removed)
+    assert all((runs_copy / run / store.METRICS).read_text() == text for run, text in kept.items())
+    assert "8/8 runs complete (1 trained now)" in process.stdout
+
+
+def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path):
+    process = run_cli("sweep", *TINY, f"runs_dir={tmp_path}", "attention=none", "task.length=0,3", "seed=0")
+
+    assert process.returncode == 1
+    failed = [line for line in process.stderr.splitlines() if line.startswith("copytask: job failed:")]
+    assert len(failed) == 2  # once as it fails, once in the summary at the end
+    assert all("task.length must be an integer >= 1, got 0" in line for line in failed)
+    assert "attention=none task.length=0 " in failed[-1]  # the summary names the job by its overrides
+    table = pd.read_csv(tmp_path / "results.csv")  # the other job's results are kept
+    assert list(zip(table["attention"], table["length"])) == [("none", 3)]
+    assert "1/2 runs complete" in process.stdout
+
+
+@pytest.mark.slow
+def test_sweep_through_submitit_local(tmp_path):
+    process = run_cli(
+        "sweep", *TINY, f"runs_dir={tmp_path}", "attention=none,luong_general", "task.length=3", "seed=0",
+        "hydra/launcher=submitit_local",
+    )
+
+    assert process.returncode == 0, process.stderr
+    table = pd.read_csv(tmp_path / "results.csv")
+    assert set(table["attention"]) == {"none", "luong_general"}
+    assert (tmp_path / ".sweep" / ".submitit").is_dir()  # the jobs really went through submitit
+    assert store.read_json(tmp_path / "sweep.json")["launcher"] == "submitit_local"
+
+
+def test_slurm_preset_passes_cluster_settings_and_sets_torch_threads():
+    from hydra.utils import instantiate
+
+    master, _ = compose_grid(
+        ["experiment=quick", "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=30",
+         "hydra.launcher.gpus_per_node=1", "hydra.launcher.cpus_per_task=4"]
+    )
+    params = instantiate(master.hydra.launcher).params
+    assert (params["partition"], params["timeout_min"], params["gpus_per_node"]) == ("gpu", 30, 1)
+    assert params["setup"] == ["export OMP_NUM_THREADS=4"]  # torch in the job uses the CPUs it was given

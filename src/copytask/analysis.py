@@ -260,23 +260,35 @@ def is_analysed(folder: Path, lengths: list[int], eval_size: int | None) -> bool
     return tested >= set(lengths) and done.get("eval_size") == eval_size
 
 
-def analyze(folders: Iterable[Path], lengths: list[int] | None = None, eval_size: int | None = None, progress: bool = True) -> int:
+def analyze(
+    folders: Iterable[Path],
+    lengths: list[int] | None = None,
+    eval_size: int | None = None,
+    threads: int | None = 1,
+    progress: bool = True,
+) -> int:
     """Write analysis.json into each complete run folder in `folders`, with length generalisation
-    at every length of `lengths` (default: the lengths the folders were trained at). A run already
-    analysed that way is skipped; a run whose analysis fails is named in a warning and the others
-    go on. Returns how many runs were analysed now."""
+    at every length of `lengths` (default: the lengths the folders were trained at), using
+    `threads` torch CPU threads (None: torch's default). A run already analysed that way is
+    skipped; a run whose analysis fails is named in a warning and the others go on. Returns how
+    many runs were analysed now."""
     folders = [folder for folder in folders if store.is_complete(folder)]
     if lengths is None:
         lengths = sorted({store.read_json(folder / store.METRICS)["length"] for folder in folders})
-    analysed = 0
-    for folder in tqdm(folders, desc="analyze", unit="run", disable=not progress, dynamic_ncols=True):
-        if is_analysed(folder, lengths, eval_size):
-            continue
-        try:
-            store.write_json(folder / store.ANALYSIS, analyze_run(folder, lengths, eval_size))
-            analysed += 1
-        except Exception as error:  # noqa: BLE001 - one run's failure must not stop the others
-            store.warn(f"analysis of {folder} failed: {type(error).__name__}: {error}")
+    analysed, previous_threads = 0, torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        for folder in tqdm(folders, desc="analyze", unit="run", disable=not progress, dynamic_ncols=True):
+            if is_analysed(folder, lengths, eval_size):
+                continue
+            try:
+                store.write_json(folder / store.ANALYSIS, analyze_run(folder, lengths, eval_size))
+                analysed += 1
+            except Exception as error:  # noqa: BLE001 - one run's failure must not stop the others
+                store.warn(f"analysis of {folder} failed: {type(error).__name__}: {error}")
+    finally:
+        torch.set_num_threads(previous_threads)
     return analysed
 
 

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"copytask: error: runs_dir {str(runs_dir)!r} does not exist", file=sys.stderr)
             return 2
         folders = complete_runs(runs_dir)
-        analyze(folders, eval_size=cfg.analysis.eval_size, progress=cfg.train.progress)
+        analyze(folders, eval_size=cfg.analysis.eval_size, threads=cfg.analysis.threads, progress=cfg.train.progress)
         print(summary([analysis for folder in folders if (analysis := read_analysis(folder)) is not None]))
         return 0
     if command in ("compare", "report") and {"-h", "--help"} & set(rest):

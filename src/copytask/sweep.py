@@ -178,6 +178,7 @@ class SweepSummary(Callback):
             [run.folder for run in runs],
             lengths=sorted({run.config.task.length for run in runs}),
             eval_size=config.analysis.eval_size,
+            threads=config.analysis.threads,
             progress=config.train.progress,
         )
         analysis_seconds = time.perf_counter() - analysis_started

@@ -223,10 +223,6 @@ CAUTION = (
 )
 
 
-def percent_points(value: float, signed: bool = False) -> str:
-    return f"{100 * value:+.1f}" if signed else f"{100 * value:.1f}"
-
-
 def evidence_tables(analyses: list[dict]) -> list[str]:
     """Markdown: the counterfactual table and the alignment table, per length and attention type,
     mean over seeds (runs with attention and an analysis.json only)."""
@@ -240,9 +236,9 @@ def evidence_tables(analyses: list[dict]) -> list[str]:
             "length": means["length"],
             "attention": means["attention"],
             "seeds": means["seeds"],
-            "own %": means["own"].map(percent_points),
-            **{f"{name} %": means[name].map(percent_points) for name in analysis.COUNTERFACTUALS},
-            **{f"drop {name}": means[f"drop_{name}"].map(lambda v: percent_points(v, signed=True)) for name in analysis.COUNTERFACTUALS},
+            "own %": means["own"].map(results.percent),
+            **{f"{name} %": means[name].map(results.percent) for name in analysis.COUNTERFACTUALS},
+            **{f"drop {name}": means[f"drop_{name}"].map(lambda drop: f"{100 * drop:+.1f}") for name in analysis.COUNTERFACTUALS},
         }
     )
     alignment = pd.DataFrame(
@@ -250,8 +246,8 @@ def evidence_tables(analyses: list[dict]) -> list[str]:
             "length": means["length"],
             "attention": means["attention"],
             "seeds": means["seeds"],
-            "argmax on copied position %": means["align_hit"].map(percent_points),
-            "weight on copied position %": means["align_mass"].map(percent_points),
+            "argmax on copied position %": means["align_hit"].map(results.percent),
+            "weight on copied position %": means["align_mass"].map(results.percent),
         }
     )
     return [

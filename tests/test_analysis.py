@@ -133,7 +133,7 @@ def analysed_runs(tmp_path_factory) -> Path:
 
 def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, capsys):
     folders = {f.name.split("-")[0]: f for f in analysis.complete_runs(analysed_runs)}
-    attended = store.read_json(folders["luong_general"] / analysis.ANALYSIS)
+    attended = store.read_json(folders["luong_general"] / store.ANALYSIS)
     metrics = store.read_json(folders["luong_general"] / store.METRICS)
     assert attended["attention"] == "luong_general-2heads"
     assert attended["counterfactual"]["own"] == pytest.approx(metrics["token_acc"])  # the same held-out set
@@ -141,14 +141,14 @@ def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, caps
     assert 0 <= attended["alignment"]["hit"] <= 1
     assert [row["test_length"] for row in attended["length_generalisation"]] == [3, 4]  # lengths in runs_dir
     assert torch.tensor(attended["head_weights"]["weights"]).shape == (2, 5, 4)
-    baseline = store.read_json(folders["none"] / analysis.ANALYSIS)
+    baseline = store.read_json(folders["none"] / store.ANALYSIS)
     assert "counterfactual" not in baseline and [row["test_length"] for row in baseline["per_length"]] == [2, 3]
 
     # analysed runs are skipped: a second analyze leaves the files alone
-    stamps = {f: (f / analysis.ANALYSIS).stat().st_mtime_ns for f in folders.values()}
+    stamps = {f: (f / store.ANALYSIS).stat().st_mtime_ns for f in folders.values()}
     capsys.readouterr()
     assert cli.main(["analyze", f"runs_dir={analysed_runs}"]) == 0
-    assert stamps == {f: (f / analysis.ANALYSIS).stat().st_mtime_ns for f in folders.values()}
+    assert stamps == {f: (f / store.ANALYSIS).stat().st_mtime_ns for f in folders.values()}
     printed = capsys.readouterr().out
     assert "luong_general-2heads" in printed and "length generalisation" in printed
 
@@ -156,14 +156,15 @@ def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, caps
 def test_figures_are_drawn_from_the_analysis_files(analysed_runs, tmp_path):
     import matplotlib.pyplot as plt
 
+    analyses = [store.read_json(folder / store.ANALYSIS) for folder in analysis.complete_runs(analysed_runs)]
     paths = [
-        analysis_figures.plot_counterfactual(analysis.analysis_table(analysed_runs), tmp_path / "counterfactual.png"),
-        analysis_figures.plot_length_generalisation(analysis.length_generalisation_table(analysed_runs), tmp_path / "generalisation.png"),
+        analysis_figures.plot_counterfactual(analysis.analysis_table(analyses), tmp_path / "counterfactual.png"),
+        analysis_figures.plot_length_generalisation(analysis.length_generalisation_table(analyses), tmp_path / "generalisation.png"),
     ]
     attended = next(f for f in analysis.complete_runs(analysed_runs) if f.name.startswith("luong_general"))
-    paths.append(analysis_figures.plot_head_weights(json.loads((attended / analysis.ANALYSIS).read_text()), tmp_path / "heads.png"))
+    paths.append(analysis_figures.plot_head_weights(json.loads((attended / store.ANALYSIS).read_text()), tmp_path / "heads.png"))
     figure, ax = plt.subplots()
-    analysis_figures.plot_per_length(ax, analysis.per_length_table(analysed_runs))
+    analysis_figures.plot_per_length(ax, analysis.per_length_table(analyses))
     assert len(ax.lines) == 1
     plt.close(figure)
     assert all(path.stat().st_size > 1000 for path in paths)

@@ -9,11 +9,12 @@ import shutil
 import pandas as pd
 import pytest
 
-from copytask import store
+from copytask import analysis, store
 from copytask.cli import main
 from copytask.results import t_quantile
+from copytask.sweep import compose_grid, variable_length_runs
 
-from .conftest import overrides
+from .conftest import TINY, overrides
 
 
 def test_report_skips_corrupt_and_half_written_runs_with_a_warning(runs_copy, capsys):
@@ -126,3 +127,63 @@ def test_compare_runs_the_missing_runs_first(runs_copy, capsys):
     assert "1 of 8 runs missing: running the sweep first" in output
     assert store.is_complete(runs_copy / removed)
     assert len(parse_compare(output)) == 4  # then the full table
+
+
+def test_report_without_analysis_says_it_is_missing_and_how_to_make_it(runs_copy, capsys):
+    runs = sorted(analysis.complete_runs(runs_copy))
+    (runs[0] / store.ANALYSIS).write_text("{")  # corrupt: warned, then treated as missing
+    for folder in runs[1:]:
+        (folder / store.ANALYSIS).unlink()
+
+    assert main(["report", *overrides(runs_copy)]) == 0
+
+    assert f"skipping analysis.json of {runs[0]}" in capsys.readouterr().err
+    markdown = (runs_copy / "report" / "report.md").read_text()
+    assert "**Analysis missing** for 8 of 8 runs" in markdown
+    assert f"python -m copytask analyze runs_dir={runs_copy}" in markdown
+    assert "### Counterfactual attention" not in markdown and "Jain and Wallace" in markdown  # maps still come with the caution
+    assert pd.read_csv(runs_copy / "results.csv")["align_hit"].isna().all()
+
+
+def test_a_failing_analysis_is_named_and_the_others_go_on(runs_copy, capsys):
+    runs = sorted(analysis.complete_runs(runs_copy))
+    for folder in runs:
+        (folder / store.ANALYSIS).unlink()
+    (runs[1] / store.CHECKPOINT).write_bytes(b"not a checkpoint")
+
+    assert analysis.analyze(runs, eval_size=8, progress=False) == len(runs) - 1
+
+    assert f"analysis of {runs[1]} failed" in capsys.readouterr().err
+    assert [folder for folder in runs if not (folder / store.ANALYSIS).is_file()] == [runs[1]]
+
+
+def test_variable_length_run_is_drawn_per_length_beside_the_grid(runs_copy, capsys):
+    variable = ["attention=luong_general", "seed=0", "task.variable_length=true", "task.min_length=2", "task.length=6"]
+    assert main(["train", *TINY, f"runs_dir={runs_copy}", *variable]) == 0
+    assert main(["train", *TINY, f"runs_dir={runs_copy}", *variable, "train.steps=11"]) == 0  # other settings: not the grid's
+
+    assert main(["report", *overrides(runs_copy)]) == 0  # not analysed yet: the report says so
+    assert "**Analysis missing** for 1 of 1 runs" in (runs_copy / "report" / "report.md").read_text()
+
+    assert main(["analyze", f"runs_dir={runs_copy}", "train.progress=false"]) == 0
+    assert main(["report", *overrides(runs_copy)]) == 0
+    markdown = (runs_copy / "report" / "report.md").read_text()
+    assert "Dashed lines: models trained on variable lengths" in markdown and "Analysis missing" not in markdown
+    assert "luong_general (copy) trained on 2-6" in (runs_copy / "report" / "accuracy_vs_length.svg").read_text()  # legend
+    assert "8 of 8 runs of the grid complete" in markdown  # the variable-length runs are not rows of the grid
+    _, grid = compose_grid(overrides(runs_copy))
+    [matching] = variable_length_runs(grid, runs_copy)  # the train.steps=11 run is left out
+    assert store.read_json(matching / store.METRICS)["steps"] == 10
+
+
+def test_multi_head_runs_are_labelled_apart(tmp_path):
+    runs_dir = tmp_path / "runs"
+    grid = [*TINY, f"runs_dir={runs_dir}", "attention=luong_general", "attention.heads=1,2", "task.length=3", "seed=0"]
+    assert main(["sweep", *grid]) == 0
+
+    table = pd.read_csv(runs_dir / "results.csv")
+    assert sorted(table["attention"]) == ["luong_general", "luong_general-2heads"]
+    markdown = (runs_dir / "report" / "report.md").read_text()
+    assert "| 3 | luong_general-2heads | 1 |" in markdown  # its own row in the accuracy table
+    assert "![luong_general-2heads heads, length 3](heads_luong_general-2heads_length3.png)" in markdown
+    assert (runs_dir / "report" / "heads_luong_general-2heads_length3.png").stat().st_size > 1000

@@ -32,6 +32,29 @@ def test_sweep_trains_the_grid_and_writes_results_and_report(swept):
     assert store.read_json(runs_dir / "sweep.json")["jobs"] == 8
 
 
+def test_sweep_analyses_its_runs_before_the_report(swept):
+    runs_dir, process = swept
+    assert "analysis: 8 runs analysed" in process.stdout
+    table = pd.read_csv(runs_dir / "results.csv")
+    for run in table["run"]:
+        analysed = store.read_json(runs_dir / run / store.ANALYSIS)
+        assert [row["test_length"] for row in analysed["length_generalisation"]] == [3, 6]  # the grid's lengths
+    # the alignment joins results.csv on the run folder: only runs with attention have one
+    attended = table["attention"] == "luong_general"
+    assert table.loc[attended, ["align_hit", "align_mass"]].notna().all().all()
+    assert table.loc[~attended, ["align_hit", "align_mass"]].isna().all().all()
+    out = runs_dir / "report"
+    assert (out / "counterfactual.png").is_file() and (out / "length_generalisation.png").is_file()
+    markdown = (out / "report.md").read_text()
+    assert "| length | attention | seeds | own % | uniform % | permuted % | fixed % | drop uniform |" in markdown
+    assert "| length | attention | seeds | argmax on copied position % | weight on copied position % |" in markdown
+    assert "![train length x test length accuracy](length_generalisation.png)" in markdown
+    # the evidence comes before the maps it qualifies, after the Jain and Wallace caution
+    caution, evidence, heatmap = (markdown.index(s) for s in ("Jain and Wallace", "### Counterfactual attention", "![luong_general attention"))
+    assert caution < evidence < heatmap
+    assert "Analysis missing" not in markdown
+
+
 def test_grid_expansion_finds_the_sweeps_folders(swept):
     runs_dir, _ = swept
     _, grid = compose_grid(overrides(runs_dir))

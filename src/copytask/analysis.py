@@ -15,16 +15,17 @@ output token t in greedy decoding. Bahdanau computes it from the state before th
 Luong from the state after it, s_t; either way it serves output token t, so the source position
 being copied at row t is t for copy and length - 1 - t for reverse. The EOS row is not scored.
 
-`analyze(runs_dir)` writes `analysis.json` into each complete run folder (derived data, the only
-file besides training's own that may be added to a run folder); the `*_table` functions load those
-files for printing and for the report.
+`analyze(folders)` writes `analysis.json` into each complete run folder (derived data, the only
+file besides training's own that may be added to a run folder): the sweep calls it on its grid's
+runs before the report, `python -m copytask analyze` on every run in runs_dir. The `*_table`
+functions turn the loaded files into tables for printing and for the report.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import pandas as pd
 import torch
@@ -38,7 +39,6 @@ from .data import Batch, make_batch
 from .model import Seq2Seq
 from .train import build_model, eval_batch, evaluate, resolve_device
 
-ANALYSIS = "analysis.json"
 COUNTERFACTUALS = ("uniform", "permuted", "fixed")
 FIXED_POSITION = 0  # the `fixed` counterfactual puts all weight here (always a valid position)
 PER_LENGTH_SIZE = 64  # held-out sequences per length in the per-length evaluation
@@ -147,11 +147,17 @@ def at_length(cfg: DictConfig, length: int) -> DictConfig:
     return OmegaConf.merge(cfg, {"task": {"length": length, "variable_length": False}})
 
 
-def length_generalisation(model: Seq2Seq, cfg: DictConfig, lengths: list[int]) -> list[dict]:
-    """Greedy accuracy on the held-out set (the run's eval seed and size) at each test length."""
+def heldout_batch(cfg: DictConfig, eval_size: int | None) -> Batch:
+    """The first `eval_size` sequences (all if None) of the run's own held-out set."""
+    return eval_batch(cfg).select(slice(0, eval_size))
+
+
+def length_generalisation(model: Seq2Seq, cfg: DictConfig, lengths: list[int], eval_size: int | None = None) -> list[dict]:
+    """Greedy accuracy on the held-out set (the run's eval seed, its first `eval_size` sequences)
+    at each test length."""
     device, rows = next(model.parameters()).device, []
     for length in lengths:
-        result = evaluate(model, eval_batch(at_length(cfg, length)).to(device))
+        result = evaluate(model, heldout_batch(at_length(cfg, length), eval_size).to(device))
         rows.append({"test_length": length, "token_acc": result["token_acc"], "seq_acc": result["seq_acc"]})
     return rows
 
@@ -203,32 +209,28 @@ def load_run(folder: Path, device: str = "auto") -> tuple[DictConfig, Seq2Seq]:
     return cfg, model.to(resolve_device(device)).eval()
 
 
-def attention_label(cfg: DictConfig) -> str:
-    """The attention name, with the head count when there is more than one head."""
-    heads = cfg.attention.get("heads", 1)
-    return cfg.attention.name if heads == 1 else f"{cfg.attention.name}-{heads}heads"
-
-
-def analyze_run(folder: Path, lengths: list[int]) -> dict:
-    """Everything above for one run folder -> the content of its analysis.json."""
+def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None) -> dict:
+    """Everything above for one run folder -> the content of its analysis.json. Fixed-length
+    evaluations use the first `eval_size` sequences of the run's held-out set (None: all)."""
     cfg, model = load_run(folder)
     device = next(model.parameters()).device
     task = cfg.task
     analysis = {
         "run": folder.name,
-        "attention": attention_label(cfg),
+        "attention": store.attention_label(cfg.attention.name, cfg.attention.get("heads", 1)),
         "task": task.name,
         "length": task.length,
         "min_length": task.min_length if task.variable_length else task.length,
         "seed": cfg.seed,
-        "length_generalisation": length_generalisation(model, cfg, lengths),
+        "eval_size": eval_size,
+        "length_generalisation": length_generalisation(model, cfg, lengths, eval_size),
     }
     if task.variable_length:
         per_length = per_length_accuracy(model, per_length_batch(cfg)).rename(columns={"length": "test_length"})
         analysis["per_length"] = per_length.to_dict("records")
     if model.attention is None:
         return analysis
-    heldout = eval_batch(cfg).to(device)
+    heldout = heldout_batch(cfg, eval_size).to(device)
     own = evaluate(model, heldout)
     accuracy = {"own": own["token_acc"], **counterfactual_accuracy(model, heldout, seed=cfg.seed)}
     analysis["counterfactual"] = accuracy
@@ -248,22 +250,46 @@ def complete_runs(runs_dir: Path) -> list[Path]:
     return sorted(folder for folder in Path(runs_dir).iterdir() if folder.is_dir() and store.is_complete(folder))
 
 
-def analyze(runs_dir: Path) -> None:
-    """Write analysis.json into every complete run folder under `runs_dir`. Length generalisation
-    covers every length trained in `runs_dir`; a run already analysed at all of them is skipped."""
-    folders = complete_runs(runs_dir)
-    lengths = sorted({store.read_json(folder / store.METRICS)["length"] for folder in folders})
-    for folder in tqdm(folders, desc="analyze", unit="run"):
-        path = folder / ANALYSIS
-        if path.is_file():
-            tested = {row["test_length"] for row in store.read_json(path)["length_generalisation"]}
-            if tested >= set(lengths):
+def is_analysed(folder: Path, lengths: list[int], eval_size: int | None) -> bool:
+    """Whether `folder` has an analysis.json made with `eval_size` that covers every test length."""
+    try:
+        done = store.read_json(folder / store.ANALYSIS)
+        tested = {row["test_length"] for row in done["length_generalisation"]}
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or corrupt: (re)analyse
+        return False
+    return tested >= set(lengths) and done.get("eval_size") == eval_size
+
+
+def analyze(
+    folders: Iterable[Path],
+    lengths: list[int] | None = None,
+    eval_size: int | None = None,
+    threads: int | None = 1,
+    progress: bool = True,
+) -> int:
+    """Write analysis.json into each complete run folder in `folders`, with length generalisation
+    at every length of `lengths` (default: the lengths the folders were trained at), using
+    `threads` torch CPU threads (None: torch's default). A run already analysed that way is
+    skipped; a run whose analysis fails is named in a warning and the others go on. Returns how
+    many runs were analysed now."""
+    folders = [folder for folder in folders if store.is_complete(folder)]
+    if lengths is None:
+        lengths = sorted({store.read_json(folder / store.METRICS)["length"] for folder in folders})
+    analysed, previous_threads = 0, torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        for folder in tqdm(folders, desc="analyze", unit="run", disable=not progress, dynamic_ncols=True):
+            if is_analysed(folder, lengths, eval_size):
                 continue
-        store.write_json(path, analyze_run(folder, lengths))
-
-
-def _analyses(runs_dir: Path) -> list[dict]:
-    return [store.read_json(folder / ANALYSIS) for folder in complete_runs(runs_dir) if (folder / ANALYSIS).is_file()]
+            try:
+                store.write_json(folder / store.ANALYSIS, analyze_run(folder, lengths, eval_size))
+                analysed += 1
+            except Exception as error:  # noqa: BLE001 - one run's failure must not stop the others
+                store.warn(f"analysis of {folder} failed: {type(error).__name__}: {error}")
+    finally:
+        torch.set_num_threads(previous_threads)
+    return analysed
 
 
 def _run_columns(analysis: dict) -> dict:
@@ -273,7 +299,7 @@ def _run_columns(analysis: dict) -> dict:
     return identity | {"train_length": str(high) if low == high else f"{low}-{high}"}
 
 
-def analysis_table(runs_dir: Path) -> pd.DataFrame:
+def analysis_table(analyses: Iterable[dict]) -> pd.DataFrame:
     """One row per analysed run with attention: accuracy under each counterfactual, the drops,
     and the alignment (hit rate and mass). Join on `run` with the results table."""
     rows = [
@@ -281,33 +307,33 @@ def analysis_table(runs_dir: Path) -> pd.DataFrame:
         | {name: a["counterfactual"][name] for name in ("own", *COUNTERFACTUALS)}
         | {f"drop_{name}": a["drop"][name] for name in COUNTERFACTUALS}
         | {"align_hit": a["alignment"]["hit"], "align_mass": a["alignment"]["mass"]}
-        for a in _analyses(runs_dir)
+        for a in analyses
         if "counterfactual" in a
     ]
     return pd.DataFrame(rows)
 
 
-def length_generalisation_table(runs_dir: Path) -> pd.DataFrame:
+def length_generalisation_table(analyses: Iterable[dict]) -> pd.DataFrame:
     """Long form: one row per (analysed run, test length) with token_acc and seq_acc."""
-    rows = [_run_columns(a) | row for a in _analyses(runs_dir) for row in a["length_generalisation"]]
+    rows = [_run_columns(a) | row for a in analyses for row in a["length_generalisation"]]
     return pd.DataFrame(rows)
 
 
-def per_length_table(runs_dir: Path) -> pd.DataFrame:
+def per_length_table(analyses: Iterable[dict]) -> pd.DataFrame:
     """Long form: one row per (variable-length run, test_length) with count, token_acc and seq_acc."""
-    rows = [_run_columns(a) | row for a in _analyses(runs_dir) if "per_length" in a for row in a["per_length"]]
+    rows = [_run_columns(a) | row for a in analyses if "per_length" in a for row in a["per_length"]]
     return pd.DataFrame(rows)
 
 
-def summary(runs_dir: Path) -> str:
+def summary(analyses: list[dict]) -> str:
     """The tables `python -m copytask analyze` prints: counterfactuals and alignment per attention,
     task and train length (mean over seeds), then the train length x test length token accuracy."""
     keys, number = ["attention", "task", "train_length"], "{:.3f}".format
-    generalisation = length_generalisation_table(runs_dir)
+    generalisation = length_generalisation_table(analyses)
     if generalisation.empty:
-        return f"no analysed runs under {runs_dir}"
+        return "no analysed runs"
     parts = []
-    table = analysis_table(runs_dir)
+    table = analysis_table(analyses)
     if not table.empty:
         columns = ["own", *COUNTERFACTUALS, *(f"drop_{n}" for n in COUNTERFACTUALS), "align_hit", "align_mass"]
         counterfactual = table.groupby(keys)[columns].mean().join(table.groupby(keys).size().rename("seeds"))

@@ -1,9 +1,9 @@
 """Figures for the analysis in report.md, drawn from the tables and analysis.json files of
 `copytask.analysis` (run folders only: nothing here loads a model).
 
-- `plot_counterfactual(analysis_table(runs_dir), path)`: accuracy vs length under each counterfactual
-- `plot_length_generalisation(length_generalisation_table(runs_dir), path)`: train x test length
-- `plot_per_length(ax, per_length_table(runs_dir))`: variable-length curves onto an accuracy-vs-length axis
+- `plot_counterfactual(analysis_table(analyses), path)`: accuracy vs length under each counterfactual
+- `plot_length_generalisation(length_generalisation_table(analyses), path)`: train x test length
+- `plot_per_length(ax, per_length_table(analyses))`: variable-length curves onto an accuracy-vs-length axis
 - `plot_head_weights(read_json(run / "analysis.json"), path)`: one heatmap per attention head
 """
 
@@ -72,12 +72,16 @@ def plot_length_generalisation(table: pd.DataFrame, path: Path) -> Path:
     return _save(figure, path)
 
 
-def plot_per_length(ax: plt.Axes, table: pd.DataFrame) -> plt.Axes:
-    """Draw each variable-length model's accuracy at every length in its range (mean over seeds)
-    onto `ax`, an accuracy-vs-length axis that may already hold the per-length models' points."""
+def plot_per_length(ax: plt.Axes, table: pd.DataFrame, metric: str = "token_acc", colours: dict[str, str] | None = None) -> plt.Axes:
+    """Draw each variable-length model's `metric` (in %) at every length in its range (mean over
+    seeds) onto `ax`, an accuracy-vs-length axis in % that may already hold the per-length models'
+    points; dashed, in the colour `colours` gives its attention type (if any). No rows: nothing drawn."""
+    if table.empty:
+        return ax
     for (attention, task, lengths), runs in table.groupby([*GROUP, "train_length"]):
-        curve = runs.groupby("test_length")["token_acc"].mean()
-        ax.plot(curve.index, curve.to_numpy(), linestyle="--", label=f"{attention} ({task}) trained on {lengths}")
+        curve = runs.groupby("test_length")[metric].mean()
+        colour = (colours or {}).get(attention)
+        ax.plot(curve.index, 100 * curve.to_numpy(), linestyle="--", color=colour, label=f"{attention} ({task}) trained on {lengths}")
     return ax
 
 

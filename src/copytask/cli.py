@@ -18,7 +18,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import store
-from .analysis import analyze, summary
+from .analysis import analyze, complete_runs, summary
+from .results import read_analysis
 from .train import ConfigError, train
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
@@ -37,8 +38,9 @@ commands:
   report   figures and report.md in runs_dir/report/ from the grid's finished runs; never trains
              python -m copytask report experiment=quick
   analyze  counterfactual attention, alignment and length generalisation of every finished run
-           in runs_dir (writes analysis.json into each run folder; analysed runs are skipped)
-             python -m copytask analyze runs_dir=runs
+           in runs_dir (writes analysis.json into each run folder; analysed runs are skipped);
+           a sweep does this for its own runs before writing the report
+             python -m copytask analyze runs_dir=runs analysis.eval_size=512
 
 Overrides are Hydra's: attention=none|bahdanau|luong_dot|luong_general|luong_concat,
 task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
@@ -101,12 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         return _hydra(rest, multirun=True)
     if command == "analyze":
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):  # read-only: no Hydra output
-            runs_dir = Path(compose(config_name="config", overrides=rest).runs_dir)
+            cfg = compose(config_name="config", overrides=rest)
+        runs_dir = Path(cfg.runs_dir)
         if not runs_dir.is_dir():
             print(f"copytask: error: runs_dir {str(runs_dir)!r} does not exist", file=sys.stderr)
             return 2
-        analyze(runs_dir)
-        print(summary(runs_dir))
+        folders = complete_runs(runs_dir)
+        analyze(folders, eval_size=cfg.analysis.eval_size, threads=cfg.analysis.threads, progress=cfg.train.progress)
+        print(summary([analysis for folder in folders if (analysis := read_analysis(folder)) is not None]))
         return 0
     if command in ("compare", "report") and {"-h", "--help"} & set(rest):
         print(USAGE)

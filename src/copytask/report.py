@@ -1,8 +1,9 @@
 """`python -m copytask report`: figures and report.md from a grid's run folders alone.
 
-Reads metrics.json, history.csv and attention_samples.json; never trains. Works on partial
-results (a sweep still running) and says what is missing; a run whose files are corrupt is
-left out of what needs them, with a warning that names it.
+Reads metrics.json, history.csv, attention_samples.json and analysis.json (written by
+`copytask analyze`, which a sweep runs before its report); never trains or evaluates. Works on
+partial results (a sweep still running, runs not analysed yet) and says what is missing; a run
+whose files are corrupt is left out of what needs them, with a warning that names it.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from . import results, store  # noqa: E402
+from . import analysis, results, store  # noqa: E402
+from .analysis_figures import plot_counterfactual, plot_head_weights, plot_length_generalisation, plot_per_length  # noqa: E402
 from .data import BOS, EOS, NUM_SPECIAL, PAD  # noqa: E402
-from .sweep import SWEEP_RECORD, GridRun, compose_grid, sweep_command  # noqa: E402
+from .sweep import SWEEP_RECORD, GridRun, compose_grid, sweep_command, variable_length_runs  # noqa: E402
 
 REPORT_DIR = "report"
 ACCURACY_FIGURE = "accuracy_vs_length"
 CURVES_FIGURE = "training_curves.png"
+COUNTERFACTUAL_FIGURE = "counterfactual.png"
+GENERALISATION_FIGURE = "length_generalisation.png"
 SPECIAL_SYMBOLS = {PAD: "·", BOS: "<s>", EOS: "</s>"}
 
 
@@ -41,8 +45,9 @@ def colours(attentions: list[str]) -> dict[str, str]:
     return {attention: f"C{i}" for i, attention in enumerate(attentions)}
 
 
-def plot_accuracy(summary: pd.DataFrame, chance: float, stem: Path) -> list[Path]:
-    """Token and sequence accuracy against length (log axis), mean and 95% band over seeds."""
+def plot_accuracy(summary: pd.DataFrame, chance: float, stem: Path, per_length: pd.DataFrame) -> list[Path]:
+    """Token and sequence accuracy against length (log axis), mean and 95% band over seeds, and
+    the variable-length models' accuracy per length (`analysis.per_length_table`) dashed."""
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     lengths = sorted(summary["length"].unique())
     colour = colours(list(dict.fromkeys(summary["attention"])))
@@ -51,6 +56,7 @@ def plot_accuracy(summary: pd.DataFrame, chance: float, stem: Path) -> list[Path
             axis.plot(rows["length"], 100 * rows[metric], "o-", color=colour[attention], label=attention)
             low, high = rows[f"{metric}_lo"].clip(lower=0), rows[f"{metric}_hi"].clip(upper=1)
             axis.fill_between(rows["length"], 100 * low, 100 * high, color=colour[attention], alpha=0.2, linewidth=0)
+        plot_per_length(axis, per_length, metric, colour)
         if metric == "token_acc":
             axis.axhline(100 * chance, color="grey", linestyle="--", label=f"chance ({100 * chance:.1f}%)")
         axis.set_xscale("log")
@@ -95,7 +101,7 @@ def read_part(run: GridRun, name: str, reader) -> object | None:
     try:
         return reader(run.folder / name)
     except (OSError, ValueError, KeyError, TypeError) as error:  # pandas' parser errors are ValueErrors
-        results.warn(f"skipping {name} of {run.folder}: {type(error).__name__}: {error}")
+        store.warn(f"skipping {name} of {run.folder}: {type(error).__name__}: {error}")
         return None
 
 
@@ -148,6 +154,18 @@ def plot_heatmaps(loaded: results.Loaded, out: Path) -> list[tuple[str, int, Pat
     return made
 
 
+def plot_head_heatmaps(loaded: results.Loaded, out: Path) -> list[tuple[str, int, Path]]:
+    """For every multi-head attention type and length: each head's map of the lowest seed's run."""
+    made = []
+    for row in loaded.table.sort_values(["attention", "length", "seed"]).itertuples():
+        analysed = loaded.analyses.get(row.run)
+        if analysed is None or "head_weights" not in analysed or (row.attention, row.length) in {m[:2] for m in made}:
+            continue
+        path = plot_head_weights(analysed, out / f"heads_{row.attention}_length{row.length}.png")
+        made.append((row.attention, row.length, path))
+    return made
+
+
 def markdown_table(frame: pd.DataFrame) -> str:
     lines = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
     lines += ["| " + " | ".join(map(str, row)) + " |" for row in frame.itertuples(index=False)]
@@ -157,7 +175,7 @@ def markdown_table(frame: pd.DataFrame) -> str:
 def setup_section(config: DictConfig, grid: list[GridRun], table: pd.DataFrame, runs_dir: Path) -> list[str]:
     """The settings every run shares, what varies, the hardware and the wall time."""
     task, model, train = config.task, config.model, config.train
-    attentions = ", ".join(dict.fromkeys(run.config.attention.name for run in grid))
+    attentions = ", ".join(dict.fromkeys(store.attention_label(run.config.attention.name, run.config.attention.get("heads", 1)) for run in grid))
     lengths = ", ".join(map(str, sorted({run.config.task.length for run in grid})))
     seeds = ", ".join(map(str, sorted({run.config.seed for run in grid})))
     swept = ", ".join(f"`{key}`" for key in dict.fromkeys(o.split("=", 1)[0] for run in grid for o in run.label.split()))
@@ -189,7 +207,8 @@ def setup_section(config: DictConfig, grid: list[GridRun], table: pd.DataFrame, 
             f"- Last sweep in `{runs_dir}`: `{record['command']}` ({record.get('launcher')} launcher) trained "
             f"{record['trained']} of {record['jobs']} runs in **{record['wall_seconds']:.0f} s wall time**, "
             f"finished {record['finished']} on {record['machine']} with {record['cpus']} CPUs"
-            + (f" and a {record['gpu']}." if record.get("gpu") else ".")
+            + (f" and a {record['gpu']}" if record.get("gpu") else "")
+            + (f"; its analysis took {record['analysis_seconds']:.0f} s of that." if "analysis_seconds" in record else ".")
         )
     return lines
 
@@ -200,20 +219,99 @@ CAUTION = (
     "quite different weights can give the same predictions, so a clean diagonal is a hint, not a "
     "proof, that the model copies by looking at the right position. Back a map with "
     "counterfactual checks (replace the weights by uniform or permuted ones and measure the "
-    "accuracy drop) before reading it as an explanation."
+    "accuracy drop) before reading it as an explanation: they come first below, then the maps."
 )
+
+
+def evidence_tables(analyses: list[dict]) -> list[str]:
+    """Markdown: the counterfactual table and the alignment table, per length and attention type,
+    mean over seeds (runs with attention and an analysis.json only)."""
+    table = analysis.analysis_table(analyses)
+    if table.empty:
+        return []
+    means = table.groupby(["length", "attention"]).mean(numeric_only=True).join(table.groupby(["length", "attention"]).size().rename("seeds"))
+    means = means.reset_index()
+    counterfactual = pd.DataFrame(
+        {
+            "length": means["length"],
+            "attention": means["attention"],
+            "seeds": means["seeds"],
+            "own %": means["own"].map(results.percent),
+            **{f"{name} %": means[name].map(results.percent) for name in analysis.COUNTERFACTUALS},
+            **{f"drop {name}": means[f"drop_{name}"].map(lambda drop: f"{100 * drop:+.1f}") for name in analysis.COUNTERFACTUALS},
+        }
+    )
+    alignment = pd.DataFrame(
+        {
+            "length": means["length"],
+            "attention": means["attention"],
+            "seeds": means["seeds"],
+            "argmax on copied position %": means["align_hit"].map(results.percent),
+            "weight on copied position %": means["align_mass"].map(results.percent),
+        }
+    )
+    return [
+        "### Counterfactual attention",
+        "",
+        "Greedy token accuracy (%) with the model's own attention weights and with them replaced, at every decoding step, by "
+        "uniform weights over the source, by the model's weights shuffled among the source positions, and by all weight on "
+        "position 0; `drop` is own minus counterfactual, in points, mean over seeds. A large drop says the output depends on "
+        "where the model attends. Measured on the first held-out sequences (`analysis.eval_size`), so `own` can differ a "
+        "little from the accuracy table above.",
+        "",
+        markdown_table(counterfactual),
+        "",
+        f"![accuracy under counterfactual attention]({COUNTERFACTUAL_FIGURE})",
+        "",
+        "### Alignment",
+        "",
+        "How often the attention argmax at an output step lands on the source position that step copies, and the mean "
+        "weight there (row t of the map produces output t, for both Bahdanau and Luong; EOS not scored).",
+        "",
+        markdown_table(alignment),
+        "",
+    ]
+
+
+def missing_analysis(folders: list[Path], total: int, what: str, runs_dir: Path) -> list[str]:
+    """Markdown naming the complete runs without analysis.json (`what` they are left out of), and
+    the command that makes it."""
+    if not folders:
+        return []
+    names = ", ".join(f"`{folder.name}`" for folder in folders)
+    return [
+        f"**Analysis missing** for {len(folders)} of {total} runs ({names}): they have no `{store.ANALYSIS}`, so {what} "
+        f"leave them out. Make it with `python -m copytask analyze runs_dir={runs_dir}` (a sweep does this itself at its "
+        "end), then regenerate the report.",
+        "",
+    ]
 
 
 def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path) -> Path:
     """Write runs_dir/report/ (figures and report.md) from `loaded`, which must not be empty."""
     started = time.perf_counter()
-    out = Path(runs_dir) / REPORT_DIR
+    runs_dir = Path(runs_dir)
+    out = runs_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
+    analyses = list(loaded.analyses.values())
+    unanalysed = [loaded.runs[run].folder for run in loaded.table["run"] if run not in loaded.analyses]
+    variable_folders = variable_length_runs(grid, runs_dir)
+    variable = {folder: results.read_analysis(folder) for folder in variable_folders}
+    variable_analyses = [a for a in variable.values() if a is not None]
+    per_length = analysis.per_length_table(variable_analyses)
+
     summary = results.summarise(loaded.table)
     chance = float(loaded.table["chance"].iloc[0])
-    plot_accuracy(summary, chance, out / ACCURACY_FIGURE)
+    figures = plot_accuracy(summary, chance, out / ACCURACY_FIGURE, per_length)
     curves = plot_curves(loaded, out / CURVES_FIGURE)
     heatmaps = plot_heatmaps(loaded, out)
+    head_heatmaps = plot_head_heatmaps(loaded, out)
+    evidence = evidence_tables(analyses)
+    if evidence:
+        figures.append(plot_counterfactual(analysis.analysis_table(analyses), out / COUNTERFACTUAL_FIGURE))
+    generalisation = analysis.length_generalisation_table(analyses + variable_analyses)
+    if not generalisation.empty:
+        figures.append(plot_length_generalisation(generalisation, out / GENERALISATION_FIGURE))
 
     lines = [
         "# copytask report",
@@ -234,18 +332,41 @@ def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path) ->
         markdown_table(results.comparison_table(summary)),
         "",
     ]
+    if not per_length.empty:
+        lines += [
+            "Dashed lines: models trained on variable lengths (same settings otherwise), evaluated at every length of their "
+            "range on one mixed-length held-out set; their train length reads `min-max`.",
+            "",
+        ]
+    lines += missing_analysis([f for f, a in variable.items() if a is None], len(variable), "the dashed per-length curves", runs_dir)
     if loaded.missing:
         lines += ["## Missing runs", "", "These runs of the grid have no usable results and are left out:", ""]
         lines += [f"- `{run.label or run.folder.name}` (`{run.folder.name}`): {reason}" for run, reason in loaded.missing]
         lines.append("")
     if curves:
+        figures.append(curves)
         lines += ["## Training curves", "", f"![training curves]({CURVES_FIGURE})", ""]
-    if heatmaps:
-        lines += ["## Attention maps", "", CAUTION, ""]
-        for attention, length, path in heatmaps:
-            lines += [f"### {attention}, length {length}", "", f"![{attention} attention, length {length}]({path.name})", ""]
+    lines += ["## Analysis", ""]
+    lines += missing_analysis(unanalysed, len(loaded.table), "the counterfactual, alignment and length-generalisation results", runs_dir)
+    if not generalisation.empty:
+        lines += [
+            "### Length generalisation",
+            "",
+            "Every trained model evaluated (greedy token accuracy, mean over seeds) at every length of the grid: train length "
+            "(rows) against test length (columns). Evaluation only, nothing retrained.",
+            "",
+            f"![train length x test length accuracy]({GENERALISATION_FIGURE})",
+            "",
+        ]
+    if heatmaps or evidence:
+        lines += ["## Attention: the evidence, then the maps", "", CAUTION, "", *evidence]
+    for attention, length, path in heatmaps:
+        lines += [f"### {attention}, length {length}", "", f"![{attention} attention, length {length}]({path.name})", ""]
+    for attention, length, path in head_heatmaps:
+        lines += [f"### {attention}, length {length}: each head", "", f"![{attention} heads, length {length}]({path.name})", ""]
     store.atomic_write(out / "report.md", "\n".join(lines))
-    print(f"report: {out / 'report.md'} and {len(heatmaps) + 2 + bool(curves)} figures in {time.perf_counter() - started:.1f} s")
+    figures += [path for *_, path in heatmaps + head_heatmaps]
+    print(f"report: {out / 'report.md'} and {len(figures)} figures in {time.perf_counter() - started:.1f} s")
     return out / "report.md"
 
 

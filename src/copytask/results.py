@@ -1,7 +1,9 @@
 """A grid's finished runs as one table, and its summary over seeds (mean and 95% t-interval).
 
-Only metrics.json is read here; a run whose metrics.json is corrupt is skipped with a warning
-that names it, so a half-written or damaged folder never stops `compare` or `report`.
+Each run's metrics.json, and its analysis.json where `copytask analyze` has written one, is read
+here; a run whose metrics.json is corrupt is skipped with a warning that names it (a corrupt
+analysis.json only loses its analysis), so a half-written or damaged folder never stops
+`compare` or `report`. Runs are labelled by `store.attention_label`: multi-head runs stand apart.
 """
 
 from __future__ import annotations
@@ -21,26 +23,36 @@ from .sweep import GridRun, SweepFailed, compose_grid
 
 RESULTS_CSV = "results.csv"
 COLUMNS = ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "run")
+ALIGNMENT_COLUMNS = ("align_hit", "align_mass")  # from analysis.json, empty for runs without attention or analysis
 BASELINE = "none"
 CONFIDENCE = 0.95
-
-
-def warn(message: str) -> None:
-    print(f"copytask: warning: {message}", file=sys.stderr)
 
 
 @dataclass
 class Loaded:
     """The grid's usable runs, and the rest with the reason each one is left out."""
 
-    table: pd.DataFrame  # one row per complete run, COLUMNS plus the rest of metrics.json
+    table: pd.DataFrame  # one row per complete run, COLUMNS plus the rest of metrics.json and ALIGNMENT_COLUMNS
     runs: dict[str, GridRun]  # run folder name -> grid run, for the rows of `table`
     missing: list[tuple[GridRun, str]]
+    analyses: dict[str, dict]  # run folder name -> its analysis.json, for the rows of `table` that have one
+
+
+def read_analysis(folder: Path) -> dict | None:
+    """A run's analysis.json, or None if it has none (or a corrupt one: warned, naming the run)."""
+    path = folder / store.ANALYSIS
+    if not path.is_file():
+        return None
+    try:
+        return store.read_json(path)
+    except (OSError, ValueError) as error:
+        store.warn(f"skipping {store.ANALYSIS} of {folder}: {type(error).__name__}: {error}")
+        return None
 
 
 def load(grid: list[GridRun]) -> Loaded:
-    """Read metrics.json of every complete run in `grid`; warn about and skip the rest."""
-    rows, runs, missing = [], {}, []
+    """Read metrics.json (and analysis.json) of every complete run in `grid`; warn about and skip the rest."""
+    rows, runs, missing, analyses = [], {}, [], {}
     for run in grid:
         status = run.status()
         if status == "complete":
@@ -51,25 +63,30 @@ def load(grid: list[GridRun]) -> Loaded:
                     raise ValueError(f"no {', '.join(missing_keys)}")
             except (OSError, ValueError, TypeError) as error:
                 reason = f"corrupt {store.METRICS} ({error})"
-                warn(f"skipping {run.folder}: {reason}")
+                store.warn(f"skipping {run.folder}: {reason}")
                 missing.append((run, reason))
                 continue
+            metrics["attention"] = store.attention_label(metrics["attention"], metrics.get("heads", 1))
+            analysis = read_analysis(run.folder)
+            if analysis is not None:
+                analyses[metrics["run"]] = analysis
+                metrics |= {f"align_{key}": value for key, value in analysis.get("alignment", {}).items()}
             rows.append(metrics)
             runs[metrics["run"]] = run
         else:
             if status == "incomplete":  # a half-written folder; failed runs are named by their sweep
-                warn(f"skipping {run.folder}: {run.failure()}")
+                store.warn(f"skipping {run.folder}: {run.failure()}")
             missing.append((run, run.failure()))
     table = pd.DataFrame(rows)
     if not table.empty:
-        table = table[list(COLUMNS) + [c for c in table.columns if c not in COLUMNS]]
-    return Loaded(table, runs, missing)
+        table = table.reindex(columns=[*COLUMNS, *ALIGNMENT_COLUMNS, *(c for c in table.columns if c not in COLUMNS + ALIGNMENT_COLUMNS)])
+    return Loaded(table, runs, missing, analyses)
 
 
 def save(table: pd.DataFrame, runs_dir: Path) -> Path:
     """runs_dir/results.csv: one row per run, written atomically."""
     path = Path(runs_dir) / RESULTS_CSV
-    store.atomic_write(path, table[list(COLUMNS)].to_csv(index=False))
+    store.atomic_write(path, table[[*COLUMNS, *ALIGNMENT_COLUMNS]].to_csv(index=False))
     return path
 
 

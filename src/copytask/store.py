@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,16 @@ HISTORY = "history.csv"
 CHECKPOINT = "checkpoint.pt"
 ATTENTION = "attention_samples.json"
 FAILED = "failed.json"
+ANALYSIS = "analysis.json"  # derived by `copytask analyze`, the one file added after training
 
-# Keys that do not change what a run computes.
-NOT_IDENTITY = ("runs_dir", "train.device", "train.threads", "train.progress")
+
+# Keys that do not change what a run computes (`analysis` only sets how a finished run is analysed).
+NOT_IDENTITY = ("runs_dir", "train.device", "train.threads", "train.progress", "analysis")
+
+
+def warn(message: str) -> None:
+    """One line on stderr; callers name the offending run (its folder) in `message`."""
+    print(f"copytask: warning: {message}", file=sys.stderr)
 
 
 def identity(cfg: DictConfig) -> dict[str, Any]:
@@ -37,6 +45,13 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
             node = node.get(key, {})
         node.pop(leaf, None)
     return config
+
+
+def attention_label(name: str, heads: int = 1) -> str:
+    """How tables, figures and files name an attention type: the config name, with the head count
+    when there is more than one head (`luong_general-4heads`), so multi-head runs never mix with
+    single-head ones."""
+    return name if heads == 1 else f"{name}-{heads}heads"
 
 
 def run_name(cfg: DictConfig) -> str:

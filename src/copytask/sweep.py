@@ -27,7 +27,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import store
 
@@ -94,6 +94,31 @@ def expand(master: DictConfig) -> list[GridRun]:
     return runs
 
 
+def _without_lengths(cfg: DictConfig) -> dict[str, Any]:
+    """A run's identity less the task's lengths: what a variable-length run shares with the grid."""
+    config = store.identity(cfg)
+    for key in ("length", "min_length", "variable_length"):
+        config["task"].pop(key, None)
+    return config
+
+
+def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
+    """Complete variable-length runs in `runs_dir` whose settings, lengths aside, are those of a
+    run of `grid`: their per-length curves belong on the grid's accuracy-vs-length figure."""
+    settings = [_without_lengths(run.config) for run in grid]
+    found = []
+    for folder in sorted(Path(runs_dir).iterdir()) if Path(runs_dir).is_dir() else []:
+        if not store.is_complete(folder) or not (folder / store.CONFIG).is_file():
+            continue
+        try:
+            cfg = OmegaConf.load(folder / store.CONFIG)
+            if cfg.task.variable_length and _without_lengths(cfg) in settings:
+                found.append(folder)
+        except Exception as error:  # noqa: BLE001 - a damaged folder must not stop the report (OmegaConf raises many types)
+            store.warn(f"skipping {folder}: unreadable {store.CONFIG} ({type(error).__name__}: {error})")
+    return found
+
+
 def compose_grid(overrides: list[str]) -> tuple[DictConfig, list[GridRun]]:
     """The master config and grid of `python -m copytask sweep <overrides>`, composed without
     running anything and without writing Hydra output folders."""
@@ -128,24 +153,37 @@ def cpu_model() -> str:
 
 
 class SweepSummary(Callback):
-    """At the end of a sweep: name the failed jobs, write results.csv and the report, print
-    the wall time, and exit non-zero if any job of this sweep has no results."""
+    """At the end of a sweep: name the failed jobs, analyse the grid's complete runs (the report
+    reads analysis.json, it never evaluates a model), write results.csv and the report, print the
+    wall time, and exit non-zero if any job of this sweep has no results."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.perf_counter()
         self.started_at = time.time()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from . import report, results  # pandas and matplotlib: only once the jobs are done
+        from . import analysis, report, results  # pandas, matplotlib, the model: only once the jobs are done
 
-        wall_seconds = time.perf_counter() - self.started
         runs = expand(config)
         runs_dir = Path(config.runs_dir)
         unfinished = [run for run in runs if run.status() != "complete"]
+        for run in unfinished:  # first: nothing after this may hide which jobs failed
+            print(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}", file=sys.stderr)
         trained = sum(
             store.is_complete(run.folder) and (run.folder / store.METRICS).stat().st_mtime >= self.started_at
             for run in runs
         )
+        analysis_started = time.perf_counter()
+        analysed = analysis.analyze(
+            [run.folder for run in runs],
+            lengths=sorted({run.config.task.length for run in runs}),
+            eval_size=config.analysis.eval_size,
+            threads=config.analysis.threads,
+            progress=config.train.progress,
+        )
+        analysis_seconds = time.perf_counter() - analysis_started
+        print(f"analysis: {analysed} runs analysed in {analysis_seconds:.1f} s (eval_size {config.analysis.eval_size})")
+        wall_seconds = time.perf_counter() - self.started
         store.write_json(
             runs_dir / SWEEP_RECORD,
             {
@@ -154,6 +192,7 @@ class SweepSummary(Callback):
                 "trained": trained,
                 "failed": len(unfinished),
                 "wall_seconds": round(wall_seconds, 1),
+                "analysis_seconds": round(analysis_seconds, 1),
                 "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "launcher": config.hydra.runtime.choices.get("hydra/launcher"),
                 "machine": cpu_model(),
@@ -162,8 +201,6 @@ class SweepSummary(Callback):
                 "python": platform.python_version(),
             },
         )
-        for run in unfinished:
-            print(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}", file=sys.stderr)
         loaded = results.load(runs)
         if not loaded.table.empty:
             results.save(loaded.table, runs_dir)

@@ -214,6 +214,7 @@ def train(cfg: DictConfig) -> dict:
     final = history[-1]
     metrics = {
         "attention": cfg.attention.name,
+        "heads": cfg.attention.get("heads", 1),
         "task": cfg.task.name,
         "length": cfg.task.length,
         "min_length": cfg.task.min_length if cfg.task.variable_length else cfg.task.length,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from torch import nn
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -74,8 +75,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_model(cfg: DictConfig) -> Seq2Seq:
-    return Seq2Seq(
+def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.Module:
+    """The configured model; `model_class` may be any class with Seq2Seq's constructor and
+    interface (the benchmark passes `reference.ReferenceSeq2Seq`)."""
+    return model_class(
         vocab=total_vocab(cfg.task.vocab_size),
         decoder=cfg.attention.decoder,
         score=cfg.attention.score,
@@ -131,9 +134,9 @@ def _pad_to(t: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
 
 
-def train(cfg: DictConfig) -> dict:
+def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
     """Train one run and write its folder; returns metrics.json's content. A run whose
-    complete results already exist is not trained again."""
+    complete results already exist is not trained again. `model_class`: see `build_model`."""
     validate(cfg)
     folder = store.run_dir(cfg)
     if store.is_complete(folder):
@@ -150,7 +153,7 @@ def train(cfg: DictConfig) -> dict:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-    model = build_model(cfg).to(device)
+    model = build_model(cfg, model_class).to(device)
     heldout = eval_batch(cfg).to(device)
     steps = cfg.train.steps
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)

@@ -25,6 +25,8 @@ commands:
              python -m copytask train attention=bahdanau task.length=40
   sweep    train the grid in configs/config.yaml (hydra.sweeper.params), skipping finished runs
              python -m copytask sweep 'attention=none,luong_general' 'seed=0,1'
+  bench    training speed, memory and time to target against the classical reference
+             python -m copytask bench [--quick] [--time-to-target] [train.threads=1]
 
 Overrides are Hydra's: attention=none|bahdanau|luong_dot|luong_general|luong_concat,
 task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
@@ -73,5 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         return _hydra(rest)
     if command == "sweep":
         return _hydra(["hydra.mode=MULTIRUN", *rest])
+    if command == "bench":
+        from .bench import main as bench  # imported here: it loads the reference and profiler
+
+        return bench(rest)
     print(f"copytask: error: unknown command {command!r}; choose one of train, sweep\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -134,6 +134,18 @@ def _pad_to(t: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
 
 
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, clip: float) -> torch.Tensor:
+    """One teacher-forced update: cross-entropy over the real target positions, gradient norm
+    clipped to `clip`. -> the loss, detached (no host sync, so a GPU step stays asynchronous)."""
+    logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)  # (B, T_dec, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    return loss.detach()
+
+
 def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
     """Train one run and write its folder; returns metrics.json's content. A run whose
     complete results already exist is not trained again. `model_class`: see `build_model`."""
@@ -167,14 +179,9 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
     bar = tqdm(total=steps, desc=folder.name, unit="step", disable=not cfg.train.progress, dynamic_ncols=True)
     for step in range(1, steps + 1):
         batch = sample_batch(cfg, cfg.train.batch_size, generator).to(device)
-        logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)  # (B, T_dec, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip)
-        optimizer.step()
+        loss = train_step(model, optimizer, batch, cfg.train.clip)
         schedule.step()
-        loss_sum += loss.detach()
+        loss_sum += loss
         loss_count += 1
         bar.update()
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from copytask.bench import ATTENTIONS, QUICK, main
 
 
+@pytest.mark.slow  # about 30 s on two idle cores: model set-up, FLOP counting, two fresh processes
 def test_quick_bench_writes_the_table(tmp_path):
     csv = tmp_path / "bench.csv"
     assert main(["--quick", "--csv", str(csv)]) == 0

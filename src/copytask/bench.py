@@ -49,8 +49,16 @@ from .train import build_model, resolve_device, sample_batch, train, train_step
 ATTENTIONS = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")
 IMPLEMENTATIONS = {"project": Seq2Seq, "reference": ReferenceSeq2Seq}
 TARGET_ATTENTIONS = ("bahdanau", "luong_general")
-# a smoke run: short sequences, small batch, and one fresh process per implementation for memory
-QUICK = {"lengths": [5, 10], "repeats": 2, "warmup": 1, "gemm_size": 256, "memory_attentions": ["luong_general"], "overrides": ["train.batch_size=8"]}
+# A smoke run: short sequences, a small batch, one fresh process per implementation for memory,
+# and one thread (two threads on a busy two-core machine made steps 3-100x slower).
+QUICK = {
+    "lengths": [5, 10],
+    "repeats": 2,
+    "warmup": 1,
+    "gemm_size": 256,
+    "memory_attentions": ["luong_general"],
+    "overrides": ["train.batch_size=8", "train.threads=1"],
+}
 
 Setup = tuple[torch.nn.Module, torch.optim.Optimizer, Batch, float]  # train_step's arguments
 
@@ -152,7 +160,11 @@ def training_memory(attention: str, implementation: str, length: int, overrides:
     def peak() -> float:
         if device.type == "cuda":
             return torch.cuda.max_memory_allocated(device) / 2**20
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux: KiB
+        status = Path("/proc/self/status")
+        if status.exists():  # Linux; ru_maxrss would include the parent's peak from before exec
+            line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
+            return int(line.split()[1]) / 2**10  # kB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # macOS: bytes
 
     before = peak()
     for _ in range(steps):

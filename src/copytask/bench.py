@@ -190,11 +190,11 @@ def memory(attentions: list[str], length: int, overrides: list[str], steps: int)
     return pd.DataFrame(rows)
 
 
-def time_to_target(length: int, overrides: list[str], runs_dir: Path) -> pd.DataFrame:
-    """Train Bahdanau and Luong general with each implementation until the target accuracy is
-    first reached on the held-out set. -> seconds and steps to it (NaN if never reached)."""
+def time_to_target(attentions: list[str], length: int, overrides: list[str], runs_dir: Path) -> pd.DataFrame:
+    """Train each attention type with each implementation until the target accuracy is first
+    reached on the held-out set. -> seconds and steps to it (NaN if never reached)."""
     rows = []
-    for attention in TARGET_ATTENTIONS:
+    for attention in attentions:
         for name, cls in IMPLEMENTATIONS.items():
             cfg = bench_config(attention, length, [*overrides, f"runs_dir={runs_dir / name}", "train.patience=1"])
             folder = store.run_dir(cfg)
@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS)
     parser.add_argument("--gemm-size", type=int, default=2048, help="matrix size of the matmul-rate measurement")
     parser.add_argument("--time-to-target", action="store_true", help="also train to the target accuracy (minutes)")
+    parser.add_argument("--target-attentions", nargs="+", default=list(TARGET_ATTENTIONS), choices=ATTENTIONS)
     parser.add_argument("--csv", type=Path, default=Path("runs/bench/bench.csv"))
     parser.add_argument("--quick", action="store_true", help=f"a smoke run of seconds: {QUICK}")
     args = parser.parse_args(argv)
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(args.lengths)
     parts = [speed(args.lengths, args.overrides, args.repeats, args.warmup, device), memory(args.memory_attentions, longest, args.overrides, args.memory_steps)]
     if args.time_to_target:
-        parts.append(time_to_target(longest, args.overrides, args.csv.parent / "time_to_target"))
+        parts.append(time_to_target(args.target_attentions, longest, args.overrides, args.csv.parent / "time_to_target"))
     long = parts[0]
     for part in parts[1:]:
         long = long.merge(part, on=["attention", "length", "implementation"], how="left")

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from copytask.attention import SigmoidTanh
 from copytask.cli import config_dir
 from copytask.data import make_batch
 from copytask.reference import ReferenceSeq2Seq
@@ -83,3 +84,10 @@ def test_comparison_detects_a_changed_parameter():
     ref_logits, ref_weights = reference(b.src, b.src_lengths, b.tgt_in)
     assert not torch.allclose(weights, ref_weights, atol=1e-4)
     assert not torch.allclose(logits, ref_logits, atol=1e-4)
+
+
+def test_sigmoid_tanh_equals_tanh():
+    """The additive score's CPU tanh: values (saturation included) and gradients."""
+    x = torch.cat([torch.linspace(-60, 60, 241), torch.randn(1000) * 3, torch.tensor([0.0, 1e-8, -1e-8])])
+    torch.testing.assert_close(SigmoidTanh.apply(x), torch.tanh(x), rtol=0, atol=2e-7)
+    assert torch.autograd.gradcheck(SigmoidTanh.apply, torch.randn(20, dtype=torch.double, requires_grad=True) * 3)

@@ -74,6 +74,24 @@ def test_greedy_equals_reference(attention, mixed):
         torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("steps_per_piece", [1, 5])
+def test_additive_score_in_pieces_equals_reference(monkeypatch, steps_per_piece):
+    """Luong concat's score computed a few decoder steps at a time (as on CPU at long lengths;
+    5 leaves a remainder piece): logits, weights and gradients still equal the reference's."""
+    project, reference = model_pair("luong_concat")
+    b = batch(mixed=True)
+    monkeypatch.setattr("copytask.attention.ADDITIVE_CHUNK", steps_per_piece * BATCH * LENGTH * project.attention.v.in_features)
+    logits, weights = project(b.src, b.src_lengths, b.tgt_in)
+    ref_logits, ref_weights = reference(b.src, b.src_lengths, b.tgt_in)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    logits.square().mean().backward()
+    ref_logits.square().mean().backward()
+    ref_grads = dict(reference.named_parameters())
+    for name, param in project.named_parameters():
+        torch.testing.assert_close(param.grad, ref_grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_comparison_detects_a_changed_parameter():
     """Guards the tests above against passing vacuously (e.g. if attention had no effect)."""
     project, reference = model_pair("bahdanau")

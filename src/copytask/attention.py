@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 SCORES = ("additive", "dot", "general")
 
+ADDITIVE_CHUNK = 2**19  # elements of the additive score's tanh tensor computed at once on CPU (2 MB)
+
 # Replaces the weights after the softmax, for counterfactual checks: (weights, mask) -> weights.
 Intervention = Callable[[Tensor, Tensor], Tensor]
 
@@ -86,6 +88,21 @@ class Attention(nn.Module):
             return encoder_states
         return self.key_proj(encoder_states)
 
+    def additive_scores(self, query: Tensor, keys: Tensor) -> Tensor:
+        """v^T tanh(W q + U h): query (B, T_dec, d_s), keys U h (B, T_enc, A) -> (B, T_dec, T_enc).
+
+        The (B, T_dec, T_enc, A) tensor inside does not fit in a CPU cache when many decoder steps
+        come at once (Luong concat under teacher forcing: 106 MB at length 80, where forward and
+        backward of the score took 393 ms in one piece and 71-154 ms in pieces of 1-4 steps), so on
+        CPU it is computed ADDITIVE_CHUNK elements at a time."""
+        projected = self.query_proj(query)  # (B, T_dec, A)
+        steps = projected.size(1) if query.is_cuda else max(1, ADDITIVE_CHUNK // keys.numel())
+        scores = [
+            self.v(fast_tanh(part[:, :, None, :] + keys[:, None, :, :])).squeeze(-1)  # (B, steps, T_enc, A) -> (B, steps, T_enc)
+            for part in projected.split(steps, dim=1)
+        ]
+        return torch.cat(scores, dim=1) if len(scores) > 1 else scores[0]
+
     def forward(self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         batch, t_dec, d_s = query.shape
         t_enc = values.size(1)
@@ -93,9 +110,7 @@ class Attention(nn.Module):
         assert values.shape == (batch, t_enc, self.key_size), f"values {tuple(values.shape)}"
         assert keys.shape[:2] == (batch, t_enc) and mask.shape == (batch, t_enc), "keys/mask do not match values"
         if self.score == "additive":
-            # (B, T_dec, 1, A) + (B, 1, T_enc, A) -> tanh -> v -> (B, T_dec, T_enc)
-            hidden = fast_tanh(self.query_proj(query)[:, :, None, :] + keys[:, None, :, :])
-            scores = self.v(hidden).squeeze(-1)
+            scores = self.additive_scores(query, keys)
         else:
             scores = query @ keys.transpose(1, 2)  # (B, T_dec, T_enc)
         weights = masked_softmax(scores, mask)

@@ -41,13 +41,15 @@ commands:
            in runs_dir (writes analysis.json into each run folder; analysed runs are skipped);
            a sweep does this for its own runs before writing the report
              python -m copytask analyze runs_dir=runs analysis.eval_size=512
+  bench    training speed, memory and time to target against the classical reference
+             python -m copytask bench [--quick] [--time-to-target] [train.threads=1]
 
 Overrides are Hydra's: attention=none|bahdanau|luong_dot|luong_general|luong_concat,
 task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
 Hydra's own flags work too (--cfg job, --help)."""
 
 
-COMMANDS = ("train", "sweep", "compare", "report", "analyze")
+COMMANDS = ("train", "sweep", "compare", "report", "analyze", "bench")
 
 
 def config_dir() -> str:
@@ -124,5 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         from .report import report_command
 
         return report_command(rest)
+    if command == "bench":
+        from .bench import main as bench  # imported here: it loads the reference and profiler
+
+        return bench(rest)
     print(f"copytask: error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
     return 2

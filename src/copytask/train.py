@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from torch import nn
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -84,8 +85,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_model(cfg: DictConfig) -> Seq2Seq:
-    return Seq2Seq(
+def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.Module:
+    """The configured model; `model_class` may be any class with Seq2Seq's constructor and
+    interface (the benchmark passes `reference.ReferenceSeq2Seq`)."""
+    return model_class(
         vocab=total_vocab(cfg.task.vocab_size),
         decoder=cfg.attention.decoder,
         score=cfg.attention.score,
@@ -142,9 +145,21 @@ def _pad_to(t: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
 
 
-def train(cfg: DictConfig) -> dict:
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, clip: float) -> torch.Tensor:
+    """One teacher-forced update: cross-entropy over the real target positions, gradient norm
+    clipped to `clip`. -> the loss, detached (no host sync, so a GPU step stays asynchronous)."""
+    logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)  # (B, T_dec, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    return loss.detach()
+
+
+def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
     """Train one run and write its folder; returns metrics.json's content. A run whose
-    complete results already exist is not trained again."""
+    complete results already exist is not trained again. `model_class`: see `build_model`."""
     validate(cfg)
     folder = store.run_dir(cfg)
     if store.is_complete(folder):
@@ -161,7 +176,7 @@ def train(cfg: DictConfig) -> dict:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-    model = build_model(cfg).to(device)
+    model = build_model(cfg, model_class).to(device)
     heldout = eval_batch(cfg).to(device)
     steps = cfg.train.steps
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
@@ -175,14 +190,9 @@ def train(cfg: DictConfig) -> dict:
     bar = tqdm(total=steps, desc=folder.name, unit="step", disable=not cfg.train.progress, dynamic_ncols=True)
     for step in range(1, steps + 1):
         batch = sample_batch(cfg, cfg.train.batch_size, generator).to(device)
-        logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)  # (B, T_dec, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip)
-        optimizer.step()
+        loss = train_step(model, optimizer, batch, cfg.train.clip)
         schedule.step()
-        loss_sum += loss.detach()
+        loss_sum += loss
         loss_count += 1
         bar.update()
 

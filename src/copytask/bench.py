@@ -1,0 +1,287 @@
+"""Training speed of the project against the classical reference (`reference.py`), measured in
+one run on one machine, so that the ratio holds even where absolute times drift.
+
+    python -m copytask bench [--quick] [--time-to-target] [--csv PATH] [key=value ...]
+
+The key=value overrides are the training configs' (`train.threads=1`, `train.device=cuda`,
+`train.batch_size=128`, ...). Per attention type and length it measures:
+
+- ms per training step (forward, backward, clipping, Adam) and target tokens per second:
+  both models share weights and batch; every round times each (attention, implementation)
+  once, interleaved, and the median over the rounds after warm-up is reported;
+- FLOPs of one step (matrix products only, `FlopCounterMode`) and the fraction of this
+  machine's matmul rate (a large `torch.mm`) the step reaches;
+- at the longest length, peak memory of a short training run in a fresh process;
+- with --time-to-target, wall time and steps to the target greedy token accuracy at the
+  longest length for Bahdanau and Luong general, training each implementation with the same
+  configured settings (the project's defaults) and patience 1, so a run stops at the first hit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pandas as pd
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm.auto import tqdm
+
+from . import store
+from .cli import config_dir
+from .data import Batch
+from .model import Seq2Seq
+from .reference import ReferenceSeq2Seq
+from .train import build_model, resolve_device, sample_batch, train, train_step
+
+ATTENTIONS = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")
+IMPLEMENTATIONS = {"project": Seq2Seq, "reference": ReferenceSeq2Seq}
+TARGET_ATTENTIONS = ("bahdanau", "luong_general")
+# A smoke run: short sequences, a small batch, one fresh process per implementation for memory,
+# and one thread (two threads on a busy two-core machine made steps 3-100x slower).
+QUICK = {
+    "lengths": [5, 10],
+    "repeats": 2,
+    "warmup": 1,
+    "gemm_size": 256,
+    "memory_attentions": ["luong_general"],
+    "overrides": ["train.batch_size=8", "train.threads=1"],
+}
+
+Setup = tuple[torch.nn.Module, torch.optim.Optimizer, Batch, float]  # train_step's arguments
+
+
+def bench_config(attention: str, length: int, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose("config", overrides=[f"attention={attention}", f"task.length={length}", *overrides])
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def setups(cfg: DictConfig, device: torch.device) -> dict[str, Setup]:
+    """Project and reference model with the same weights, each with its Adam, on one batch."""
+    batch = sample_batch(cfg, cfg.train.batch_size, torch.Generator().manual_seed(cfg.seed)).to(device)
+    torch.manual_seed(cfg.seed)
+    models = {name: build_model(cfg, cls).to(device) for name, cls in IMPLEMENTATIONS.items()}
+    models["reference"].load_state_dict(models["project"].state_dict())
+    return {name: (m, torch.optim.Adam(m.parameters(), lr=cfg.train.lr), batch, cfg.train.clip) for name, m in models.items()}
+
+
+def step_seconds(setup: Setup, device: torch.device) -> float:
+    synchronize(device)
+    started = time.perf_counter()
+    train_step(*setup)
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def step_flops(setup: Setup) -> int:
+    """Matrix-product FLOPs of one training step, forward and backward."""
+    with FlopCounterMode(display=False) as counter:
+        train_step(*setup)
+    return counter.get_total_flops()
+
+
+def matmul_rate(device: torch.device, size: int, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` float32 (size x size) @ (size x size) products."""
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    torch.mm(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best
+
+
+def speed(lengths: list[int], overrides: list[str], repeats: int, warmup: int, device: torch.device) -> pd.DataFrame:
+    """ms/step, tokens/s and FLOPs for every (attention, length, implementation)."""
+    rows = []
+    bar = tqdm(total=len(lengths) * len(ATTENTIONS) * len(IMPLEMENTATIONS) * (warmup + repeats), desc="step times", unit="step")
+    for length in lengths:
+        cfgs = {attention: bench_config(attention, length, overrides) for attention in ATTENTIONS}
+        runs = {(attention, name): setup for attention, cfg in cfgs.items() for name, setup in setups(cfg, device).items()}
+        seconds: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+        for round_ in range(warmup + repeats):  # interleaved: drift on a shared machine hits all alike
+            for key, setup in runs.items():
+                bar.set_postfix_str(f"length {length} {key[0]} {key[1]}")
+                elapsed = step_seconds(setup, device)
+                if round_ >= warmup:
+                    seconds[key].append(elapsed)
+                bar.update()
+        for (attention, name), setup in runs.items():
+            cfg = cfgs[attention]
+            median = statistics.median(seconds[attention, name])
+            target_tokens = cfg.train.batch_size * (length + 1)
+            rows.append(
+                {
+                    "attention": attention,
+                    "length": length,
+                    "implementation": name,
+                    "batch_size": cfg.train.batch_size,
+                    "ms_per_step": 1e3 * median,
+                    "tokens_per_s": target_tokens / median,
+                    "gflop_per_step": step_flops(setup) / 1e9,
+                }
+            )
+    bar.close()
+    return pd.DataFrame(rows)
+
+
+MEMORY_CHILD = "import json, sys; from copytask.bench import training_memory; print(json.dumps(training_memory(*json.loads(sys.argv[1]))))"
+
+
+def training_memory(attention: str, implementation: str, length: int, overrides: list[str], steps: int) -> dict:
+    """Runs in a fresh process: `steps` training steps. -> peak memory of the process (CPU: max
+    RSS; CUDA: max allocated) and its growth over training (activations, gradients, Adam state), MiB."""
+    cfg = bench_config(attention, length, overrides)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device)
+    setup = setups(cfg, device)[implementation]
+
+    def peak() -> float:
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated(device) / 2**20
+        status = Path("/proc/self/status")
+        if status.exists():  # Linux; ru_maxrss would include the parent's peak from before exec
+            line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
+            return int(line.split()[1]) / 2**10  # kB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # macOS: bytes
+
+    before = peak()
+    for _ in range(steps):
+        train_step(*setup)
+    synchronize(device)
+    return {"peak_mb": peak(), "train_mb": peak() - before}
+
+
+def memory(attentions: list[str], length: int, overrides: list[str], steps: int) -> pd.DataFrame:
+    """training_memory for every (attention, implementation), each in its own process."""
+    package_root = str(Path(__file__).resolve().parents[1])  # this checkout's copytask, not another install
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    keys = [(attention, name) for attention in attentions for name in IMPLEMENTATIONS]
+
+    def measure(key: tuple[str, str]) -> dict:
+        args = json.dumps([*key, length, overrides, steps])
+        out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, args], env=env, capture_output=True, text=True, check=True)
+        return {"attention": key[0], "implementation": key[1], "length": length, **json.loads(out.stdout.strip().splitlines()[-1])}
+
+    # two at a time: the processes' memory does not interfere, and the wait halves
+    with ThreadPoolExecutor(2) as pool:
+        rows = list(tqdm(pool.map(measure, keys), total=len(keys), desc=f"peak memory, length {length}", unit="run"))
+    return pd.DataFrame(rows)
+
+
+def time_to_target(attentions: list[str], length: int, overrides: list[str], runs_dir: Path) -> pd.DataFrame:
+    """Train each attention type with each implementation until the target accuracy is first
+    reached on the held-out set. -> seconds and steps to it (NaN if never reached)."""
+    rows = []
+    for attention in attentions:
+        for name, cls in IMPLEMENTATIONS.items():
+            cfg = bench_config(attention, length, [*overrides, f"runs_dir={runs_dir / name}", "train.patience=1"])
+            folder = store.run_dir(cfg)
+            shutil.rmtree(folder, ignore_errors=True)  # measure afresh, never reuse a finished run
+            train(cfg, cls)
+            history = pd.read_csv(folder / store.HISTORY)
+            hit = history[history.token_acc >= cfg.train.target_acc].head(1)
+            rows.append(
+                {
+                    "attention": attention,
+                    "implementation": name,
+                    "length": length,
+                    "target_s": hit.seconds.item() if len(hit) else float("nan"),
+                    "target_steps": hit.step.item() if len(hit) else float("nan"),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        model = names[0] if names else model
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def wide(long: pd.DataFrame) -> pd.DataFrame:
+    """One row per (attention, length): each measure for project and reference, and the speedup."""
+    table = long.pivot_table(index=["attention", "length", "batch_size"], columns="implementation", sort=False, dropna=False)
+    table.columns = [f"{measure}_{name}" for measure, name in table.columns]
+    table.insert(0, "speedup", table.ms_per_step_reference / table.ms_per_step_project)
+    if "target_s_project" in table:
+        table.insert(1, "target_speedup", table.target_s_reference / table.target_s_project)
+    return table.reset_index()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m copytask bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.threads=1 train.device=cuda")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[20, 80])
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per configuration (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    parser.add_argument("--memory-steps", type=int, default=3, help="training steps of the peak-memory run")
+    parser.add_argument("--memory-attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS)
+    parser.add_argument("--gemm-size", type=int, default=2048, help="matrix size of the matmul-rate measurement")
+    parser.add_argument("--time-to-target", action="store_true", help="also train to the target accuracy (minutes)")
+    parser.add_argument("--target-attentions", nargs="+", default=list(TARGET_ATTENTIONS), choices=ATTENTIONS)
+    parser.add_argument("--csv", type=Path, default=Path("runs/bench/bench.csv"))
+    parser.add_argument("--quick", action="store_true", help=f"a smoke run of seconds: {QUICK}")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.repeats, args.warmup, args.gemm_size = QUICK["lengths"], QUICK["repeats"], QUICK["warmup"], QUICK["gemm_size"]
+        args.memory_steps, args.memory_attentions = 1, QUICK["memory_attentions"]
+        args.overrides = [*QUICK["overrides"], *args.overrides]
+
+    cfg = bench_config(ATTENTIONS[0], args.lengths[0], args.overrides)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device)
+    description = f"{machine(device)}; torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}"
+    print(f"copytask bench on {description}", file=sys.stderr)
+
+    longest = max(args.lengths)
+    parts = [speed(args.lengths, args.overrides, args.repeats, args.warmup, device), memory(args.memory_attentions, longest, args.overrides, args.memory_steps)]
+    if args.time_to_target:
+        parts.append(time_to_target(args.target_attentions, longest, args.overrides, args.csv.parent / "time_to_target"))
+    long = parts[0]
+    for part in parts[1:]:
+        long = long.merge(part, on=["attention", "length", "implementation"], how="left")
+    table = wide(long)
+    rate = matmul_rate(device, args.gemm_size)
+    for name in IMPLEMENTATIONS:
+        table[f"matmul_peak_fraction_{name}"] = table[f"gflop_per_step_{name}"] * 1e9 / (table[f"ms_per_step_{name}"] / 1e3) / rate
+    table["matmul_gflops"] = rate / 1e9
+    table["machine"] = description
+
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    store.atomic_write(args.csv, table.to_csv(index=False))
+    shown = ["attention", "length", "speedup", "ms_per_step_project", "ms_per_step_reference", "tokens_per_s_project", "tokens_per_s_reference",
+             "peak_mb_project", "peak_mb_reference", "train_mb_project", "train_mb_reference", "matmul_peak_fraction_project", "matmul_peak_fraction_reference"]
+    if args.time_to_target:
+        shown += ["target_speedup", "target_s_project", "target_s_reference", "target_steps_project", "target_steps_reference"]
+    print(f"\n{description}; matmul rate {rate / 1e9:.1f} GFLOP/s ({args.gemm_size}^3 float32)")
+    print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.3g}", na_rep="-"))
+    print(f"\nwritten to {args.csv}")
+    return 0

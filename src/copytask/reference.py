@@ -1,0 +1,130 @@
+"""The classical implementation, written the way the well-known tutorials write it: the test
+oracle for the fast paths in `model` / `attention`, and the benchmark's yardstick.
+
+Every decoder runs one target position at a time, also under teacher forcing and also for
+Luong (the decoder GRU is called on a length-1 sequence per step), and attention re-projects
+the encoder states at every step. Nothing is batched over time, nothing is cached.
+
+Parameter names and shapes equal `Seq2Seq`'s, so a project state_dict loads here and both must
+compute the same numbers. The encoder is the project's: it already is the classical form
+(one `nn.GRU` call, packed when lengths differ), and it is not where the fast paths differ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .data import BOS, PAD, length_mask
+from .model import DECODERS, Encoder
+
+
+class ReferenceAttention(nn.Module):
+    """One decoder step: query (B, d_s) against encoder states (B, T_enc, d_h)."""
+
+    def __init__(self, score: str, query_size: int, key_size: int, attention_size: int | None):
+        super().__init__()
+        self.score = score
+        if score == "additive":
+            self.query_proj = nn.Linear(query_size, attention_size, bias=False)
+            self.key_proj = nn.Linear(key_size, attention_size)
+            self.v = nn.Linear(attention_size, 1, bias=False)
+        elif score == "general":
+            self.key_proj = nn.Linear(key_size, query_size, bias=False)
+
+    def forward(self, query: Tensor, encoder_states: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """-> context (B, d_h), weights (B, T_enc)."""
+        if self.score == "additive":
+            # the keys U_a h are projected again at every step, as the tutorials do
+            hidden = torch.tanh(self.query_proj(query)[:, None, :] + self.key_proj(encoder_states))  # (B, T_enc, A)
+            scores = self.v(hidden)[:, :, 0]
+        elif self.score == "general":
+            scores = torch.bmm(self.key_proj(encoder_states), query[:, :, None])[:, :, 0]
+        else:
+            scores = torch.bmm(encoder_states, query[:, :, None])[:, :, 0]  # (B, T_enc)
+        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        context = torch.bmm(weights[:, None, :], encoder_states)[:, 0]  # (B, d_h)
+        return context, weights
+
+
+class ReferenceDecoder(nn.Module):
+    """plain, bahdanau or luong, one step at a time; module names as in model.py's decoders."""
+
+    def __init__(self, kind: str, vocab: int, embedding_size: int, hidden_size: int, score: str | None, attention_size: int | None):
+        super().__init__()
+        if kind not in DECODERS:
+            raise ValueError(f"unknown decoder {kind!r}; choose one of {', '.join(DECODERS)}")
+        self.kind = kind
+        self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
+        if kind == "bahdanau":
+            self.attention = ReferenceAttention("additive", hidden_size, hidden_size, attention_size)
+            self.cell = nn.GRUCell(embedding_size + hidden_size, hidden_size)
+            self.out = nn.Linear(2 * hidden_size, vocab)
+            return
+        self.rnn = nn.GRU(embedding_size, hidden_size, batch_first=True)
+        if kind == "luong":
+            self.attention = ReferenceAttention(score, hidden_size, hidden_size, attention_size)
+            self.combine = nn.Linear(2 * hidden_size, hidden_size)
+        self.out = nn.Linear(hidden_size, vocab)
+
+    def step(self, tokens: Tensor, hidden: Tensor, encoder_states: Tensor, src_mask: Tensor):
+        """tokens (B,), hidden s_{t-1} (B, H) -> logits (B, V), weights (B, T_enc) or None, s_t (B, H)."""
+        embedded = self.embedding(tokens)  # (B, E)
+        if self.kind == "bahdanau":
+            context, weights = self.attention(hidden, encoder_states, src_mask)  # query s_{t-1}
+            hidden = self.cell(torch.cat([embedded, context], dim=-1), hidden)
+            return self.out(torch.cat([hidden, context], dim=-1)), weights, hidden
+        _, hidden = self.rnn(embedded[:, None], hidden[None])
+        hidden = hidden[0]
+        if self.kind == "plain":
+            return self.out(hidden), None, hidden
+        context, weights = self.attention(hidden, encoder_states, src_mask)  # query s_t
+        return self.out(torch.tanh(self.combine(torch.cat([hidden, context], dim=-1)))), weights, hidden
+
+
+class ReferenceSeq2Seq(nn.Module):
+    """Same constructor, parameters and interface as `model.Seq2Seq`."""
+
+    def __init__(
+        self,
+        vocab: int,
+        decoder: str,
+        score: str | None = None,
+        embedding_size: int = 32,
+        hidden_size: int = 64,
+        attention_size: int | None = None,
+        bidirectional: bool = True,
+    ):
+        super().__init__()
+        self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional)
+        self.decoder = ReferenceDecoder(decoder, vocab, embedding_size, hidden_size, score, attention_size)
+
+    @property
+    def attention(self) -> ReferenceAttention | None:
+        return getattr(self.decoder, "attention", None)
+
+    def _decode(self, src: Tensor, src_lengths: Tensor, inputs: Tensor | None, steps: int):
+        """Step by step; feeds `inputs[:, t]` (teacher forcing) or, without inputs, the previous
+        argmax. -> logits (B, steps, V), weights (B, steps, T_enc) or None."""
+        encoder_states, hidden = self.encoder(src, src_lengths)
+        src_mask = length_mask(src_lengths, src.size(1))
+        tokens = torch.full((src.size(0),), BOS, dtype=torch.long, device=src.device)
+        logits, weights = [], []
+        for t in range(steps):
+            if inputs is not None:
+                tokens = inputs[:, t]
+            step_logits, step_weights, hidden = self.decoder.step(tokens, hidden, encoder_states, src_mask)
+            tokens = step_logits.argmax(-1)
+            logits.append(step_logits)
+            weights.append(step_weights)
+        return torch.stack(logits, 1), (None if self.attention is None else torch.stack(weights, 1))
+
+    def forward(self, src: Tensor, src_lengths: Tensor, tgt_in: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Teacher forcing: -> logits (B, T_dec, V), weights (B, T_dec, T_enc) or None."""
+        return self._decode(src, src_lengths, tgt_in, tgt_in.size(1))
+
+    @torch.no_grad()
+    def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor | None]:
+        """-> tokens (B, steps), weights (B, steps, T_enc) or None."""
+        logits, weights = self._decode(src, src_lengths, None, steps)
+        return logits.argmax(-1), weights

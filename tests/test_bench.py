@@ -1,0 +1,24 @@
+"""The benchmark's smoke run: the CSV has a row per (attention, length) and sensible numbers."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from copytask.bench import ATTENTIONS, QUICK, main
+
+
+@pytest.mark.slow  # about 30 s on two idle cores: model set-up, FLOP counting, two fresh processes
+def test_quick_bench_writes_the_table(tmp_path):
+    csv = tmp_path / "bench.csv"
+    assert main(["--quick", "--csv", str(csv)]) == 0
+    table = pd.read_csv(csv)
+    assert sorted(zip(table.attention, table.length)) == sorted((a, n) for a in ATTENTIONS for n in QUICK["lengths"])
+    for name in ("project", "reference"):
+        for measure in ("ms_per_step", "tokens_per_s", "gflop_per_step", "matmul_peak_fraction"):
+            assert (table[f"{measure}_{name}"] > 0).all(), f"{measure}_{name}"
+        measured = table.attention.isin(QUICK["memory_attentions"]) & (table.length == max(QUICK["lengths"]))
+        assert (table.loc[measured, f"peak_mb_{name}"] > 0).all()
+        assert table.loc[~measured, f"peak_mb_{name}"].isna().all()
+    assert (table.speedup > 0).all() and (table.matmul_gflops > 0).all()
+    assert table.machine.nunique() == 1

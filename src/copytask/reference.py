@@ -94,8 +94,11 @@ class ReferenceSeq2Seq(nn.Module):
         hidden_size: int = 64,
         attention_size: int | None = None,
         bidirectional: bool = True,
+        heads: int = 1,
     ):
         super().__init__()
+        if heads != 1:
+            raise ValueError(f"the reference implementation is single-head, got heads={heads}")
         self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional)
         self.decoder = ReferenceDecoder(decoder, vocab, embedding_size, hidden_size, score, attention_size)
 

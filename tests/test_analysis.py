@@ -66,13 +66,25 @@ def hand_built(task: str, lengths: torch.Tensor, on_target: float = 1.0):
 def test_alignment_of_a_hand_built_matrix(task):
     lengths = torch.tensor([4, 2, 3])
     diagonal, batch = hand_built(task, lengths)
-    assert analysis.alignment(diagonal, batch, task) == {"hit": 1.0, "mass": 1.0}
+    assert analysis.alignment(diagonal, batch, task) == {"hit": 1.0, "mass": 1.0, "adjacent": 0.0}
     spread, _ = hand_built(task, lengths, on_target=0.7)
     result = analysis.alignment(spread, batch, task)
     assert result["hit"] == 1.0 and result["mass"] == pytest.approx(0.7)
     # the other task's matrix (anti-diagonal for copy, diagonal for reverse) mostly misses
     other, _ = hand_built("reverse" if task == "copy" else "copy", lengths)
     assert analysis.alignment(other, batch, task)["hit"] == pytest.approx(1 / 9)  # only the middle of length 3 agrees
+
+
+def test_attention_one_position_off_counts_as_adjacent_not_hit():
+    lengths = torch.tensor([4, 3])
+    diagonal, batch = hand_built("copy", lengths)
+    shifted = torch.zeros_like(diagonal)
+    shifted[:, 1:] = diagonal[:, :-1]  # row t attends t - 1, as trained models do at long lengths
+    shifted[:, 0, 0] = 1.0
+    result = analysis.alignment(shifted, batch, "copy")
+    content_steps = int(lengths.sum())
+    assert result["hit"] == pytest.approx(2 / content_steps)  # only row 0 of each sequence
+    assert result["adjacent"] == pytest.approx(1 - 2 / content_steps)
 
 
 def test_reverse_targets_are_the_reversed_sources():

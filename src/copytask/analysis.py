@@ -40,6 +40,7 @@ from .model import Seq2Seq
 from .train import build_model, eval_batch, evaluate, resolve_device
 
 COUNTERFACTUALS = ("uniform", "permuted", "fixed")
+ALIGNMENT = ("hit", "mass", "adjacent")
 FIXED_POSITION = 0  # the `fixed` counterfactual puts all weight here (always a valid position)
 PER_LENGTH_SIZE = 64  # held-out sequences per length in the per-length evaluation
 
@@ -117,12 +118,18 @@ def copied_positions(task: str, lengths: Tensor, steps: int) -> Tensor:
 
 def alignment(weights: Tensor, batch: Batch, task: str) -> dict[str, float]:
     """weights (B, T_dec, T_enc) from greedy decoding on `batch` -> over all content output steps,
-    `hit`: the fraction whose attention argmax is the copied position, `mass`: the mean weight on it."""
+    `hit`: the fraction whose attention argmax is the copied position, `mass`: the mean weight on it,
+    `adjacent`: the fraction whose argmax is a neighbour of it. With a bidirectional encoder the
+    state next to a symbol also carries that symbol, and trained models do attend there."""
     target = copied_positions(task, batch.src_lengths, weights.size(1))  # (B, T_dec)
     content = batch.content_mask  # (B, T_dec) output steps that copy a symbol
-    hit = (weights.argmax(-1) == target)[content]
+    distance = (weights.argmax(-1) - target).abs()[content]
     mass = weights.gather(-1, target[..., None]).squeeze(-1)[content]
-    return {"hit": hit.float().mean().item(), "mass": mass.mean().item()}
+    return {
+        "hit": (distance == 0).float().mean().item(),
+        "mass": mass.mean().item(),
+        "adjacent": (distance == 1).float().mean().item(),
+    }
 
 
 def head_weights(model: Seq2Seq, batch: Batch) -> Tensor:
@@ -306,7 +313,7 @@ def analysis_table(analyses: Iterable[dict]) -> pd.DataFrame:
         _run_columns(a)
         | {name: a["counterfactual"][name] for name in ("own", *COUNTERFACTUALS)}
         | {f"drop_{name}": a["drop"][name] for name in COUNTERFACTUALS}
-        | {"align_hit": a["alignment"]["hit"], "align_mass": a["alignment"]["mass"]}
+        | {f"align_{key}": a["alignment"].get(key) for key in ALIGNMENT}
         for a in analyses
         if "counterfactual" in a
     ]
@@ -335,7 +342,7 @@ def summary(analyses: list[dict]) -> str:
     parts = []
     table = analysis_table(analyses)
     if not table.empty:
-        columns = ["own", *COUNTERFACTUALS, *(f"drop_{n}" for n in COUNTERFACTUALS), "align_hit", "align_mass"]
+        columns = ["own", *COUNTERFACTUALS, *(f"drop_{n}" for n in COUNTERFACTUALS), *(f"align_{key}" for key in ALIGNMENT)]
         counterfactual = table.groupby(keys)[columns].mean().join(table.groupby(keys).size().rename("seeds"))
         parts.append(
             "greedy token accuracy with the model's own attention and under each counterfactual (mean over seeds)\n"

@@ -248,6 +248,7 @@ def evidence_tables(analyses: list[dict]) -> list[str]:
             "seeds": means["seeds"],
             "argmax on copied position %": means["align_hit"].map(results.percent),
             "weight on copied position %": means["align_mass"].map(results.percent),
+            "argmax next to it %": means["align_adjacent"].map(results.percent),
         }
     )
     return [
@@ -266,7 +267,10 @@ def evidence_tables(analyses: list[dict]) -> list[str]:
         "### Alignment",
         "",
         "How often the attention argmax at an output step lands on the source position that step copies, and the mean "
-        "weight there (row t of the map produces output t, for both Bahdanau and Luong; EOS not scored).",
+        "weight there (row t of the map produces output t, for both Bahdanau and Luong; EOS not scored), and how often the "
+        "argmax lands on a neighbour of that position instead. The bidirectional encoder's state at a neighbouring position "
+        "also carries the symbol, so a model can copy correctly while attending one position off: a diagonal that looks "
+        "right can be shifted by one, another reason to read maps together with the counterfactual drops.",
         "",
         markdown_table(alignment),
         "",

@@ -23,7 +23,7 @@ from .sweep import GridRun, SweepFailed, compose_grid
 
 RESULTS_CSV = "results.csv"
 COLUMNS = ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "run")
-ALIGNMENT_COLUMNS = ("align_hit", "align_mass")  # from analysis.json, empty for runs without attention or analysis
+ALIGNMENT_COLUMNS = ("align_hit", "align_mass", "align_adjacent")  # from analysis.json, empty for runs without attention or analysis
 BASELINE = "none"
 CONFIDENCE = 0.95
 

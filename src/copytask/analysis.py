@@ -332,6 +332,11 @@ def per_length_table(analyses: Iterable[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _by_length(level: pd.Index) -> pd.Index:
+    """Sort key: train lengths ("5", "10", "5-80") by their longest length, not as text."""
+    return level.map(lambda value: int(value.split("-")[-1])) if level.name == "train_length" else level
+
+
 def summary(analyses: list[dict]) -> str:
     """The tables `python -m copytask analyze` prints: counterfactuals and alignment per attention,
     task and train length (mean over seeds), then the train length x test length token accuracy."""
@@ -344,11 +349,13 @@ def summary(analyses: list[dict]) -> str:
     if not table.empty:
         columns = ["own", *COUNTERFACTUALS, *(f"drop_{n}" for n in COUNTERFACTUALS), *(f"align_{key}" for key in ALIGNMENT)]
         counterfactual = table.groupby(keys)[columns].mean().join(table.groupby(keys).size().rename("seeds"))
+        counterfactual = counterfactual.sort_index(key=_by_length)
         parts.append(
             "greedy token accuracy with the model's own attention and under each counterfactual (mean over seeds)\n"
             + counterfactual.to_string(float_format=number)
         )
     matrix = generalisation.pivot_table(index=keys, columns="test_length", values="token_acc", aggfunc="mean")
+    matrix = matrix.sort_index(key=_by_length)
     parts.append(
         "length generalisation: greedy token accuracy, train length (rows) x test length (columns)\n"
         + matrix.to_string(float_format=number)

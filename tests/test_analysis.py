@@ -1,6 +1,7 @@
 """Counterfactual weights, alignment, per-length evaluation and `analyze` through the real CLI."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,18 @@ def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, caps
     assert stamps == {f: (f / store.ANALYSIS).stat().st_mtime_ns for f in folders.values()}
     printed = capsys.readouterr().out
     assert "luong_general-2heads" in printed and "length generalisation" in printed
+
+
+def test_analyze_skips_a_corrupt_run_with_a_warning_naming_it(analysed_runs, tmp_path, capsys):
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(analysed_runs, runs_dir)
+    corrupt, intact = analysis.complete_runs(runs_dir)
+    for folder in (corrupt, intact):
+        (folder / store.ANALYSIS).unlink()
+    (corrupt / store.METRICS).write_text('{"attention": "luong')  # half-written
+    assert cli.main(["analyze", f"runs_dir={runs_dir}"]) == 0
+    assert f"skipping {corrupt}" in capsys.readouterr().err
+    assert (intact / store.ANALYSIS).is_file() and not (corrupt / store.ANALYSIS).exists()
 
 
 def test_figures_are_drawn_from_the_analysis_files(analysed_runs, tmp_path):

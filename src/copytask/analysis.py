@@ -267,6 +267,18 @@ def is_analysed(folder: Path, lengths: list[int], eval_size: int | None) -> bool
     return tested >= set(lengths) and done.get("eval_size") == eval_size
 
 
+def _trained_length(folder: Path) -> int | None:
+    """The length a complete run was trained at; None, with a warning naming the run, if its
+    metrics.json is missing or unreadable (such a run is not analysed)."""
+    if not store.is_complete(folder):
+        return None
+    try:
+        return int(store.read_json(folder / store.METRICS)["length"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        store.warn(f"skipping {folder}: unreadable {store.METRICS}: {error}")
+        return None
+
+
 def analyze(
     folders: Iterable[Path],
     lengths: list[int] | None = None,
@@ -279,9 +291,10 @@ def analyze(
     `threads` torch CPU threads (None: torch's default). A run already analysed that way is
     skipped; a run whose analysis fails is named in a warning and the others go on. Returns how
     many runs were analysed now."""
-    folders = [folder for folder in folders if store.is_complete(folder)]
+    trained = {folder: length for folder in folders if (length := _trained_length(folder)) is not None}
+    folders = list(trained)
     if lengths is None:
-        lengths = sorted({store.read_json(folder / store.METRICS)["length"] for folder in folders})
+        lengths = sorted(set(trained.values()))
     analysed, previous_threads = 0, torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)

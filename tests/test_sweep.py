@@ -11,7 +11,7 @@ import pytest
 from copytask import store
 from copytask.sweep import compose_grid
 
-from .conftest import GRID, TINY, overrides, run_cli
+from .conftest import TINY, overrides, run_cli
 
 EXPECTED = set(itertools.product(["none", "luong_general"], [3, 6], [0, 1]))
 

@@ -37,7 +37,7 @@ from . import store
 from .attention import Attention, Intervention
 from .data import Batch, make_batch
 from .model import Seq2Seq
-from .train import build_model, eval_batch, evaluate, resolve_device
+from .train import build_model, eval_batch, evaluate, resolve_device, rounded, sequence_scores
 
 COUNTERFACTUALS = ("uniform", "permuted", "fixed")
 ALIGNMENT = ("hit", "mass", "adjacent")
@@ -172,15 +172,9 @@ def length_generalisation(model: Seq2Seq, cfg: DictConfig, lengths: list[int], e
 def accuracy_by_length(batch: Batch, tokens: Tensor) -> pd.DataFrame:
     """Greedy output `tokens` (B, T_dec) for `batch` -> one row per source length present:
     count, token accuracy (content positions) and exact-sequence accuracy (EOS included)."""
-    correct = tokens == batch.tgt_out
-    content, target = batch.content_mask, batch.target_mask
+    hits, symbols, exact = sequence_scores(tokens, batch)
     per_sequence = pd.DataFrame(
-        {
-            "length": batch.src_lengths.tolist(),
-            "hits": (correct & content).sum(1).tolist(),
-            "symbols": content.sum(1).tolist(),
-            "exact": (correct | ~target).all(1).tolist(),
-        }
+        {"length": batch.src_lengths.tolist(), "hits": hits.tolist(), "symbols": symbols.tolist(), "exact": exact.tolist()}
     )
     grouped = per_sequence.groupby("length")
     table = grouped.agg(count=("exact", "size"), hits=("hits", "sum"), symbols=("symbols", "sum"), seq_acc=("exact", "mean"))
@@ -248,7 +242,7 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None) 
         analysis["head_weights"] = {
             "source": first.src[0].tolist(),
             "target": first.tgt_out[0].tolist(),
-            "weights": head_weights(model, first)[0].double().mul(1e4).round().div(1e4).tolist(),
+            "weights": rounded(head_weights(model, first)[0]),
         }
     return analysis
 

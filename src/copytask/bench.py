@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -44,6 +43,7 @@ from .cli import config_dir
 from .data import Batch
 from .model import Seq2Seq
 from .reference import ReferenceSeq2Seq
+from .sweep import cpu_model
 from .train import build_model, resolve_device, sample_batch, train, train_step
 
 ATTENTIONS = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")
@@ -217,12 +217,7 @@ def time_to_target(attentions: list[str], length: int, overrides: list[str], run
 def machine(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-        model = names[0] if names else model
-    return f"{model}, {os.cpu_count()} cores"
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def wide(long: pd.DataFrame) -> pd.DataFrame:

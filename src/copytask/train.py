@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import shutil
 import time
-from pathlib import Path
 
 import pandas as pd
 import torch
@@ -126,14 +125,27 @@ def evaluate(model: Seq2Seq, batch: Batch, chunk_size: int = 512) -> dict:
         weights.append(None if w is None else _pad_to(w, batch.src.size(1), dim=2))
     model.train(was_training)
     tokens = torch.cat(tokens)
-    correct = tokens == batch.tgt_out
-    content, target = batch.content_mask, batch.target_mask
+    hits, symbols, exact = sequence_scores(tokens, batch)
     return {
-        "token_acc": (correct & content).sum().item() / content.sum().item(),
-        "seq_acc": (correct | ~target).all(dim=1).float().mean().item(),
+        "token_acc": hits.sum().item() / symbols.sum().item(),
+        "seq_acc": exact.float().mean().item(),
         "tokens": tokens,
         "weights": None if weights[0] is None else torch.cat(weights),
     }
+
+
+def sequence_scores(tokens: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy output `tokens` (B, T_dec) against `batch` -> per sequence (B,): content symbols right,
+    content symbols, and whether the whole target (every symbol and the EOS) is right."""
+    correct = tokens == batch.tgt_out
+    content = batch.content_mask
+    return (correct & content).sum(1), content.sum(1), (correct | ~batch.target_mask).all(1)
+
+
+def rounded(weights: torch.Tensor) -> list:
+    """Attention weights as nested lists with four decimals: small enough for a length-80 map in
+    JSON, exact enough for a heatmap."""
+    return weights.double().mul(1e4).round().div(1e4).tolist()
 
 
 def _pad_to(t: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
@@ -263,8 +275,7 @@ def attention_samples(cfg: DictConfig, heldout: Batch, result: dict) -> dict:
                 "source": heldout.src[i, :length].tolist(),
                 "target": heldout.tgt_out[i, : length + 1].tolist(),
                 "output": result["tokens"][i, : length + 1].tolist(),
-                # four decimals keep a length-80 map small and exact enough for a heatmap
-                "weights": None if weights is None else weights[i, : length + 1, :length].double().mul(1e4).round().div(1e4).tolist(),
+                "weights": None if weights is None else rounded(weights[i, : length + 1, :length]),
             }
         )
     return {"attention": cfg.attention.name, "task": cfg.task.name, "samples": samples}

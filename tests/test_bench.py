@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from copytask.bench import ATTENTIONS, QUICK, main
+from copytask.bench import ATTENTIONS, QUICK, main, time_to_target
 
 
 @pytest.mark.slow  # about 30 s on two idle cores: model set-up, FLOP counting, two fresh processes
@@ -22,3 +22,14 @@ def test_quick_bench_writes_the_table(tmp_path):
         assert table.loc[~measured, f"peak_mb_{name}"].isna().all()
     assert (table.speedup > 0).all() and (table.matmul_gflops > 0).all()
     assert table.machine.nunique() == 1
+
+
+def test_time_to_target_trains_each_implementation_with_its_own_settings(tmp_path):
+    tiny = ["train.steps=20", "train.eval_every=10", "train.target_acc=0", "train.batch_size=8", "train.eval_size=16", "train.progress=false"]
+    table = time_to_target(["luong_general"], 5, tiny, "own", tmp_path)
+    rows = table.set_index("implementation")
+    assert list(rows.index) == ["project", "reference"]
+    assert (rows.target_steps == 10).all()  # a target of 0 is met at the first evaluation, and patience is 1
+    assert (rows.target_s > 0).all() and (rows.target_trained_s >= rows.target_s).all()
+    assert rows.target_settings["project"] == "lr 0.006 onecycle, budget 20"
+    assert rows.target_settings["reference"] == "lr 0.001 constant, budget 20"  # tiny's budget comes last

@@ -35,6 +35,25 @@ def test_padded_positions_get_exactly_zero_weight(score, d_s, d_h, size):
     torch.testing.assert_close(weights[1:, :, :3], alone_weights)
 
 
+@pytest.mark.parametrize("score, d_s, d_h, size", CASES)
+def test_one_step_equals_forward_on_one_decoder_position(score, d_s, d_h, size):
+    """`step` (query (B, d_s), as Bahdanau's decoder calls it) computes forward's numbers, masking
+    and intervention included, without the time axis."""
+    torch.manual_seed(0)
+    attention = Attention(score, d_s, d_h, size)
+    states = torch.randn(2, 6, d_h)
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    query, keys = torch.randn(2, d_s), attention.project_keys(states)
+    for intervention in (None, lambda weights, mask: mask[:, None, :] / mask.sum(-1)[:, None, None]):  # uniform
+        attention.intervention = intervention
+        context, weights = attention(query[:, None], keys, states, mask)
+        step_context, step_weights = attention.step(query, keys, states, mask)
+        assert step_context.shape == (2, d_h) and step_weights.shape == (2, 6)
+        torch.testing.assert_close(step_context, context[:, 0])
+        torch.testing.assert_close(step_weights, weights[:, 0])
+    assert (step_weights[1, 4:] == 0).all() and torch.allclose(step_weights[1, :4], torch.full((4,), 0.25))
+
+
 def test_masked_softmax_ignores_masked_scores():
     scores = torch.tensor([[[1.0, 2.0, 100.0]]])
     weights = masked_softmax(scores, torch.tensor([[True, True, False]]))

@@ -67,24 +67,32 @@ def test_greedy_agrees_with_teacher_forcing_on_its_own_outputs(name):
         torch.testing.assert_close(weights, greedy_weights)
 
 
-def capture_queries(model: Seq2Seq) -> list:
-    queries = []
-    model.attention.register_forward_pre_hook(lambda module, args: queries.append(args[0].detach()))
+def capture_queries(model: Seq2Seq, method: str = "forward") -> list:
+    """Records the query of every call of the attention's `method` (Bahdanau's decoder calls
+    `step`, once per decoder step; Luong's calls the module itself)."""
+    queries, call = [], getattr(model.attention, method)
+
+    def recording(query, *args):
+        queries.append(query.detach())
+        return call(query, *args)
+
+    setattr(model.attention, method, recording)  # an instance attribute shadows the method
     return queries
 
 
 def test_bahdanau_queries_the_state_before_the_step():
     model = make_model("bahdanau")
     batch = make_batch("copy", 2, 5, 6, torch.Generator().manual_seed(3))
-    queries = capture_queries(model)
+    queries = capture_queries(model, "step")
     model(batch.src, batch.src_lengths, batch.tgt_in)
+    assert len(queries) == batch.tgt_in.size(1)
     _, final = model.encoder(batch.src, batch.src_lengths)
     decoder = model.decoder
     # s_0 is the encoder's final state; s_1 follows from it, the first input and the first context.
-    torch.testing.assert_close(queries[0][:, 0], final)
-    context, _ = decoder.attention(final[:, None], *decoder.memory(model.encoder(batch.src, batch.src_lengths)[0]), batch.src_mask)
-    s1 = decoder.cell(torch.cat([decoder.embedding(batch.tgt_in[:, 0]), context[:, 0]], -1), final)
-    torch.testing.assert_close(queries[1][:, 0], s1)
+    torch.testing.assert_close(queries[0], final)
+    context, _ = decoder.attention.step(final, *decoder.memory(model.encoder(batch.src, batch.src_lengths)[0]), batch.src_mask)
+    s1 = decoder.cell(torch.cat([decoder.embedding(batch.tgt_in[:, 0]), context], -1), final)
+    torch.testing.assert_close(queries[1], s1)
 
 
 def test_luong_queries_the_state_after_the_step():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from copytask import store
-from copytask.train import ConfigError, train, validate
+from copytask.train import ConfigError, build_model, eval_batch, evaluate, train, validate
 
 from .conftest import TINY, run_cli
 
@@ -70,6 +70,18 @@ def test_same_config_and_seed_give_the_same_metrics(make_config, tmp_path):
         assert first[key] == second[key], key
     third = train(make_config(*TINY, "attention=bahdanau", "seed=1", f"runs_dir={tmp_path / 'c'}"))
     assert third["final_loss"] != first["final_loss"]
+
+
+@pytest.mark.parametrize("attention", ["none", "bahdanau", "luong_general"])
+def test_greedy_evaluation_in_pieces_equals_one_piece(make_config, attention):
+    cfg = make_config(*TINY, f"attention={attention}", "train.eval_size=50", "task.variable_length=true", "task.min_length=2")
+    torch.manual_seed(0)
+    model, heldout = build_model(cfg), eval_batch(cfg)
+    whole, pieces = evaluate(model, heldout, chunk_size=len(heldout)), evaluate(model, heldout, chunk_size=16)
+    assert torch.equal(whole["tokens"], pieces["tokens"])  # 16 does not divide 50: a short last piece
+    assert whole["token_acc"] == pieces["token_acc"] and whole["seq_acc"] == pieces["seq_acc"]
+    if attention != "none":
+        torch.testing.assert_close(whole["weights"], pieces["weights"])
 
 
 def test_interrupted_run_never_looks_complete_and_is_trained_again(make_config, monkeypatch):

@@ -18,6 +18,8 @@ the `intervention` hook sees (below), which is how `analysis.head_weights` recor
 
 Contract: query (B, T_dec, d_s), keys from `project_keys`, values (B, T_enc, d_h), mask (B, T_enc)
 -> context (B, T_dec, d_h), weights (B, T_dec, T_enc) summing to 1 over valid positions.
+`step` is the same for one decoder position and one head, without the time axis: query (B, d_s)
+-> context (B, d_h), weights (B, T_enc).
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ def fast_tanh(x: Tensor) -> Tensor:
 
 
 def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
-    """Softmax over the last axis of `scores` (B, T_dec, T_enc); positions where `mask` (B, T_enc)
+    """Softmax over the last axis of `scores` (B, ..., T_enc); positions where `mask` (B, T_enc)
     is False get exactly zero weight."""
-    return torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
+    mask = mask.view(mask.size(0), *(1,) * (scores.dim() - 2), mask.size(1))  # broadcast over the middle axes
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
 
 class Attention(nn.Module):
@@ -111,6 +114,10 @@ class Attention(nn.Module):
         """(B, T, d) -> (B, heads, T, d / heads)."""
         return x.view(x.size(0), x.size(1), self.heads, -1).transpose(1, 2)
 
+    def _additive(self, projected_query: Tensor, keys: Tensor) -> Tensor:
+        """v^T tanh(W q + U h) over the last axis of two broadcastable (..., A) tensors."""
+        return self.v(fast_tanh(projected_query + keys)).squeeze(-1)
+
     def additive_scores(self, query: Tensor, keys: Tensor) -> Tensor:
         """v^T tanh(W q + U h): query (B, T_dec, d_s), keys U h (B, T_enc, A) -> (B, T_dec, T_enc).
 
@@ -120,10 +127,7 @@ class Attention(nn.Module):
         CPU it is computed ADDITIVE_CHUNK elements at a time."""
         projected = self.query_proj(query)  # (B, T_dec, A)
         steps = projected.size(1) if query.is_cuda else max(1, ADDITIVE_CHUNK // keys.numel())
-        scores = [
-            self.v(fast_tanh(part[:, :, None, :] + keys[:, None, :, :])).squeeze(-1)  # (B, steps, T_enc, A) -> (B, steps, T_enc)
-            for part in projected.split(steps, dim=1)
-        ]
+        scores = [self._additive(part[:, :, None, :], keys[:, None, :, :]) for part in projected.split(steps, dim=1)]
         return torch.cat(scores, dim=1) if len(scores) > 1 else scores[0]
 
     def forward(self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -143,3 +147,17 @@ class Attention(nn.Module):
         weights = weights.view(batch, self.heads, t_dec, t_enc)
         context = (weights @ self._split(values)).transpose(1, 2).flatten(2)  # (B, T_dec, d_h), heads concatenated
         return context, weights.mean(1)
+
+    def step(self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """One decoder step with one head: query (B, d_s) -> context (B, d_h), weights (B, T_enc).
+        The numbers of `forward` on a (B, 1, d_s) query, without the time axis: Bahdanau's decoder
+        calls this at every step, where that axis's views cost about a tenth of a training step."""
+        assert self.heads == 1 and query.shape == (values.size(0), self.query_size), f"query {tuple(query.shape)}"
+        if self.score == "additive":
+            scores = self._additive(self.query_proj(query)[:, None, :], keys)  # (B, T_enc)
+        else:
+            scores = torch.bmm(keys, query[:, :, None]).squeeze(-1)
+        weights = masked_softmax(scores, mask)
+        if self.intervention is not None:
+            weights = self.intervention(weights[:, None], mask)[:, 0]
+        return torch.bmm(weights[:, None], values).squeeze(1), weights

@@ -81,10 +81,9 @@ class BahdanauDecoder(nn.Module):
 
     def _advance(self, embedded: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor):
         """One step: embedded (B, E), hidden s_{t-1} (B, H) -> s_t (B, H), c_t (B, H), weights (B, T_enc)."""
-        keys, values = memory
-        context, weights = self.attention(hidden[:, None], keys, values, src_mask)
-        hidden = self.cell(torch.cat([embedded, context[:, 0]], dim=-1), hidden)
-        return hidden, context[:, 0], weights[:, 0]
+        context, weights = self.attention.step(hidden, *memory, src_mask)
+        hidden = self.cell(torch.cat([embedded, context], dim=-1), hidden)
+        return hidden, context, weights
 
     def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
         embedded = self.embedding(tgt_in)  # (B, T_dec, E)

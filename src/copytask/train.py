@@ -110,11 +110,20 @@ def eval_batch(cfg: DictConfig) -> Batch:
     return sample_batch(cfg, cfg.train.eval_size, torch.Generator().manual_seed(cfg.train.eval_seed))
 
 
+# Sequences greedily decoded at once on CPU. Smaller pieces keep a decoder step's tensors in cache:
+# 512 held-out sequences at length 80 took Bahdanau 0.46 s in one piece and 0.29 s in pieces of 128
+# (Luong general 0.27 -> 0.23 s; the baseline, with no attention tensors, 0.08 -> 0.10 s).
+EVAL_CHUNK = 128
+
+
 @torch.no_grad()
-def evaluate(model: Seq2Seq, batch: Batch, chunk_size: int = 512) -> dict:
+def evaluate(model: Seq2Seq, batch: Batch, chunk_size: int | None = None) -> dict:
     """Greedy decoding (no teacher forcing) on `batch`: token accuracy over the content positions,
     and exact-sequence accuracy (every symbol and the EOS right). Also returns the decoded tokens
-    (B, T_dec) and attention weights (B, T_dec, T_enc) or None."""
+    (B, T_dec) and attention weights (B, T_dec, T_enc) or None. `chunk_size` sequences are decoded
+    at a time: by default EVAL_CHUNK on CPU, all at once on a GPU."""
+    if chunk_size is None:
+        chunk_size = len(batch) if batch.src.is_cuda else EVAL_CHUNK
     was_training = model.training
     model.eval()
     tokens, weights = [], []

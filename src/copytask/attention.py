@@ -18,8 +18,8 @@ the `intervention` hook sees (below), which is how `analysis.head_weights` recor
 
 Contract: query (B, T_dec, d_s), keys from `project_keys`, values (B, T_enc, d_h), mask (B, T_enc)
 -> context (B, T_dec, d_h), weights (B, T_dec, T_enc) summing to 1 over valid positions.
-`step` is the same for one decoder position and one head, without the time axis: query (B, d_s)
--> context (B, d_h), weights (B, T_enc).
+`step` is the same for one decoder position of the additive score (Bahdanau's decoder), without
+the time axis: query (B, d_s) -> context (B, d_h), weights (B, T_enc).
 """
 
 from __future__ import annotations
@@ -149,14 +149,12 @@ class Attention(nn.Module):
         return context, weights.mean(1)
 
     def step(self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """One decoder step with one head: query (B, d_s) -> context (B, d_h), weights (B, T_enc).
+        """One decoder step of the additive score: query (B, d_s) -> context (B, d_h), weights (B, T_enc).
         The numbers of `forward` on a (B, 1, d_s) query, without the time axis: Bahdanau's decoder
         calls this at every step, where that axis's views cost about a tenth of a training step."""
-        assert self.heads == 1 and query.shape == (values.size(0), self.query_size), f"query {tuple(query.shape)}"
-        if self.score == "additive":
-            scores = self._additive(self.query_proj(query)[:, None, :], keys)  # (B, T_enc)
-        else:
-            scores = torch.bmm(keys, query[:, :, None]).squeeze(-1)
+        assert self.score == "additive", f"step serves the additive score, got {self.score!r}"
+        assert query.shape == (values.size(0), self.query_size), f"query {tuple(query.shape)}"
+        scores = self._additive(self.query_proj(query)[:, None, :], keys)  # (B, T_enc)
         weights = masked_softmax(scores, mask)
         if self.intervention is not None:
             weights = self.intervention(weights[:, None], mask)[:, 0]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from .attention import Attention
 from .data import BOS, PAD, length_mask
+from .gru import GRU
 
 DECODERS = ("plain", "bahdanau", "luong")
 
@@ -21,25 +21,19 @@ Memory = tuple[Tensor, Tensor] | None  # (keys, values) the attention reads at e
 
 
 class Encoder(nn.Module):
-    def __init__(self, vocab: int, embedding_size: int, hidden_size: int, bidirectional: bool):
+    def __init__(self, vocab: int, embedding_size: int, hidden_size: int, bidirectional: bool, fused: bool = True):
         super().__init__()
         if bidirectional and hidden_size % 2:
             raise ValueError(f"a bidirectional encoder needs an even hidden_size, got {hidden_size}")
         self.bidirectional = bidirectional
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
         per_direction = hidden_size // 2 if bidirectional else hidden_size
-        self.rnn = nn.GRU(embedding_size, per_direction, batch_first=True, bidirectional=bidirectional)
+        self.rnn = GRU(embedding_size, per_direction, bidirectional, fused)
 
     def forward(self, src: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """src (B, T_enc), lengths (B,) -> states (B, T_enc, H), final (B, H)."""
-        embedded = self.embedding(src)
-        if bool((lengths < src.size(1)).any()):
-            # Packing keeps padding out of the recurrence (and out of the backward direction).
-            packed = pack_padded_sequence(embedded, lengths.cpu(), batch_first=True, enforce_sorted=False)
-            states, final = self.rnn(packed)
-            states, _ = pad_packed_sequence(states, batch_first=True, total_length=src.size(1))
-        else:
-            states, final = self.rnn(embedded)
+        # lengths keep padding out of the recurrence (and out of the backward direction)
+        states, final = self.rnn(self.embedding(src), lengths=lengths)
         final = torch.cat([final[-2], final[-1]], dim=-1) if self.bidirectional else final[-1]
         return states, final
 
@@ -47,10 +41,10 @@ class Encoder(nn.Module):
 class PlainDecoder(nn.Module):
     """No attention: the encoder's final state, as the initial state, is all the decoder sees."""
 
-    def __init__(self, vocab: int, embedding_size: int, hidden_size: int):
+    def __init__(self, vocab: int, embedding_size: int, hidden_size: int, fused: bool = True):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
-        self.rnn = nn.GRU(embedding_size, hidden_size, batch_first=True)
+        self.rnn = GRU(embedding_size, hidden_size, fused=fused)
         self.out = nn.Linear(hidden_size, vocab)
 
     def memory(self, encoder_states: Tensor) -> Memory:
@@ -108,11 +102,18 @@ class LuongDecoder(nn.Module):
     one batched product over all steps. Output: tanh(W_c [s_t; c_t]) -> vocabulary."""
 
     def __init__(
-        self, vocab: int, embedding_size: int, hidden_size: int, score: str, attention_size: int | None, heads: int = 1
+        self,
+        vocab: int,
+        embedding_size: int,
+        hidden_size: int,
+        score: str,
+        attention_size: int | None,
+        heads: int = 1,
+        fused: bool = True,
     ):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
-        self.rnn = nn.GRU(embedding_size, hidden_size, batch_first=True)
+        self.rnn = GRU(embedding_size, hidden_size, fused=fused)
         self.attention = Attention(score, hidden_size, hidden_size, attention_size, heads)
         self.combine = nn.Linear(2 * hidden_size, hidden_size)  # W_c
         self.out = nn.Linear(hidden_size, vocab)
@@ -148,15 +149,16 @@ class Seq2Seq(nn.Module):
         attention_size: int | None = None,
         bidirectional: bool = True,
         heads: int = 1,  # Luong dot / general only
+        fused_gru: bool = True,  # GRU layers in copytask.gru's CPU kernel where it builds; False: torch's nn.GRU
     ):
         super().__init__()
-        self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional)
+        self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused_gru)
         if decoder == "plain":
-            self.decoder = PlainDecoder(vocab, embedding_size, hidden_size)
+            self.decoder = PlainDecoder(vocab, embedding_size, hidden_size, fused_gru)
         elif decoder == "bahdanau":
             self.decoder = BahdanauDecoder(vocab, embedding_size, hidden_size, attention_size)
         elif decoder == "luong":
-            self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size, heads)
+            self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size, heads, fused_gru)
         else:
             raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
 

@@ -6,8 +6,8 @@ Luong (the decoder GRU is called on a length-1 sequence per step), and attention
 the encoder states at every step. Nothing is batched over time, nothing is cached.
 
 Parameter names and shapes equal `Seq2Seq`'s, so a project state_dict loads here and both must
-compute the same numbers. The encoder is the project's: it already is the classical form
-(one `nn.GRU` call, packed when lengths differ), and it is not where the fast paths differ.
+compute the same numbers. The encoder is the project's with torch's own nn.GRU (one call, packed when lengths differ):
+that is the classical form; the project runs the same layer in its fused kernel (`gru`).
 """
 
 from __future__ import annotations
@@ -95,11 +95,12 @@ class ReferenceSeq2Seq(nn.Module):
         attention_size: int | None = None,
         bidirectional: bool = True,
         heads: int = 1,
+        fused_gru: bool = False,  # taken for Seq2Seq's signature; the classical form always runs torch's nn.GRU
     ):
         super().__init__()
         if heads != 1:
             raise ValueError(f"the reference implementation is single-head, got heads={heads}")
-        self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional)
+        self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused=False)
         self.decoder = ReferenceDecoder(decoder, vocab, embedding_size, hidden_size, score, attention_size)
 
     @property

@@ -26,8 +26,9 @@ FAILED = "failed.json"
 ANALYSIS = "analysis.json"  # derived by `copytask analyze`, the one file added after training
 
 
-# Keys that do not change what a run computes (`analysis` only sets how a finished run is analysed).
-NOT_IDENTITY = ("runs_dir", "train.device", "train.threads", "train.progress", "analysis")
+# Keys that change where or how fast a run computes, not what (results agree to float rounding);
+# `analysis` only sets how a finished run is analysed.
+NOT_IDENTITY = ("runs_dir", "train.device", "train.threads", "train.fused_gru", "train.progress", "analysis")
 
 
 def warn(message: str) -> None:

@@ -1,0 +1,103 @@
+"""The fused GRU kernel against torch's nn.GRU (packed where lengths differ): same states, final
+states and gradients to float rounding, for both directions, ragged batches and given initial states."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+from copytask import gru
+from copytask.data import make_batch, total_vocab
+from copytask.model import Seq2Seq
+
+
+@pytest.fixture
+def kernel():
+    """The compiled kernel. CI must build it; elsewhere a machine without a C++ compiler skips."""
+    built = gru.kernel()
+    if built is None:
+        if os.environ.get("CI"):
+            pytest.fail("the fused GRU kernel did not build (see the warning above)")
+        pytest.skip("the fused GRU kernel does not build on this machine")
+    return built
+
+
+def run(layer, x, hx, lengths):
+    """-> states, final, and the gradients of x, hx and every parameter under a fixed random loss."""
+    for tensor in (x, hx, *layer.parameters()):
+        if tensor is not None:
+            tensor.grad = None
+    states, final = layer(x, hx, lengths=lengths)
+    weights = torch.Generator().manual_seed(7)
+    loss = (states * torch.randn(states.shape, generator=weights)).sum() + (final * torch.randn(final.shape, generator=weights)).sum()
+    loss.backward()
+    grads = [x.grad] + ([hx.grad] if hx is not None else []) + [p.grad for p in layer.parameters()]
+    return [states.detach(), final.detach(), *[g.clone() for g in grads]]
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("initial", [False, True])
+def test_fused_equals_torch(kernel, bidirectional, ragged, initial):
+    torch.manual_seed(0)
+    fused = gru.GRU(6, 5, bidirectional, fused=True)
+    reference = copy.deepcopy(fused)
+    reference.fused = False
+    B, T, D = 4, 7, 2 if bidirectional else 1
+    x = torch.randn(B, T, 6, requires_grad=True)
+    hx = torch.randn(D, B, 5, requires_grad=True) if initial else None
+    lengths = torch.tensor([7, 3, 1, 5]) if ragged else torch.full((B,), T)
+    got, want = run(fused, x, hx, lengths), run(reference, x, hx, lengths)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    if ragged:
+        assert got[0][1, 3:].abs().max() == 0  # past a sequence's length: zero states, as packing gives
+
+
+def test_seq2seq_fused_equals_torch(kernel):
+    """The whole model (encoder and Luong decoder in the kernel): logits and every gradient."""
+    torch.manual_seed(0)
+    fused = Seq2Seq(total_vocab(9), "luong", "general", fused_gru=True)
+    plain = copy.deepcopy(fused)
+    for layer in plain.modules():
+        if isinstance(layer, gru.GRU):
+            layer.fused = False
+    batch = make_batch("copy", 8, 12, 9, torch.Generator().manual_seed(0), min_length=4)
+    logits = []
+    for model in (fused, plain):
+        logits.append(model(batch.src, batch.src_lengths, batch.tgt_in)[0])
+        logits[-1].square().mean().backward()
+    torch.testing.assert_close(*logits, atol=1e-5, rtol=1e-4)
+    for (name, a), b in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert gru.runs_fused(fused) and not gru.runs_fused(plain)
+
+
+def test_without_kernel_torch_runs(monkeypatch):
+    """No compiler: the same module runs torch's nn.GRU, bit for bit what fused=False gives."""
+    torch.manual_seed(0)
+    layer = gru.GRU(6, 5, bidirectional=True)
+    x, lengths = torch.randn(3, 5, 6), torch.tensor([5, 2, 4])
+    with torch.no_grad():
+        reference = copy.deepcopy(layer)
+        reference.fused = False
+        want = reference(x, lengths=lengths)
+        monkeypatch.setattr(gru, "kernel", lambda: None)
+        got = layer(x, lengths=lengths)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not gru.runs_fused(Seq2Seq(total_vocab(9), "plain"))
+
+
+def test_failed_build_warns_and_falls_back(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'copytask_gru': c++: not found")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    gru.kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="could not build the fused GRU kernel .*c\\+\\+: not found"):
+            assert gru.kernel() is None
+    finally:
+        gru.kernel.cache_clear()  # the next caller loads the real kernel again

@@ -82,6 +82,7 @@ def capture_queries(model: Seq2Seq, method: str = "forward") -> list:
 
 def test_bahdanau_queries_the_state_before_the_step():
     model = make_model("bahdanau")
+    model.decoder.fused = False  # the step loop; tests/test_kernels.py checks the CPU kernel against it
     batch = make_batch("copy", 2, 5, 6, torch.Generator().manual_seed(3))
     queries = capture_queries(model, "step")
     model(batch.src, batch.src_lengths, batch.tgt_in)

@@ -2,7 +2,7 @@ import json
 import pytest
 import torch
 
-from copytask import gru, store
+from copytask import kernels, store
 from copytask.train import ConfigError, build_model, eval_batch, evaluate, train, validate
 
 from .conftest import TINY, run_cli
@@ -20,7 +20,7 @@ def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
     for key in ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "device"):
         assert key in metrics
     assert metrics["attention"] == "bahdanau" and metrics["length"] == 5 and metrics["steps"] == 10
-    assert metrics["fused_gru"] == (gru.kernel() is not None)  # the encoder's GRU ran in the kernel
+    assert metrics["fused"] == (kernels.kernel() is not None)  # the encoder and decoder ran in the kernels
     samples = json.loads((folder / store.ATTENTION).read_text())["samples"]
     assert len(samples[0]["weights"]) == 6 and len(samples[0]["weights"][0]) == 5  # (T_dec, T_enc)
     assert folder.name in result.stdout  # the one-line summary names the run

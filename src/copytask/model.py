@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .attention import Attention
 from .data import BOS, PAD, length_mask
-from .gru import GRU
+from . import kernels
 
 DECODERS = ("plain", "bahdanau", "luong")
 
@@ -28,7 +28,7 @@ class Encoder(nn.Module):
         self.bidirectional = bidirectional
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
         per_direction = hidden_size // 2 if bidirectional else hidden_size
-        self.rnn = GRU(embedding_size, per_direction, bidirectional, fused)
+        self.rnn = kernels.GRU(embedding_size, per_direction, bidirectional, fused)
 
     def forward(self, src: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """src (B, T_enc), lengths (B,) -> states (B, T_enc, H), final (B, H)."""
@@ -44,7 +44,7 @@ class PlainDecoder(nn.Module):
     def __init__(self, vocab: int, embedding_size: int, hidden_size: int, fused: bool = True):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
-        self.rnn = GRU(embedding_size, hidden_size, fused=fused)
+        self.rnn = kernels.GRU(embedding_size, hidden_size, fused=fused)
         self.out = nn.Linear(hidden_size, vocab)
 
     def memory(self, encoder_states: Tensor) -> Memory:
@@ -63,12 +63,13 @@ class BahdanauDecoder(nn.Module):
     """Query is the state *before* the step, s_{t-1}; the context c_t is part of the GRU input,
     so the decoder must run step by step even under teacher forcing."""
 
-    def __init__(self, vocab: int, embedding_size: int, hidden_size: int, attention_size: int):
+    def __init__(self, vocab: int, embedding_size: int, hidden_size: int, attention_size: int, fused: bool = True):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
         self.attention = Attention("additive", hidden_size, hidden_size, attention_size)
         self.cell = nn.GRUCell(embedding_size + hidden_size, hidden_size)
         self.out = nn.Linear(2 * hidden_size, vocab)
+        self.fused = fused  # teacher forcing on CPU in kernels.bahdanau_decode
 
     def memory(self, encoder_states: Tensor) -> Memory:
         return self.attention.project_keys(encoder_states), encoder_states  # U_a h once per sequence
@@ -82,14 +83,19 @@ class BahdanauDecoder(nn.Module):
     def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
         embedded = self.embedding(tgt_in)  # (B, T_dec, E)
         memory = self.memory(encoder_states)
-        hidden, states, contexts, weights = final, [], [], []
-        for t in range(tgt_in.size(1)):
-            hidden, context, step_weights = self._advance(embedded[:, t], hidden, memory, src_mask)
-            states.append(hidden)
-            contexts.append(context)
-            weights.append(step_weights)
-        readout = torch.cat([torch.stack(states, 1), torch.stack(contexts, 1)], dim=-1)  # (B, T_dec, 2H)
-        return self.out(readout), torch.stack(weights, 1)
+        attention = self.attention
+        if self.fused and attention.intervention is None and kernels.usable(embedded):
+            w_q, v = attention.query_proj.weight, attention.v.weight[0]
+            states, contexts, weights = kernels.bahdanau_decode(embedded, final, *memory, src_mask, w_q, v, self.cell)
+        else:
+            hidden, states, contexts, weights = final, [], [], []
+            for t in range(tgt_in.size(1)):
+                hidden, context, step_weights = self._advance(embedded[:, t], hidden, memory, src_mask)
+                states.append(hidden)
+                contexts.append(context)
+                weights.append(step_weights)
+            states, contexts, weights = torch.stack(states, 1), torch.stack(contexts, 1), torch.stack(weights, 1)
+        return self.out(torch.cat([states, contexts], dim=-1)), weights  # readout from (B, T_dec, 2H)
 
     def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor):
         hidden, context, weights = self._advance(self.embedding(tokens), hidden, memory, src_mask)
@@ -113,7 +119,7 @@ class LuongDecoder(nn.Module):
     ):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
-        self.rnn = GRU(embedding_size, hidden_size, fused=fused)
+        self.rnn = kernels.GRU(embedding_size, hidden_size, fused=fused)
         self.attention = Attention(score, hidden_size, hidden_size, attention_size, heads)
         self.combine = nn.Linear(2 * hidden_size, hidden_size)  # W_c
         self.out = nn.Linear(hidden_size, vocab)
@@ -149,16 +155,16 @@ class Seq2Seq(nn.Module):
         attention_size: int | None = None,
         bidirectional: bool = True,
         heads: int = 1,  # Luong dot / general only
-        fused_gru: bool = True,  # GRU layers in copytask.gru's CPU kernel where it builds; False: torch's nn.GRU
+        fused: bool = True,  # recurrences in copytask.kernels on CPU where they build; False: torch's ops
     ):
         super().__init__()
-        self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused_gru)
+        self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused)
         if decoder == "plain":
-            self.decoder = PlainDecoder(vocab, embedding_size, hidden_size, fused_gru)
+            self.decoder = PlainDecoder(vocab, embedding_size, hidden_size, fused)
         elif decoder == "bahdanau":
-            self.decoder = BahdanauDecoder(vocab, embedding_size, hidden_size, attention_size)
+            self.decoder = BahdanauDecoder(vocab, embedding_size, hidden_size, attention_size, fused)
         elif decoder == "luong":
-            self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size, heads, fused_gru)
+            self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size, heads, fused)
         else:
             raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
 

@@ -7,7 +7,7 @@ the encoder states at every step. Nothing is batched over time, nothing is cache
 
 Parameter names and shapes equal `Seq2Seq`'s, so a project state_dict loads here and both must
 compute the same numbers. The encoder is the project's with torch's own nn.GRU (one call, packed when lengths differ):
-that is the classical form; the project runs the same layer in its fused kernel (`gru`).
+that is the classical form; the project runs the same layer in its fused kernel (`kernels`).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class ReferenceSeq2Seq(nn.Module):
         attention_size: int | None = None,
         bidirectional: bool = True,
         heads: int = 1,
-        fused_gru: bool = False,  # taken for Seq2Seq's signature; the classical form always runs torch's nn.GRU
+        fused: bool = False,  # taken for Seq2Seq's signature; the classical form always runs torch's ops
     ):
         super().__init__()
         if heads != 1:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from . import store
 from .attention import MULTI_HEAD_SCORES
 from .data import PAD, TASKS, Batch, make_batch, total_vocab
-from .gru import runs_fused
+from .kernels import runs_fused
 from .model import DECODERS, Seq2Seq, count_parameters
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -97,7 +97,7 @@ def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.M
         attention_size=cfg.attention.size,
         bidirectional=cfg.model.bidirectional,
         heads=cfg.attention.get("heads", 1),  # absent from configs without multi-head and from older runs
-        fused_gru=cfg.train.get("fused_gru", True),  # absent from older runs
+        fused=cfg.train.get("fused", True),  # absent from older runs
     )
 
 
@@ -263,7 +263,7 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
         "train_seconds": train_seconds,
         "device": str(device),
         "threads": torch.get_num_threads(),
-        "fused_gru": runs_fused(model),
+        "fused": runs_fused(model),
         "run": folder.name,
     }
     store.write_json(folder / store.METRICS, metrics)  # last: marks the run complete

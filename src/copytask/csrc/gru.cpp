@@ -1,4 +1,4 @@
-// One GRU layer's recurrence, forward and backward, for copytask.gru on CPU in float32.
+// One GRU layer's recurrence, forward and backward, for copytask.kernels on CPU in float32.
 //
 // nn.GRU on CPU runs every time step as a dozen separate ATen ops and autograd nodes; at
 // batch 64 and hidden size 32-64 those per-op costs, not arithmetic, are most of a training
@@ -9,7 +9,7 @@
 //   h' = (1 - z) * n + z * h,   gh = W_hh h + b_hh,  gi = W_ih x + b_ih (computed by the caller).
 // Shapes are time first, so that each step reads and writes one contiguous block: T steps,
 // B sequences, H hidden units.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cmath>
 #include <cstring>
@@ -20,7 +20,7 @@ using at::Tensor;
 // gi (T, B, 3H), h0 (B, H), w_hh (3H, H), b_hh (3H), mask (T, B) float (1 real, 0 padding) or empty.
 // -> states (T, B, H) (zero at padding), final state (B, H), and for backward the gates
 //    (T, B, 4H: r, z, n, gh_n) and the state before each step (T, B, H).
-std::vector<Tensor> forward(const Tensor& gi, const Tensor& h0, const Tensor& w_hh, const Tensor& b_hh,
+std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor& w_hh, const Tensor& b_hh,
                             const Tensor& mask, bool reverse) {
   const int64_t T = gi.size(0), B = gi.size(1), H = h0.size(1);
   auto states = at::empty({T, B, H}, gi.options());
@@ -69,7 +69,7 @@ std::vector<Tensor> forward(const Tensor& gi, const Tensor& h0, const Tensor& w_
 
 // grad_states (T, B, H), grad_final (B, H) and forward's saved tensors
 // -> gradients of gi (T, B, 3H), h0 (B, H), w_hh (3H, H), b_hh (3H).
-std::vector<Tensor> backward(const Tensor& grad_states, const Tensor& grad_final, const Tensor& gates,
+std::vector<Tensor> gru_backward(const Tensor& grad_states, const Tensor& grad_final, const Tensor& gates,
                              const Tensor& before, const Tensor& w_hh, const Tensor& mask, bool reverse) {
   const int64_t T = gates.size(0), B = gates.size(1), H = before.size(2);
   auto grad_gi = at::empty({T, B, 3 * H}, gates.options());
@@ -114,9 +114,4 @@ std::vector<Tensor> backward(const Tensor& grad_states, const Tensor& grad_final
   }
   const auto flat_gh = grad_gh.view({T * B, 3 * H});
   return {grad_gi, grad_h, flat_gh.t().mm(before.view({T * B, H})), flat_gh.sum(0)};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "GRU layer recurrence, forward");
-  m.def("backward", &backward, "GRU layer recurrence, backward");
 }

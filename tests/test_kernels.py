@@ -1,5 +1,6 @@
-"""The fused GRU kernel against torch's nn.GRU (packed where lengths differ): same states, final
-states and gradients to float rounding, for both directions, ragged batches and given initial states."""
+"""The fused CPU kernels against the torch code they replace: nn.GRU (packed where lengths differ)
+and Bahdanau's step loop. Same outputs and gradients to float rounding, for both GRU directions,
+ragged batches and given initial states."""
 
 import copy
 import os
@@ -7,19 +8,19 @@ import os
 import pytest
 import torch
 
-from copytask import gru
-from copytask.data import make_batch, total_vocab
+from copytask import kernels
+from copytask.data import length_mask, make_batch, total_vocab
 from copytask.model import Seq2Seq
 
 
 @pytest.fixture
 def kernel():
     """The compiled kernel. CI must build it; elsewhere a machine without a C++ compiler skips."""
-    built = gru.kernel()
+    built = kernels.kernel()
     if built is None:
         if os.environ.get("CI"):
-            pytest.fail("the fused GRU kernel did not build (see the warning above)")
-        pytest.skip("the fused GRU kernel does not build on this machine")
+            pytest.fail("the fused CPU kernels did not build (see the warning above)")
+        pytest.skip("the fused CPU kernels do not build on this machine")
     return built
 
 
@@ -41,7 +42,7 @@ def run(layer, x, hx, lengths):
 @pytest.mark.parametrize("initial", [False, True])
 def test_fused_equals_torch(kernel, bidirectional, ragged, initial):
     torch.manual_seed(0)
-    fused = gru.GRU(6, 5, bidirectional, fused=True)
+    fused = kernels.GRU(6, 5, bidirectional, fused=True)
     reference = copy.deepcopy(fused)
     reference.fused = False
     B, T, D = 4, 7, 2 if bidirectional else 1
@@ -59,10 +60,10 @@ def test_fused_equals_torch(kernel, bidirectional, ragged, initial):
 def test_seq2seq_fused_equals_torch(kernel):
     """The whole model (encoder and Luong decoder in the kernel): logits and every gradient."""
     torch.manual_seed(0)
-    fused = Seq2Seq(total_vocab(9), "luong", "general", fused_gru=True)
+    fused = Seq2Seq(total_vocab(9), "luong", "general", fused=True)
     plain = copy.deepcopy(fused)
     for layer in plain.modules():
-        if isinstance(layer, gru.GRU):
+        if isinstance(layer, kernels.GRU):
             layer.fused = False
     batch = make_batch("copy", 8, 12, 9, torch.Generator().manual_seed(0), min_length=4)
     logits = []
@@ -72,32 +73,65 @@ def test_seq2seq_fused_equals_torch(kernel):
     torch.testing.assert_close(*logits, atol=1e-5, rtol=1e-4)
     for (name, a), b in zip(fused.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
-    assert gru.runs_fused(fused) and not gru.runs_fused(plain)
+    assert kernels.runs_fused(fused) and not kernels.runs_fused(plain)
 
 
 def test_without_kernel_torch_runs(monkeypatch):
     """No compiler: the same module runs torch's nn.GRU, bit for bit what fused=False gives."""
     torch.manual_seed(0)
-    layer = gru.GRU(6, 5, bidirectional=True)
+    layer = kernels.GRU(6, 5, bidirectional=True)
     x, lengths = torch.randn(3, 5, 6), torch.tensor([5, 2, 4])
     with torch.no_grad():
         reference = copy.deepcopy(layer)
         reference.fused = False
         want = reference(x, lengths=lengths)
-        monkeypatch.setattr(gru, "kernel", lambda: None)
+        monkeypatch.setattr(kernels, "kernel", lambda: None)
         got = layer(x, lengths=lengths)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert not gru.runs_fused(Seq2Seq(total_vocab(9), "plain"))
+    assert not kernels.runs_fused(Seq2Seq(total_vocab(9), "plain"))
 
 
 def test_failed_build_warns_and_falls_back(monkeypatch):
     def no_compiler(*args, **kwargs):
-        raise RuntimeError("Error building extension 'copytask_gru': c++: not found")
+        raise RuntimeError("Error building extension 'copytask_kernels': c++: not found")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
-    gru.kernel.cache_clear()
+    kernels.kernel.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="could not build the fused GRU kernel .*c\\+\\+: not found"):
-            assert gru.kernel() is None
+        with pytest.warns(UserWarning, match="could not build the fused CPU kernels .*c\\+\\+: not found"):
+            assert kernels.kernel() is None
     finally:
-        gru.kernel.cache_clear()  # the next caller loads the real kernel again
+        kernels.kernel.cache_clear()  # the next caller loads the real kernel again
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_bahdanau_decode_equals_the_step_loop(kernel, ragged):
+    """The kernel's teacher-forced Bahdanau decoder against BahdanauDecoder's step loop: logits,
+    weights and every gradient, also one that reaches the weights (the kernel's third output)."""
+    torch.manual_seed(0)
+    fused = Seq2Seq(total_vocab(9), "bahdanau", "additive", attention_size=16, fused=True)
+    loop = copy.deepcopy(fused)
+    loop.decoder.fused = False
+    batch = make_batch("copy", 8, 12, 9, torch.Generator().manual_seed(0), min_length=4 if ragged else None)
+    outputs = []
+    for model in (fused, loop):
+        logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
+        (logits.square().mean() + (weights * torch.linspace(0, 1, weights.size(-1))).sum()).backward()
+        outputs.append((logits, weights))
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    if ragged:
+        padding = ~length_mask(batch.src_lengths, batch.src.size(1))
+        assert outputs[0][1].masked_select(padding[:, None, :]).abs().max() == 0
+    for (name, a), b in zip(fused.named_parameters(), loop.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_bahdanau_intervention_takes_the_step_loop(kernel):
+    """Counterfactual checks replace the weights inside the loop: the kernel must not skip them."""
+    torch.manual_seed(0)
+    model = Seq2Seq(total_vocab(9), "bahdanau", "additive", attention_size=16)
+    batch = make_batch("copy", 4, 6, 9, torch.Generator().manual_seed(0))
+    model.attention.intervention = lambda weights, mask: torch.ones_like(weights) / mask.sum(-1)[:, None, None]
+    _, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
+    torch.testing.assert_close(weights, torch.full_like(weights, 1 / 6))

@@ -29,6 +29,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from . import kernels
+
 SCORES = ("additive", "dot", "general")
 MULTI_HEAD_SCORES = ("dot", "general")  # a dot product splits into per-head dot products; additive does not
 
@@ -74,7 +76,13 @@ def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
 
 class Attention(nn.Module):
     def __init__(
-        self, score: str, query_size: int, key_size: int, attention_size: int | None = None, heads: int = 1
+        self,
+        score: str,
+        query_size: int,
+        key_size: int,
+        attention_size: int | None = None,
+        heads: int = 1,
+        fused: bool = True,  # the additive score of many steps at once in kernels.additive_scores on CPU
     ):
         super().__init__()
         if score not in SCORES:
@@ -103,6 +111,7 @@ class Attention(nn.Module):
         elif score == "general":
             self.key_proj = nn.Linear(key_size, query_size, bias=False)  # W, applied to h
         self.intervention: Intervention | None = None
+        self.fused = fused
 
     def project_keys(self, encoder_states: Tensor) -> Tensor:
         """(B, T_enc, d_h) -> keys (B, T_enc, A) for additive, (B, T_enc, d_s) otherwise."""
@@ -124,8 +133,10 @@ class Attention(nn.Module):
         The (B, T_dec, T_enc, A) tensor inside does not fit in a CPU cache when many decoder steps
         come at once (Luong concat under teacher forcing: 106 MB at length 80, where forward and
         backward of the score took 393 ms in one piece and 71-154 ms in pieces of 1-4 steps), so on
-        CPU it is computed ADDITIVE_CHUNK elements at a time."""
+        CPU it is computed ADDITIVE_CHUNK elements at a time, or in the fused kernel where it builds."""
         projected = self.query_proj(query)  # (B, T_dec, A)
+        if self.fused and kernels.usable(projected):
+            return kernels.additive_scores(projected, keys, self.v.weight[0])
         steps = projected.size(1) if query.is_cuda else max(1, ADDITIVE_CHUNK // keys.numel())
         scores = [self._additive(part[:, :, None, :], keys[:, None, :, :]) for part in projected.split(steps, dim=1)]
         return torch.cat(scores, dim=1) if len(scores) > 1 else scores[0]

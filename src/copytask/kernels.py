@@ -2,13 +2,16 @@
 
 Torch on CPU runs every time step of a recurrence as a dozen or more ATen ops and autograd
 nodes, forward and backward. At this project's sizes (batch 64, hidden 32-64, 80 steps) that
-per-op cost, not arithmetic, is most of a training step. Two recurrences get a kernel that runs
-a whole sequence in C++, a few matrix products and one pass over the gates per step:
+per-op cost, not arithmetic, is most of a training step. Two recurrences and one score get a
+kernel that runs the whole sequence in C++: a few matrix products and passes over contiguous
+rows per step.
 
 - `GRU`: nn.GRU (same parameters, state_dict and equations) for the encoder and the plain and
   Luong decoders;
 - `bahdanau_decode`: Bahdanau's decoder under teacher forcing (attention and GRU cell, step by
-  step, as `model.BahdanauDecoder` computes it).
+  step, as `model.BahdanauDecoder` computes it);
+- `additive_scores`: the additive score of every (decoder step, source position) pair, which
+  Luong's concat score needs under teacher forcing (`attention.Attention.additive_scores`).
 
 Both are used for float32 on CPU; everywhere else (CUDA, float64, `fused=False`, no C++
 compiler) the torch code runs. They agree with it to float rounding (tests/test_kernels.py);
@@ -36,7 +39,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from .data import length_mask
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("bindings.cpp", "gru.cpp", "bahdanau.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "bahdanau.cpp")]
 # -ffast-math lets the compiler vectorise exp and the score's sums; it is a compile flag only, so
 # the library is not linked with the start-up code that would set flush-to-zero for the process.
 CFLAGS = ["-O3", "-ffast-math"]
@@ -129,6 +132,25 @@ class GRU(nn.GRU):
             finals.append(final)
         states = torch.cat(states, dim=-1) if directions == 2 else states[0]
         return states.transpose(0, 1), torch.stack(finals)
+
+
+class _AdditiveScores(torch.autograd.Function):
+    """queries W q (B, T_dec, A), keys U h + b (B, T_enc, A), v (A) -> v . tanh(W q_t + U h_i) (B, T_dec, T_enc)."""
+
+    @staticmethod
+    def forward(ctx, queries: Tensor, keys: Tensor, v: Tensor) -> Tensor:
+        scores, u = kernel().additive_forward(queries.contiguous(), keys.contiguous(), v.contiguous())
+        ctx.save_for_backward(u, v)
+        return scores
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_scores: Tensor):
+        u, v = ctx.saved_tensors
+        return tuple(kernel().additive_backward(grad_scores.contiguous(), u, v.contiguous()))
+
+
+additive_scores = _AdditiveScores.apply
 
 
 class _BahdanauRecurrence(torch.autograd.Function):

@@ -120,7 +120,7 @@ class LuongDecoder(nn.Module):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
         self.rnn = kernels.GRU(embedding_size, hidden_size, fused=fused)
-        self.attention = Attention(score, hidden_size, hidden_size, attention_size, heads)
+        self.attention = Attention(score, hidden_size, hidden_size, attention_size, heads, fused)
         self.combine = nn.Linear(2 * hidden_size, hidden_size)  # W_c
         self.out = nn.Linear(hidden_size, vocab)
 

@@ -13,13 +13,12 @@
 
 #include <algorithm>
 #include <cfloat>
-#include <cmath>
 #include <cstring>
 #include <vector>
 
-using at::Tensor;
+#include "common.h"
 
-static inline float tanh_(float a) { return 2.f / (1.f + std::exp(-2.f * a)) - 1.f; }
+using at::Tensor;
 
 // embedded (T, B, E), s0 (B, H), keys (B, S, A) = U h + b, values (B, S, H), mask (B, S) float
 // (1 real, 0 padding) or empty, w_q (A, H), v (A), w_ih (3H, E + H), b_ih (3H), w_hh (3H, H), b_hh (3H)
@@ -60,18 +59,10 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
       const float* __restrict qb = q_p + b * A;
       float* __restrict ub = u.data_ptr<float>() + (t * B + b) * S * A;
       float* __restrict wb = weights.data_ptr<float>() + (t * B + b) * S;
+      additive_row(qb, keys_p + b * S * A, v_p, S, A, ub, wb);
       float top = -FLT_MAX;  // finite: the kernel is built with -ffast-math, which assumes no infinities
-      for (int64_t i = 0; i < S; ++i) {
-        const float* __restrict k = keys_p + (b * S + i) * A;
-        float* __restrict ui = ub + i * A;
-        float score = 0.f;
-        for (int64_t a = 0; a < A; ++a) {
-          ui[a] = tanh_(qb[a] + k[a]);
-          score += v_p[a] * ui[a];
-        }
-        wb[i] = score;
-        if (!masked || mask_p[b * S + i] != 0.f) top = std::max(top, score);
-      }
+      for (int64_t i = 0; i < S; ++i)
+        if (!masked || mask_p[b * S + i] != 0.f) top = std::max(top, wb[i]);
       float total = 0.f;
       for (int64_t i = 0; i < S; ++i) {
         wb[i] = masked && mask_p[b * S + i] == 0.f ? 0.f : std::exp(wb[i] - top);  // padding: exactly 0
@@ -97,7 +88,7 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
       float* __restrict saved = gates.data_ptr<float>() + tb * 4 * H;
       float* __restrict sb = s_p + b * H;
       std::memcpy(before.data_ptr<float>() + tb * H, sb, sizeof(float) * H);
-      for (int64_t j = 0; j < 2 * H; ++j) saved[j] = 1.f / (1.f + std::exp(-(xg[j] + g[j])));  // r, z
+      for (int64_t j = 0; j < 2 * H; ++j) saved[j] = sigmoid_(xg[j] + g[j]);  // r, z
       for (int64_t j = 0; j < H; ++j) {
         saved[2 * H + j] = tanh_(xg[2 * H + j] + saved[j] * g[2 * H + j]);
         saved[3 * H + j] = g[2 * H + j];
@@ -190,22 +181,10 @@ std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& g
         d_alpha[i] = dot;
         mean += alpha[i] * dot;
       }
+      for (int64_t i = 0; i < S; ++i) d_alpha[i] = alpha[i] * (d_alpha[i] - mean);  // softmax backward; 0 at padding
       float* __restrict dq = grad_q.data_ptr<float>() + tb * A;
       for (int64_t a = 0; a < A; ++a) dq[a] = 0.f;
-      const float* __restrict ub = u_p + tb * S * A;
-      for (int64_t i = 0; i < S; ++i) {
-        const float de = alpha[i] * (d_alpha[i] - mean);  // softmax backward; zero at padding
-        if (de == 0.f) continue;
-        const float* __restrict ui = ub + i * A;
-        float* __restrict dk = grad_keys_p + (b * S + i) * A;
-#pragma GCC ivdep
-        for (int64_t a = 0; a < A; ++a) {
-          const float pre = de * v_p[a] * (1.f - ui[a] * ui[a]);
-          dk[a] += pre;
-          dq[a] += pre;
-          grad_v_p[a] += de * ui[a];
-        }
-      }
+      additive_row_backward(d_alpha.data(), u_p + tb * S * A, v_p, S, A, dq, grad_keys_p + b * S * A, grad_v_p);
     }
     grad_s.addmm_(grad_q[t], w_q);  // the path through the query q = W_q s
   }

@@ -12,6 +12,8 @@ std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor
                                 const Tensor& mask, bool reverse);
 std::vector<Tensor> gru_backward(const Tensor& grad_states, const Tensor& grad_final, const Tensor& gates,
                                  const Tensor& before, const Tensor& w_hh, const Tensor& mask, bool reverse);
+std::vector<Tensor> additive_forward(const Tensor& queries, const Tensor& keys, const Tensor& v);
+std::vector<Tensor> additive_backward(const Tensor& grad_scores, const Tensor& u, const Tensor& v);
 std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, const Tensor& keys,
                                      const Tensor& values, const Tensor& mask, const Tensor& w_q,
                                      const Tensor& v, const Tensor& w_ih, const Tensor& b_ih,
@@ -32,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("gru_forward", &gru_forward, "one GRU layer's recurrence, forward (csrc/gru.cpp)");
   m.def("gru_backward", &gru_backward, "one GRU layer's recurrence, backward");
+  m.def("additive_forward", &additive_forward, "the additive score of every (query, key) pair, forward (csrc/additive.cpp)");
+  m.def("additive_backward", &additive_backward, "the additive score, backward");
   m.def("bahdanau_forward", &bahdanau_forward, "Bahdanau's decoder under teacher forcing, forward (csrc/bahdanau.cpp)");
   m.def("bahdanau_backward", &bahdanau_backward, "Bahdanau's decoder under teacher forcing, backward");
 }

@@ -11,9 +11,10 @@
 // B sequences, H hidden units.
 #include <ATen/ATen.h>
 
-#include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "common.h"
 
 using at::Tensor;
 
@@ -50,10 +51,9 @@ std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor
       const float m = masked ? mask_p[bt] : 1.f;
       std::memcpy(before_p + bt * H, hb, sizeof(float) * H);
       // separate loops so that the compiler vectorises each
-      for (int64_t j = 0; j < 2 * H; ++j) saved[j] = 1.f / (1.f + std::exp(-(x[j] + g[j])));  // r, z
+      for (int64_t j = 0; j < 2 * H; ++j) saved[j] = sigmoid_(x[j] + g[j]);  // r, z
       for (int64_t j = 0; j < H; ++j) {
-        const float a = x[2 * H + j] + saved[j] * g[2 * H + j];
-        saved[2 * H + j] = 2.f / (1.f + std::exp(-2.f * a)) - 1.f;  // tanh(a)
+        saved[2 * H + j] = tanh_(x[2 * H + j] + saved[j] * g[2 * H + j]);
         saved[3 * H + j] = g[2 * H + j];
       }
       for (int64_t j = 0; j < H; ++j) {

@@ -41,7 +41,7 @@ from omegaconf import DictConfig
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from . import store
+from . import kernels, store
 from .cli import config_dir
 from .data import Batch
 from .model import Seq2Seq
@@ -270,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
-    description = f"{machine(device)}; torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}"
+    fused = cfg.train.fused and device.type == "cpu" and kernels.kernel() is not None
+    project = f"fused CPU kernels ({kernels.build_name_and_flags()[0]})" if fused else "torch ops"
+    description = f"{machine(device)}; torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; project on {project}"
     print(f"copytask bench on {description}", file=sys.stderr)
 
     longest = max(args.lengths)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from copytask.bench import ATTENTIONS, QUICK, main, time_to_target
+import torch
+
+from copytask.bench import ATTENTIONS, QUICK, bench_config, main, setups, step_flops, time_to_target
 
 
 @pytest.mark.slow  # about 30 s on two idle cores: model set-up, FLOP counting, two fresh processes
@@ -33,3 +35,15 @@ def test_time_to_target_trains_each_implementation_with_its_own_settings(tmp_pat
     assert (rows.target_s > 0).all() and (rows.target_trained_s >= rows.target_s).all()
     assert rows.target_settings["project"] == "lr 0.006 onecycle, budget 20"
     assert rows.target_settings["reference"] == "lr 0.001 constant, budget 20"  # tiny's budget comes last
+
+
+@pytest.mark.parametrize("attention", ["none", "bahdanau", "luong_concat"])
+def test_flops_count_the_products_inside_the_fused_kernels(attention):
+    """The counter cannot see into the C++ kernels: a step's FLOPs must not depend on them."""
+    counted = {}
+    for fused in ("true", "false"):
+        cfg = bench_config(attention, 6, ["train.batch_size=4", f"train.fused={fused}"])
+        project = setups(cfg, torch.device("cpu"))["project"]
+        counted[fused] = step_flops(project)
+        assert all(module.fused == (fused == "true") for module in project[0].modules() if hasattr(module, "fused"))
+    assert counted["true"] == counted["false"] > 0

@@ -37,6 +37,25 @@ def run(layer, x, hx, lengths):
     return [states.detach(), final.detach(), *[g.clone() for g in grads]]
 
 
+def assert_same_training_step(fused: Seq2Seq, other: Seq2Seq, batch, through_weights: bool = False):
+    """One forward and backward of each model on the batch: logits, weights and every parameter's
+    gradient agree to float rounding. -> the fused model's weights. `through_weights` adds a loss
+    term on the attention weights, so that a gradient reaches them too."""
+    outputs = []
+    for model in (fused, other):
+        logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
+        loss = logits.square().mean()
+        if through_weights:
+            loss = loss + (weights * torch.linspace(0, 1, weights.size(-1))).sum()
+        loss.backward()
+        outputs.append((logits, weights))
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    for (name, a), b in zip(fused.named_parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+    return outputs[0][1]
+
+
 @pytest.mark.parametrize("bidirectional", [True, False])
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("initial", [False, True])
@@ -66,13 +85,7 @@ def test_seq2seq_fused_equals_torch(kernel):
         if hasattr(module, "fused"):
             module.fused = False
     batch = make_batch("copy", 8, 12, 9, torch.Generator().manual_seed(0), min_length=4)
-    logits = []
-    for model in (fused, plain):
-        logits.append(model(batch.src, batch.src_lengths, batch.tgt_in)[0])
-        logits[-1].square().mean().backward()
-    torch.testing.assert_close(*logits, atol=1e-5, rtol=1e-4)
-    for (name, a), b in zip(fused.named_parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_training_step(fused, plain, batch)
     assert kernels.runs_fused(fused) and not kernels.runs_fused(plain)
 
 
@@ -113,18 +126,10 @@ def test_bahdanau_decode_equals_the_step_loop(kernel, ragged):
     loop = copy.deepcopy(fused)
     loop.decoder.fused = False
     batch = make_batch("copy", 8, 12, 9, torch.Generator().manual_seed(0), min_length=4 if ragged else None)
-    outputs = []
-    for model in (fused, loop):
-        logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
-        (logits.square().mean() + (weights * torch.linspace(0, 1, weights.size(-1))).sum()).backward()
-        outputs.append((logits, weights))
-    for a, b in zip(*outputs):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    weights = assert_same_training_step(fused, loop, batch, through_weights=True)
     if ragged:
         padding = ~length_mask(batch.src_lengths, batch.src.size(1))
-        assert outputs[0][1].masked_select(padding[:, None, :]).abs().max() == 0
-    for (name, a), b in zip(fused.named_parameters(), loop.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+        assert weights.masked_select(padding[:, None, :]).abs().max() == 0
 
 
 def test_bahdanau_intervention_takes_the_step_loop(kernel):
@@ -145,12 +150,12 @@ def test_additive_scores_equal_torch(kernel, ragged):
     pieces = copy.deepcopy(fused)
     pieces.attention.fused = False
     batch = make_batch("copy", 8, 12, 9, torch.Generator().manual_seed(0), min_length=4 if ragged else None)
-    outputs = []
-    for model in (fused, pieces):
-        logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
-        logits.square().mean().backward()
-        outputs.append((logits, weights))
-    for a, b in zip(*outputs):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    for (name, a), b in zip(fused.named_parameters(), pieces.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_training_step(fused, pieces, batch)
+
+
+@pytest.mark.parametrize("capability, avx2", [("AVX2", True), ("AVX512", True), ("DEFAULT", False), ("NO AVX", False)])
+def test_avx2_builds_are_named_apart(monkeypatch, capability, avx2):
+    """A build with AVX2 instructions must never be loaded by a CPU without them (shared homes)."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    name, flags = kernels.build_name_and_flags()
+    assert ("-mavx2" in flags) == avx2 and name.endswith("_avx2") == avx2

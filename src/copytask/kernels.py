@@ -1,4 +1,4 @@
-"""Fused CPU kernels (`csrc/`) for the two recurrences that dominate a training step.
+"""Fused CPU kernels (`csrc/`) for the sequential parts of a training step.
 
 Torch on CPU runs every time step of a recurrence as a dozen or more ATen ops and autograd
 nodes, forward and backward. At this project's sizes (batch 64, hidden 32-64, 80 steps) that
@@ -13,14 +13,16 @@ rows per step.
 - `additive_scores`: the additive score of every (decoder step, source position) pair, which
   Luong's concat score needs under teacher forcing (`attention.Attention.additive_scores`).
 
-Both are used for float32 on CPU; everywhere else (CUDA, float64, `fused=False`, no C++
+They are used for float32 on CPU; everywhere else (CUDA, float64, `fused=False`, no C++
 compiler) the torch code runs. They agree with it to float rounding (tests/test_kernels.py);
 `python -m copytask bench` measures the speed.
 
 The kernels are compiled by torch.utils.cpp_extension the first time they are needed (about a
 minute, once per machine and torch version, cached under
 `torch.utils.cpp_extension.get_default_build_root()`); that needs a C++ compiler and ninja.
-Where they cannot be built, one warning says why and the torch code runs.
+Where they cannot be built, one warning says why and the torch code runs. Loading them also
+raises glibc's mmap threshold (csrc/bindings.cpp), so that large freed blocks are reused instead
+of being mapped afresh, and page-faulted in, at every step. docs/bench.md has the figures.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from .data import length_mask
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "bahdanau.cpp")]
-# -ffast-math lets the compiler vectorise exp and the score's sums; it is a compile flag only, so
+# -ffast-math lets the compiler vectorise the sums over a row; it is a compile flag only, so
 # the library is not linked with the start-up code that would set flush-to-zero for the process.
 CFLAGS = ["-O3", "-ffast-math"]
 # AVX2 and FMA make the kernels 1.3-1.7x faster where the CPU has them (torch says whether it

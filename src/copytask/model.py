@@ -66,7 +66,7 @@ class BahdanauDecoder(nn.Module):
     def __init__(self, vocab: int, embedding_size: int, hidden_size: int, attention_size: int, fused: bool = True):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
-        self.attention = Attention("additive", hidden_size, hidden_size, attention_size)
+        self.attention = Attention("additive", hidden_size, hidden_size, attention_size, fused=fused)
         self.cell = nn.GRUCell(embedding_size + hidden_size, hidden_size)
         self.out = nn.Linear(2 * hidden_size, vocab)
         self.fused = fused  # teacher forcing on CPU in kernels.bahdanau_decode

@@ -88,13 +88,9 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
       float* __restrict saved = gates.data_ptr<float>() + tb * 4 * H;
       float* __restrict sb = s_p + b * H;
       std::memcpy(before.data_ptr<float>() + tb * H, sb, sizeof(float) * H);
-      for (int64_t j = 0; j < 2 * H; ++j) saved[j] = sigmoid_(xg[j] + g[j]);  // r, z
-      for (int64_t j = 0; j < H; ++j) {
-        saved[2 * H + j] = tanh_(xg[2 * H + j] + saved[j] * g[2 * H + j]);
-        saved[3 * H + j] = g[2 * H + j];
-      }
-      for (int64_t j = 0; j < H; ++j) sb[j] = (1.f - saved[H + j]) * saved[2 * H + j] + saved[H + j] * sb[j];
-      std::memcpy(states.data_ptr<float>() + tb * H, sb, sizeof(float) * H);
+      float* __restrict next = states.data_ptr<float>() + tb * H;
+      gru_cell(xg, g, sb, H, saved, next);
+      std::memcpy(sb, next, sizeof(float) * H);
     }
   }
   auto contexts = inputs.narrow(2, E, H).contiguous();
@@ -135,7 +131,7 @@ std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& g
   float* grad_v_p = grad_v.data_ptr<float>();
   float* grad_keys_p = grad_keys.data_ptr<float>();
   float* grad_s_p = grad_s.data_ptr<float>();
-  std::vector<float> d_alpha(S);
+  std::vector<float> d_alpha(S), grad_next(H);
   for (int64_t t = T - 1; t >= 0; --t) {
     // GRU cell
     for (int64_t b = 0; b < B; ++b) {
@@ -146,21 +142,8 @@ std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& g
       float* __restrict gi_b = grad_gi.data_ptr<float>() + tb * 3 * H;
       float* __restrict gh_b = grad_gh.data_ptr<float>() + tb * 3 * H;
       float* __restrict d = grad_s_p + b * H;
-#pragma GCC ivdep
-      for (int64_t j = 0; j < H; ++j) {
-        const float r = saved[j], z = saved[H + j], n = saved[2 * H + j], gh_n = saved[3 * H + j];
-        const float d_next = d[j] + go[j];
-        const float d_n = d_next * (1.f - z) * (1.f - n * n);
-        const float d_z = d_next * (sb[j] - n) * z * (1.f - z);
-        const float d_r = d_n * gh_n * r * (1.f - r);
-        gi_b[j] = d_r;
-        gi_b[H + j] = d_z;
-        gi_b[2 * H + j] = d_n;
-        gh_b[j] = d_r;
-        gh_b[H + j] = d_z;
-        gh_b[2 * H + j] = d_n * r;
-        d[j] = d_next * z;
-      }
+      for (int64_t j = 0; j < H; ++j) grad_next[j] = d[j] + go[j];
+      gru_cell_backward(saved, sb, grad_next.data(), H, gi_b, gh_b, d);
     }
     grad_s.addmm_(grad_gh[t], w_hh);
     at::mm_out(grad_x, grad_gi[t], w_ih);  // (B, E + H): the embedding's and the context's share

@@ -25,6 +25,40 @@ static inline float tanh_(float x) {
 }
 static inline float sigmoid_(float x) { return 0.5f + 0.5f * tanh_(0.5f * x); }
 
+// One step of the GRU cell for one sequence, torch's gate order (r, z, n): gi = W_ih x + b_ih
+// and gh = W_hh h + b_hh (3H each), h (H) the state before the step -> saved (4H: r, z, n, gh_n)
+// for the backward pass, next (H) the state after the step.
+static inline void gru_cell(const float* __restrict gi, const float* __restrict gh, const float* __restrict h,
+                            int64_t H, float* __restrict saved, float* __restrict next) {
+  for (int64_t j = 0; j < 2 * H; ++j) saved[j] = sigmoid_(gi[j] + gh[j]);  // r, z
+  for (int64_t j = 0; j < H; ++j) {
+    saved[2 * H + j] = tanh_(gi[2 * H + j] + saved[j] * gh[2 * H + j]);  // n
+    saved[3 * H + j] = gh[2 * H + j];
+  }
+  for (int64_t j = 0; j < H; ++j) next[j] = (1.f - saved[H + j]) * saved[2 * H + j] + saved[H + j] * h[j];
+}
+
+// Its backward: grad_next (H), the gradient reaching the new state -> grad_gi and grad_gh (3H),
+// and grad_h (H), the gradient of h along the direct path h -> next (the path through
+// gh = W_hh h is the caller's product grad_gh W_hh).
+static inline void gru_cell_backward(const float* __restrict saved, const float* __restrict h,
+                                     const float* __restrict grad_next, int64_t H, float* __restrict grad_gi,
+                                     float* __restrict grad_gh, float* __restrict grad_h) {
+  for (int64_t j = 0; j < H; ++j) {
+    const float r = saved[j], z = saved[H + j], n = saved[2 * H + j], gh_n = saved[3 * H + j];
+    const float d_n = grad_next[j] * (1.f - z) * (1.f - n * n);
+    const float d_z = grad_next[j] * (h[j] - n) * z * (1.f - z);
+    const float d_r = d_n * gh_n * r * (1.f - r);
+    grad_gi[j] = d_r;
+    grad_gi[H + j] = d_z;
+    grad_gi[2 * H + j] = d_n;
+    grad_gh[j] = d_r;
+    grad_gh[H + j] = d_z;
+    grad_gh[2 * H + j] = d_n * r;
+    grad_h[j] = grad_next[j] * z;
+  }
+}
+
 // The additive score of one query against S keys: scores[i] = v . tanh(q + keys[i]), q and v
 // (A), keys (S, A); u (S, A) keeps the tanh for the backward pass.
 static inline void additive_row(const float* __restrict q, const float* __restrict keys, const float* __restrict v,

@@ -30,6 +30,7 @@ std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor
   auto gh = at::empty({B, 3 * H}, gi.options());
   auto h = h0.contiguous().clone();
   const auto w_hh_t = w_hh.t();
+  std::vector<float> next(H);
   const bool masked = mask.numel() > 0;
   const float* gi_p = gi.data_ptr<float>();
   const float* mask_p = masked ? mask.data_ptr<float>() : nullptr;
@@ -50,17 +51,10 @@ std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor
       float* __restrict out = states_p + bt * H;
       const float m = masked ? mask_p[bt] : 1.f;
       std::memcpy(before_p + bt * H, hb, sizeof(float) * H);
-      // separate loops so that the compiler vectorises each
-      for (int64_t j = 0; j < 2 * H; ++j) saved[j] = sigmoid_(x[j] + g[j]);  // r, z
+      gru_cell(x, g, hb, H, saved, next.data());
       for (int64_t j = 0; j < H; ++j) {
-        saved[2 * H + j] = tanh_(x[2 * H + j] + saved[j] * g[2 * H + j]);
-        saved[3 * H + j] = g[2 * H + j];
-      }
-      for (int64_t j = 0; j < H; ++j) {
-        const float z = saved[H + j], n = saved[2 * H + j];
-        const float next = (1.f - z) * n + z * hb[j];
-        out[j] = m * next;
-        hb[j] = m * next + (1.f - m) * hb[j];  // padding leaves the state alone, as packing does
+        out[j] = m * next[j];
+        hb[j] = m * next[j] + (1.f - m) * hb[j];  // padding leaves the state alone, as packing does
       }
     }
   }
@@ -75,6 +69,7 @@ std::vector<Tensor> gru_backward(const Tensor& grad_states, const Tensor& grad_f
   auto grad_gi = at::empty({T, B, 3 * H}, gates.options());
   auto grad_gh = at::empty({T, B, 3 * H}, gates.options());
   auto grad_h = grad_final.contiguous().clone();  // gradient reaching the state after step t
+  std::vector<float> grad_next(H), direct(H);
   const bool masked = mask.numel() > 0;
   const float* mask_p = masked ? mask.data_ptr<float>() : nullptr;
   const float* grad_states_p = grad_states.data_ptr<float>();
@@ -94,21 +89,9 @@ std::vector<Tensor> gru_backward(const Tensor& grad_states, const Tensor& grad_f
       float* __restrict gh_b = grad_gh_p + bt * 3 * H;
       float* __restrict d = grad_h_p + b * H;
       const float m = masked ? mask_p[bt] : 1.f;
-#pragma GCC ivdep
-      for (int64_t j = 0; j < H; ++j) {
-        const float r = saved[j], z = saved[H + j], n = saved[2 * H + j], gh_n = saved[3 * H + j];
-        const float d_next = m * (d[j] + go[j]);
-        const float d_n = d_next * (1.f - z) * (1.f - n * n);
-        const float d_z = d_next * (hb[j] - n) * z * (1.f - z);
-        const float d_r = d_n * gh_n * r * (1.f - r);
-        gi_b[j] = d_r;
-        gi_b[H + j] = d_z;
-        gi_b[2 * H + j] = d_n;
-        gh_b[j] = d_r;
-        gh_b[H + j] = d_z;
-        gh_b[2 * H + j] = d_n * r;
-        d[j] = d_next * z + (1.f - m) * d[j];  // the direct path h -> h'; padding passes it through
-      }
+      for (int64_t j = 0; j < H; ++j) grad_next[j] = m * (d[j] + go[j]);
+      gru_cell_backward(saved, hb, grad_next.data(), H, gi_b, gh_b, direct.data());
+      for (int64_t j = 0; j < H; ++j) d[j] = direct[j] + (1.f - m) * d[j];  // padding passes the gradient through
     }
     grad_h.addmm_(grad_gh[t], w_hh);  // the path through gh = W_hh h
   }

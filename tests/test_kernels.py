@@ -159,3 +159,13 @@ def test_avx2_builds_are_named_apart(monkeypatch, capability, avx2):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     name, flags = kernels.build_name_and_flags()
     assert ("-mavx2" in flags) == avx2 and name.endswith("_avx2") == avx2
+
+
+def test_kernels_refuse_what_they_cannot_read(kernel):
+    """They read raw float pointers: a strided or float64 tensor is an error that says so, never garbage."""
+    gi, h0 = torch.randn(5, 3, 12), torch.zeros(3, 4)
+    w_hh, b_hh, no_mask = torch.randn(12, 4), torch.zeros(12), torch.empty(0)
+    with pytest.raises(RuntimeError, match="gru_forward expects contiguous float32 CPU tensors"):
+        kernel.gru_forward(gi.transpose(0, 1), h0, w_hh, b_hh, no_mask, False)
+    with pytest.raises(RuntimeError, match="expects contiguous float32 CPU tensors.*Double"):
+        kernel.additive_forward(torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 5, 4), torch.randn(4))

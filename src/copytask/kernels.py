@@ -18,7 +18,7 @@ compiler) the torch code runs. They agree with it to float rounding (tests/test_
 `python -m copytask bench` measures the speed.
 
 The kernels are compiled by torch.utils.cpp_extension the first time they are needed (about a
-minute, once per machine and torch version, cached under
+minute, once per machine and torch version, cached under $TORCH_EXTENSIONS_DIR or
 `torch.utils.cpp_extension.get_default_build_root()`); that needs a C++ compiler and ninja.
 Where they cannot be built, one warning says why and the torch code runs. Loading them also
 raises glibc's mmap threshold (csrc/bindings.cpp), so that large freed blocks are reused instead
@@ -28,6 +28,7 @@ of being mapped afresh, and page-faulted in, at every step. docs/bench.md has th
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -63,8 +64,8 @@ def kernel() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     name, flags = build_name_and_flags()
-    root = Path(cpp_extension.get_default_build_root())
-    if not any(root.glob(f"**/{name}/{name}*.so")):  # torch builds in root/<python and CUDA versions>/name
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    if not any(root.glob(f"**/{name}/{name}*.so")):  # torch builds in root[/<python and CUDA versions>]/name
         print(f"copytask: compiling the fused CPU kernels under {root} (once, about a minute)", file=sys.stderr, flush=True)
     try:
         return cpp_extension.load(name, [str(path) for path in SOURCES], extra_cflags=flags, verbose=False)
@@ -128,7 +129,7 @@ class GRU(nn.GRU):
         states, finals = [], []
         for direction, suffix in enumerate(("_l0", "_l0_reverse")[:directions]):
             w_ih, w_hh, b_ih, b_hh = (getattr(self, name + suffix) for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
-            gi = F.linear(x, w_ih, b_ih)  # (T, B, 3H): the input's share of the gates, all steps at once
+            gi = F.linear(x, w_ih, b_ih).contiguous()  # (T, B, 3H): the input's share of the gates, all steps at once
             direction_states, final = _GRURecurrence.apply(gi, hx[direction].contiguous(), w_hh, b_hh, mask, direction == 1)
             states.append(direction_states)
             finals.append(final)

@@ -12,6 +12,7 @@ using at::Tensor;
 
 // queries W q (B, T, A), keys U h + b (B, S, A), v (A) -> scores (B, T, S), and u (B, T, S, A).
 std::vector<Tensor> additive_forward(const Tensor& queries, const Tensor& keys, const Tensor& v) {
+  check_inputs("additive_forward", {&queries, &keys, &v});
   const int64_t B = queries.size(0), T = queries.size(1), A = queries.size(2), S = keys.size(1);
   auto scores = at::empty({B, T, S}, queries.options());
   auto u = at::empty({B, T, S, A}, queries.options());
@@ -30,6 +31,7 @@ std::vector<Tensor> additive_forward(const Tensor& queries, const Tensor& keys, 
 
 // grad_scores (B, T, S), u, v -> gradients of queries (B, T, A), keys (B, S, A), v (A).
 std::vector<Tensor> additive_backward(const Tensor& grad_scores, const Tensor& u, const Tensor& v) {
+  check_inputs("additive_backward", {&grad_scores, &u, &v});
   const int64_t B = u.size(0), T = u.size(1), S = u.size(2), A = u.size(3);
   auto grad_q = at::zeros({B, T, A}, u.options());
   auto grad_k = at::zeros({B, S, A}, u.options());

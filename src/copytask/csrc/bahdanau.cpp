@@ -28,6 +28,7 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
                                      const Tensor& values, const Tensor& mask, const Tensor& w_q,
                                      const Tensor& v, const Tensor& w_ih, const Tensor& b_ih,
                                      const Tensor& w_hh, const Tensor& b_hh) {
+  check_inputs("bahdanau_forward", {&embedded, &s0, &keys, &values, &mask, &w_q, &v, &w_ih, &b_ih, &w_hh, &b_hh});
   const int64_t T = embedded.size(0), B = embedded.size(1), E = embedded.size(2);
   const int64_t S = keys.size(1), A = keys.size(2), H = s0.size(1);
   const auto opts = embedded.options();
@@ -105,6 +106,8 @@ std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& g
                                       const Tensor& inputs, const Tensor& gates, const Tensor& before,
                                       const Tensor& values, const Tensor& w_q, const Tensor& v,
                                       const Tensor& w_ih, const Tensor& w_hh) {
+  check_inputs("bahdanau_backward", {&grad_states, &grad_contexts, &grad_weights, &weights, &u, &inputs, &gates,
+                                     &before, &values, &w_q, &v, &w_ih, &w_hh});
   const int64_t T = u.size(0), B = u.size(1), S = u.size(2), A = u.size(3);
   const int64_t H = before.size(2), E = inputs.size(2) - H;
   const auto opts = u.options();

@@ -3,8 +3,20 @@
 // -ffast-math, and AVX2/FMA where the CPU has them).
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+
+// The kernels read raw float pointers: every tensor they take must be contiguous float32 on CPU
+// (copytask/kernels.py sees to it; this guards against a caller that does not).
+static inline void check_inputs(const char* kernel, std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors)
+    TORCH_CHECK(t->numel() == 0 || (t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous()),
+                kernel, " expects contiguous float32 CPU tensors, got one of shape ", t->sizes(), ", ",
+                t->scalar_type(), ", on ", t->device());
+}
 
 // tanh as a rational function of x (odd degree 13 over even degree 6) on [-7.9, 7.9], where it
 // reaches +-1 in float: Eigen's float tanh (generic_fast_tanh_float), within a few ulp. No exp,

@@ -23,6 +23,7 @@ using at::Tensor;
 //    (T, B, 4H: r, z, n, gh_n) and the state before each step (T, B, H).
 std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor& w_hh, const Tensor& b_hh,
                             const Tensor& mask, bool reverse) {
+  check_inputs("gru_forward", {&gi, &h0, &w_hh, &b_hh, &mask});
   const int64_t T = gi.size(0), B = gi.size(1), H = h0.size(1);
   auto states = at::empty({T, B, H}, gi.options());
   auto gates = at::empty({T, B, 4 * H}, gi.options());
@@ -65,6 +66,7 @@ std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor
 // -> gradients of gi (T, B, 3H), h0 (B, H), w_hh (3H, H), b_hh (3H).
 std::vector<Tensor> gru_backward(const Tensor& grad_states, const Tensor& grad_final, const Tensor& gates,
                              const Tensor& before, const Tensor& w_hh, const Tensor& mask, bool reverse) {
+  check_inputs("gru_backward", {&grad_states, &grad_final, &gates, &before, &w_hh, &mask});
   const int64_t T = gates.size(0), B = gates.size(1), H = before.size(2);
   auto grad_gi = at::empty({T, B, 3 * H}, gates.options());
   auto grad_gh = at::empty({T, B, 3 * H}, gates.options());

@@ -37,6 +37,7 @@ def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
         ("task.name=sort", "'sort'"),
         ("attention.decoder=transformer", "'transformer'"),
         ("train.schedule=cosine", "'cosine'"),
+        ("train.fused=maybe", "train.fused must be true or false, got 'maybe'"),
     ],
 )
 def test_bad_values_are_refused_before_training(make_config, override, named):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from . import kernels
 from .attention import Attention
 from .data import BOS, PAD, length_mask
-from . import kernels
 
 DECODERS = ("plain", "bahdanau", "luong")
 

@@ -6,8 +6,9 @@ Luong (the decoder GRU is called on a length-1 sequence per step), and attention
 the encoder states at every step. Nothing is batched over time, nothing is cached.
 
 Parameter names and shapes equal `Seq2Seq`'s, so a project state_dict loads here and both must
-compute the same numbers. The encoder is the project's with torch's own nn.GRU (one call, packed when lengths differ):
-that is the classical form; the project runs the same layer in its fused kernel (`kernels`).
+compute the same numbers. The encoder is the project's, on torch's own nn.GRU (one call, packed
+when lengths differ): that is the classical form; the project runs the same layer in its fused
+CPU kernel (`kernels`).
 """
 
 from __future__ import annotations

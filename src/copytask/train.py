@@ -72,6 +72,8 @@ def validate(cfg: DictConfig) -> None:
         at_least("train.patience", train.patience, 1)
     if train.threads is not None:
         at_least("train.threads", train.threads, 1)
+    if not isinstance(train.get("fused", True), bool):
+        raise ConfigError(f"train.fused must be true or false, got {train.fused!r}")
     resolve_device(train.device)
 
 

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
-    fused = cfg.train.fused and device.type == "cpu" and kernels.kernel() is not None
+    fused = kernels.runs_fused(build_model(cfg).to(device))
     project = f"fused CPU kernels ({kernels.build_name_and_flags()[0]})" if fused else "torch ops"
     description = f"{machine(device)}; torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; project on {project}"
     print(f"copytask bench on {description}", file=sys.stderr)

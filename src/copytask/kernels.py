@@ -1,7 +1,7 @@
 """Fused CPU kernels (`csrc/`) for the sequential parts of a training step.
 
-Torch on CPU runs every time step of a recurrence as a dozen or more ATen ops and autograd
-nodes, forward and backward. At this project's sizes (batch 64, hidden 32-64, 80 steps) that
+Torch on CPU runs every time step of a recurrence as tens of ATen ops and autograd nodes,
+forward and backward (a GRU step about 24 ops and 14 nodes, a Bahdanau decoder step about 94 and 33). At this project's sizes (batch 64, hidden 32-64, 80 steps) that
 per-op cost, not arithmetic, is most of a training step. Two recurrences and one score get a
 kernel that runs the whole sequence in C++: a few matrix products and passes over contiguous
 rows per step.
@@ -17,8 +17,8 @@ They are used for float32 on CPU; everywhere else (CUDA, float64, `fused=False`,
 compiler) the torch code runs. They agree with it to float rounding (tests/test_kernels.py);
 `python -m copytask bench` measures the speed.
 
-The kernels are compiled by torch.utils.cpp_extension the first time they are needed (about a
-minute, once per machine and torch version, cached under $TORCH_EXTENSIONS_DIR or
+The kernels are compiled by torch.utils.cpp_extension the first time they are needed (30-60 s,
+once per machine and torch version, cached under $TORCH_EXTENSIONS_DIR or
 `torch.utils.cpp_extension.get_default_build_root()`); that needs a C++ compiler and ninja.
 Where they cannot be built, one warning says why and the torch code runs. Loading them also
 raises glibc's mmap threshold (csrc/bindings.cpp), so that large freed blocks are reused instead
@@ -46,7 +46,7 @@ SOURCES = [Path(__file__).with_name("csrc") / name for name in ("bindings.cpp", 
 # -ffast-math lets the compiler vectorise the sums over a row; it is a compile flag only, so
 # the library is not linked with the start-up code that would set flush-to-zero for the process.
 CFLAGS = ["-O3", "-ffast-math"]
-# AVX2 and FMA make the kernels 1.3-1.7x faster where the CPU has them (torch says whether it
+# AVX2 and FMA make the kernels' loops 1.2-1.7x faster where the CPU has them (torch says whether it
 # does); the build is named after the instruction set, so machines that share a home directory
 # (a cluster's nodes) never load a build their CPU cannot run.
 AVX2 = ("AVX2", "AVX512")
@@ -66,13 +66,19 @@ def kernel() -> ModuleType | None:
     name, flags = build_name_and_flags()
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     if not any(root.glob(f"**/{name}/{name}*.so")):  # torch builds in root[/<python and CUDA versions>]/name
-        print(f"copytask: compiling the fused CPU kernels under {root} (once, about a minute)", file=sys.stderr, flush=True)
+        print(f"copytask: compiling the fused CPU kernels under {root} (once, 30-60 s)", file=sys.stderr, flush=True)
     try:
         return cpp_extension.load(name, [str(path) for path in SOURCES], extra_cflags=flags, verbose=False)
     except Exception as error:  # no compiler, no ninja, unsupported platform: the torch code still works
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         warnings.warn(f"copytask: could not build the fused CPU kernels ({reason}); using torch's ops, slower on CPU")
         return None
+
+
+def padding(real: Tensor) -> Tensor:
+    """A bool mask of real positions as the kernels take it: float (1 real, 0 padding), or empty
+    where nothing is padded, so that they skip the masking."""
+    return real.new_empty(0, dtype=torch.float32) if bool(real.all()) else real.float().contiguous()
 
 
 def usable(*tensors: Tensor) -> bool:
@@ -95,7 +101,7 @@ class _GRURecurrence(torch.autograd.Function):
     def backward(ctx, grad_states: Tensor | None, grad_final: Tensor | None):
         gates, before, w_hh, mask = ctx.saved_tensors
         grad_states = torch.zeros_like(before) if grad_states is None else grad_states.contiguous()
-        grad_final = torch.zeros_like(before[0]) if grad_final is None else grad_final
+        grad_final = torch.zeros_like(before[0]) if grad_final is None else grad_final.contiguous()
         grad_gi, grad_h0, grad_w_hh, grad_b_hh = kernel().gru_backward(grad_states, grad_final, gates, before, w_hh, mask, ctx.reverse)
         return grad_gi, grad_h0, grad_w_hh, grad_b_hh, None, None
 
@@ -111,11 +117,10 @@ class GRU(nn.GRU):
         """x (B, T, I), hx (D, B, H) or None (zeros), lengths (B,) or None (all T) -> states
         (B, T, D*H), zero past each sequence's length, and final (D, B, H), each direction's
         last real state: what packing gives, and without packing's cost when all lengths are T."""
-        ragged = lengths is not None and bool((lengths < x.size(1)).any())
         if self.fused and usable(x):
-            mask = length_mask(lengths, x.size(1)).t().float().contiguous() if ragged else x.new_empty(0)
+            mask = x.new_empty(0) if lengths is None else padding(length_mask(lengths, x.size(1)).t())
             return self._fused(x, hx, mask)
-        if ragged:
+        if lengths is not None and bool((lengths < x.size(1)).any()):
             packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
             states, final = super().forward(packed, hx)
             return pad_packed_sequence(states, batch_first=True, total_length=x.size(1))[0], final
@@ -187,9 +192,8 @@ def bahdanau_decode(
     """Bahdanau's teacher-forced decoder loop in the kernel, batch first: embedded (B, T_dec, E),
     s0 (B, H), keys U h + b (B, T_enc, A), values (B, T_enc, H), mask (B, T_enc) bool, w_q (A, H),
     v (A,) -> states s_1..s_T (B, T_dec, H), contexts (B, T_dec, H), weights (B, T_dec, T_enc)."""
-    padding = mask.new_empty(0, dtype=torch.float32) if bool(mask.all()) else mask.float().contiguous()
     states, contexts, weights = _BahdanauRecurrence.apply(
-        embedded.transpose(0, 1).contiguous(), s0.contiguous(), keys.contiguous(), values.contiguous(), padding,
+        embedded.transpose(0, 1).contiguous(), s0.contiguous(), keys.contiguous(), values.contiguous(), padding(mask),
         w_q, v, cell.weight_ih, cell.bias_ih, cell.weight_hh, cell.bias_hh,
     )
     return states.transpose(0, 1), contexts.transpose(0, 1), weights.transpose(0, 1)

@@ -1,7 +1,7 @@
 // The additive score v . tanh(W q_t + U h_i) for every (decoder step, source position) pair,
 // forward and backward, for copytask.kernels on CPU in float32: Luong's concat score under
 // teacher forcing, where torch materialises the (B, T_dec, T_enc, A) tensor and its gradient
-// in ~10 ops per piece. Shapes: B sequences, T decoder steps, S source positions, A attention size.
+// piece by piece. Shapes: B sequences, T decoder steps, S source positions, A attention size.
 #include <ATen/ATen.h>
 
 #include <vector>

@@ -2,7 +2,8 @@
 // in float32: the same numbers as model.BahdanauDecoder's step loop (tests/test_kernels.py).
 //
 // That loop cannot be batched over time (the context is fed into the GRU), so every one of its
-// T_dec steps is ~40 small ATen ops and autograd nodes forward and backward. Here a step is
+// T_dec steps is about 94 ATen ops and 33 autograd nodes, forward and backward (counted with
+// torch.profiler at length 80). Here a step is
 // four small matrix products and a few passes over the (B, T_enc, A) score tensor. Per step:
 //   q = W_q s,  u = tanh(q + K),  e = v . u,  alpha = softmax(e) (0 at padding),
 //   c = sum_i alpha_i V_i,  x = [emb; c],  s' = GRUCell(x, s)   (gates r, z, n as torch's).

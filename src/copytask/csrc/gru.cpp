@@ -1,6 +1,7 @@
 // One GRU layer's recurrence, forward and backward, for copytask.kernels on CPU in float32.
 //
-// nn.GRU on CPU runs every time step as a dozen separate ATen ops and autograd nodes; at
+// nn.GRU on CPU runs every time step as about 24 ATen ops and 14 autograd nodes, forward and
+// backward (counted with torch.profiler); at
 // batch 64 and hidden size 32-64 those per-op costs, not arithmetic, are most of a training
 // step. Here a step is one matrix product (the recurrent projection) and one pass over the
 // gates; the backward pass keeps the per-step product it needs and does the weight gradient

@@ -27,8 +27,8 @@ ANALYSIS = "analysis.json"  # derived by `copytask analyze`, the one file added 
 
 
 # Keys that change where or how fast a run computes, not what (results agree to float rounding);
-# `analysis` only sets how a finished run is analysed.
-NOT_IDENTITY = ("runs_dir", "train.device", "train.threads", "train.fused", "train.progress", "analysis")
+# `analysis` and `report` only set how finished runs are analysed and drawn.
+NOT_IDENTITY = ("runs_dir", "train.device", "train.threads", "train.fused", "train.progress", "analysis", "report")
 
 
 def warn(message: str) -> None:

@@ -145,7 +145,7 @@ def analysed_runs(tmp_path_factory) -> Path:
 
 
 def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, capsys):
-    folders = {f.name.split("-")[0]: f for f in analysis.complete_runs(analysed_runs)}
+    folders = {f.name.split("-")[0]: f for f in store.complete_runs(analysed_runs)}
     attended = store.read_json(folders["luong_general"] / store.ANALYSIS)
     metrics = store.read_json(folders["luong_general"] / store.METRICS)
     assert attended["attention"] == "luong_general-2heads"
@@ -169,7 +169,7 @@ def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, caps
 def test_analyze_skips_a_corrupt_run_with_a_warning_naming_it(analysed_runs, tmp_path, capsys):
     runs_dir = tmp_path / "runs"
     shutil.copytree(analysed_runs, runs_dir)
-    corrupt, intact = analysis.complete_runs(runs_dir)
+    corrupt, intact = store.complete_runs(runs_dir)
     for folder in (corrupt, intact):
         (folder / store.ANALYSIS).unlink()
     (corrupt / store.METRICS).write_text('{"attention": "luong')  # half-written
@@ -181,12 +181,12 @@ def test_analyze_skips_a_corrupt_run_with_a_warning_naming_it(analysed_runs, tmp
 def test_figures_are_drawn_from_the_analysis_files(analysed_runs, tmp_path):
     import matplotlib.pyplot as plt
 
-    analyses = [store.read_json(folder / store.ANALYSIS) for folder in analysis.complete_runs(analysed_runs)]
+    analyses = [store.read_json(folder / store.ANALYSIS) for folder in store.complete_runs(analysed_runs)]
     paths = [
         analysis_figures.plot_counterfactual(analysis.analysis_table(analyses), tmp_path / "counterfactual.png"),
         analysis_figures.plot_length_generalisation(analysis.length_generalisation_table(analyses), tmp_path / "generalisation.png"),
     ]
-    attended = next(f for f in analysis.complete_runs(analysed_runs) if f.name.startswith("luong_general"))
+    attended = next(f for f in store.complete_runs(analysed_runs) if f.name.startswith("luong_general"))
     paths.append(analysis_figures.plot_head_weights(json.loads((attended / store.ANALYSIS).read_text()), tmp_path / "heads.png"))
     figure, ax = plt.subplots()
     analysis_figures.plot_per_length(ax, analysis.per_length_table(analyses))

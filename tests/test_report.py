@@ -117,11 +117,24 @@ def test_t_quantile_matches_tables(df, expected):
     assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
 
 
-def test_compare_runs_the_missing_runs_first(runs_copy, capsys):
+def test_compare_trains_nothing_unless_asked_and_says_how(runs_copy, capsys):
     removed = pd.read_csv(runs_copy / "results.csv")["run"].iloc[6]
     shutil.rmtree(runs_copy / removed)
 
     assert main(["compare", *overrides(runs_copy)]) == 0
+
+    output = capsys.readouterr().out
+    assert "1 of 8 runs missing" in output and removed in output
+    assert "train them with: python -m copytask sweep" in output and "runs_dir=" in output
+    assert not (runs_copy / removed).exists()
+    assert len(parse_compare(output)) == 4  # the table of what there is
+
+
+def test_compare_train_missing_runs_the_missing_runs_first(runs_copy, capsys):
+    removed = pd.read_csv(runs_copy / "results.csv")["run"].iloc[6]
+    shutil.rmtree(runs_copy / removed)
+
+    assert main(["compare", "--train-missing", *overrides(runs_copy)]) == 0
 
     output = capsys.readouterr().out
     assert "1 of 8 runs missing: running the sweep first" in output
@@ -130,7 +143,7 @@ def test_compare_runs_the_missing_runs_first(runs_copy, capsys):
 
 
 def test_report_without_analysis_says_it_is_missing_and_how_to_make_it(runs_copy, capsys):
-    runs = sorted(analysis.complete_runs(runs_copy))
+    runs = sorted(store.complete_runs(runs_copy))
     (runs[0] / store.ANALYSIS).write_text("{")  # corrupt: warned, then treated as missing
     for folder in runs[1:]:
         (folder / store.ANALYSIS).unlink()
@@ -146,7 +159,7 @@ def test_report_without_analysis_says_it_is_missing_and_how_to_make_it(runs_copy
 
 
 def test_a_failing_analysis_is_named_and_the_others_go_on(runs_copy, capsys):
-    runs = sorted(analysis.complete_runs(runs_copy))
+    runs = sorted(store.complete_runs(runs_copy))
     for folder in runs:
         (folder / store.ANALYSIS).unlink()
     (runs[1] / store.CHECKPOINT).write_bytes(b"not a checkpoint")
@@ -185,5 +198,5 @@ def test_multi_head_runs_are_labelled_apart(tmp_path):
     assert sorted(table["attention"]) == ["luong_general", "luong_general-2heads"]
     markdown = (runs_dir / "report" / "report.md").read_text()
     assert "| 3 | luong_general-2heads | 1 |" in markdown  # its own row in the accuracy table
-    assert "![luong_general-2heads heads, length 3](heads_luong_general-2heads_length3.png)" in markdown
+    assert "![heads of luong_general-2heads, length 3](heads_luong_general-2heads_length3.png)" in markdown
     assert (runs_dir / "report" / "heads_luong_general-2heads_length3.png").stat().st_size > 1000

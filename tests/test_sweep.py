@@ -50,7 +50,7 @@ def test_sweep_analyses_its_runs_before_the_report(swept):
     assert "| length | attention | seeds | argmax on copied position % | weight on copied position % |" in markdown
     assert "![train length x test length accuracy](length_generalisation.png)" in markdown
     # the evidence comes before the maps it qualifies, after the Jain and Wallace caution
-    caution, evidence, heatmap = (markdown.index(s) for s in ("Jain and Wallace", "### Counterfactual attention", "![luong_general attention"))
+    caution, evidence, heatmap = (markdown.index(s) for s in ("Jain and Wallace", "### Counterfactual attention", "![attention of luong_general"))
     assert caution < evidence < heatmap
     assert "Analysis missing" not in markdown
 

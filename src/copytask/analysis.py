@@ -247,10 +247,6 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None) 
     return analysis
 
 
-def complete_runs(runs_dir: Path) -> list[Path]:
-    return sorted(folder for folder in Path(runs_dir).iterdir() if folder.is_dir() and store.is_complete(folder))
-
-
 def is_analysed(folder: Path, lengths: list[int], eval_size: int | None) -> bool:
     """Whether `folder` has an analysis.json made with `eval_size` that covers every test length."""
     try:
@@ -344,15 +340,19 @@ def _by_length(level: pd.Index) -> pd.Index:
     return level.map(lambda value: int(value.split("-")[-1])) if level.name == "train_length" else level
 
 
-def summary(analyses: list[dict]) -> str:
-    """The tables `python -m copytask analyze` prints: counterfactuals and alignment per attention,
-    task and train length (mean over seeds), then the train length x test length token accuracy."""
+def summary(analyses: list[dict], settings: pd.DataFrame | None = None) -> str:
+    """The tables `python -m copytask analyze` prints: counterfactuals and alignment per setting
+    (the columns of `settings` besides `run`, where given), attention, task and train length (mean
+    over seeds), then the train length x test length token accuracy."""
     keys, number = ["attention", "task", "train_length"], "{:.3f}".format
-    generalisation = length_generalisation_table(analyses)
+    generalisation, table = length_generalisation_table(analyses), analysis_table(analyses)
     if generalisation.empty:
         return "no analysed runs"
+    if settings is not None:
+        keys = [*settings.columns.drop("run"), *keys]
+        generalisation = generalisation.merge(settings, on="run", how="left")
+        table = table.merge(settings, on="run", how="left") if not table.empty else table
     parts = []
-    table = analysis_table(analyses)
     if not table.empty:
         columns = ["own", *COUNTERFACTUALS, *(f"drop_{n}" for n in COUNTERFACTUALS), *(f"align_{key}" for key in ALIGNMENT)]
         counterfactual = table.groupby(keys)[columns].mean().join(table.groupby(keys).size().rename("seeds"))

@@ -20,12 +20,24 @@ import pandas as pd  # noqa: E402
 
 from .analysis import COUNTERFACTUALS  # noqa: E402
 
-GROUP = ["attention", "task"]  # one panel per attention type and task
+GROUP = ["attention", "task"]  # one panel per attention type and task (and setting, where a grid has settings)
+COLUMNS = 5  # panels per row
 
 
 def _panels(count: int, width: float = 4.0, height: float = 3.2):
-    figure, axes = plt.subplots(1, count, figsize=(width * count, height), squeeze=False, layout="constrained")
-    return figure, axes[0]
+    """`count` panels, at most COLUMNS to a row; the unused ones are hidden."""
+    rows, columns = -(-count // COLUMNS), min(count, COLUMNS)
+    figure, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows), squeeze=False, layout="constrained")
+    for axis in axes.flat[count:]:
+        axis.set_visible(False)
+    return figure, axes.flat[:count]
+
+
+def _title(keys: list[str], values: tuple) -> str:
+    """`luong_general (copy)`, then the setting on a second line: `model.hidden_size=16`."""
+    attention, task, *setting = values
+    title = f"{attention} ({task})"
+    return title + ("\n" + ", ".join(f"{key}={value}" for key, value in zip(keys[len(GROUP):], setting)) if setting else "")
 
 
 def _save(figure, path: Path) -> Path:
@@ -36,29 +48,32 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
-def plot_counterfactual(table: pd.DataFrame, path: Path) -> Path:
+def plot_counterfactual(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Path:
     """Greedy token accuracy vs train length with the model's own attention and under each
-    counterfactual, mean over seeds; one panel per attention type and task (fixed-length runs)."""
+    counterfactual, mean over seeds; one panel per attention type, task and value of `settings`
+    (columns of `table`), fixed-length runs only."""
     table = table[table.train_length == table.length.astype(str)]
-    groups = list(table.groupby(GROUP))
+    keys = [*GROUP, *settings]
+    groups = list(table.groupby(keys, dropna=False))
     figure, axes = _panels(len(groups))
-    for ax, ((attention, task), runs) in zip(axes, groups):
+    for ax, (values, runs) in zip(axes, groups):
         means = runs.groupby("length")[["own", *COUNTERFACTUALS]].mean()
         for name in ("own", *COUNTERFACTUALS):
             ax.plot(means.index, means[name], marker="o", label=name)
-        ax.set(title=f"{attention} ({task})", xlabel="sequence length", ylabel="greedy token accuracy", ylim=(0, 1.02))
+        ax.set(title=_title(keys, values), xlabel="sequence length", ylabel="greedy token accuracy", ylim=(0, 1.02))
         ax.set_xscale("log", base=2)
         ax.set_xticks(means.index, [str(n) for n in means.index])
     axes[0].legend(title="attention weights")
     return _save(figure, path)
 
 
-def plot_length_generalisation(table: pd.DataFrame, path: Path) -> Path:
+def plot_length_generalisation(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Path:
     """Train length (rows) x test length (columns) greedy token accuracy, mean over seeds;
-    one panel per attention type and task."""
-    groups = list(table.groupby(GROUP))
+    one panel per attention type, task and value of `settings` (columns of `table`)."""
+    keys = [*GROUP, *settings]
+    groups = list(table.groupby(keys, dropna=False))
     figure, axes = _panels(len(groups), width=4.4, height=3.8)
-    for ax, ((attention, task), runs) in zip(axes, groups):
+    for ax, (values, runs) in zip(axes, groups):
         matrix = runs.pivot_table(index="train_length", columns="test_length", values="token_acc", aggfunc="mean")
         # numeric order of the rows ("5" < "40" < "5-80"), not string order
         matrix = matrix.loc[sorted(matrix.index, key=lambda label: tuple(map(int, label.split("-")))[::-1])]
@@ -67,7 +82,7 @@ def plot_length_generalisation(table: pd.DataFrame, path: Path) -> Path:
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color="white" if value < 0.6 else "black")
         ax.set_xticks(range(matrix.shape[1]), matrix.columns)
         ax.set_yticks(range(matrix.shape[0]), matrix.index)
-        ax.set(title=f"{attention} ({task})", xlabel="test length", ylabel="train length")
+        ax.set(title=_title(keys, values), xlabel="test length", ylabel="train length")
     figure.colorbar(image, ax=list(axes), shrink=0.8, label="greedy token accuracy")
     return _save(figure, path)
 

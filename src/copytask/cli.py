@@ -18,8 +18,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import store
-from .analysis import analyze, complete_runs, summary
-from .results import read_analysis
+from .analysis import analyze, summary
+from .results import load
+from .sweep import folder_runs
 from .train import ConfigError, train
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
@@ -31,12 +32,18 @@ commands:
            ends by naming failed jobs (exit status 1), writing runs_dir/results.csv and the report
              python -m copytask sweep 'attention=none,luong_general' 'seed=0,1'
              python -m copytask sweep hydra/launcher=parallel      (2 jobs at a time; see docs/sweep.md)
-  compare  per length, the baseline and each attention side by side (mean, 95% interval over
-           seeds, chance, params, gap); takes the sweep's overrides and first trains missing runs
+  compare  per setting and length, the baseline and each attention side by side (mean, 95%
+           interval over seeds, chance, params, gap); takes the sweep's overrides, or with none
+           but runs_dir, the grid of the last sweep in runs_dir; never trains unless asked
              python -m copytask compare experiment=quick
-             python -m copytask compare --missing    (only list the grid's missing runs)
-  report   figures and report.md in runs_dir/report/ from the grid's finished runs; never trains
+             python -m copytask compare runs_dir=runs/capacity   (the last sweep there)
+             python -m copytask compare --missing          (only list the grid's missing runs)
+             python -m copytask compare --train-missing    (train the missing runs first)
+             python -m copytask compare --all runs_dir=runs (every complete run there, grouped by what varies)
+  report   figures and report.md in runs_dir/report/ from the grid's finished runs; never trains;
+           takes the same overrides and --all; report.x=KEY puts any swept numeric key on the x axis
              python -m copytask report experiment=quick
+             python -m copytask report runs_dir=runs/capacity report.x=model.hidden_size
   analyze  counterfactual attention, alignment and length generalisation of every finished run
            in runs_dir (writes analysis.json into each run folder; analysed runs are skipped);
            a sweep does this for its own runs before writing the report
@@ -50,6 +57,7 @@ Hydra's own flags work too (--cfg job, --help)."""
 
 
 COMMANDS = ("train", "sweep", "compare", "report", "analyze", "bench")
+COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report": ("--all",)}
 
 
 def config_dir() -> str:
@@ -110,22 +118,35 @@ def main(argv: list[str] | None = None) -> int:
         if not runs_dir.is_dir():
             print(f"copytask: error: runs_dir {str(runs_dir)!r} does not exist", file=sys.stderr)
             return 2
-        folders = complete_runs(runs_dir)
+        folders = store.complete_runs(runs_dir)
         analyze(folders, eval_size=cfg.analysis.eval_size, threads=cfg.analysis.threads, progress=cfg.train.progress)
-        print(summary([analysis for folder in folders if (analysis := read_analysis(folder)) is not None]))
+        loaded = load(folder_runs(folders))  # each run's settings: the keys that vary between the runs
+        print(summary(list(loaded.analyses.values()), loaded.table[["run", *loaded.settings]] if loaded.settings else None))
         return 0
     if command in ("compare", "report") and {"-h", "--help"} & set(rest):
         print(USAGE)
         return 0
-    if command == "compare":
-        from .results import compare
+    if command in ("compare", "report"):
+        flags = COMMAND_FLAGS[command]
+        unknown = [arg for arg in rest if arg.startswith("-") and arg not in flags]
+        if unknown:
+            print(f"copytask: error: {command} has no option {unknown[0]}; its options: {', '.join(flags)}", file=sys.stderr)
+            return 2
+        overrides = [arg for arg in rest if arg not in flags]
+        try:
+            if command == "compare":
+                from .results import compare
 
-        overrides = [arg for arg in rest if arg != "--missing"]
-        return compare(overrides, "--missing" in rest, run_sweep=lambda: _hydra(overrides, multirun=True))
-    if command == "report":
-        from .report import report_command
+                return compare(
+                    overrides, "--missing" in rest, "--train-missing" in rest, "--all" in rest,
+                    run_sweep=lambda grid: _hydra(grid, multirun=True),
+                )
+            from .report import report_command
 
-        return report_command(rest)
+            return report_command(overrides, every_run="--all" in rest)
+        except ConfigError as error:
+            print(f"copytask: error: {error}", file=sys.stderr)
+            return 2
     if command == "bench":
         from .bench import main as bench  # imported here: it loads the reference and profiler
 

@@ -1,5 +1,10 @@
 """`python -m copytask report`: figures and report.md from a grid's run folders alone.
 
+Every setting of the grid (a config key that varies between its runs, `results.setting_keys`) is
+shown, never pooled: the accuracy figure gives one row of panels per value of the settings it does
+not draw as a line style, heatmaps and training curves are made per setting, and the analysis
+tables group by the settings. `report.x` puts any swept numeric key on the accuracy figure's x axis.
+
 Reads metrics.json, history.csv, attention_samples.json and analysis.json (written by
 `copytask analyze`, which a sweep runs before its report); never trains or evaluates. Works on
 partial results (a sweep still running, runs not analysed yet) and says what is missing; a run
@@ -8,6 +13,7 @@ whose files are corrupt is left out of what needs them, with a warning that name
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -16,17 +22,22 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from . import analysis, results, store  # noqa: E402
 from .analysis_figures import plot_counterfactual, plot_head_weights, plot_length_generalisation, plot_per_length  # noqa: E402
 from .data import BOS, EOS, NUM_SPECIAL, PAD  # noqa: E402
-from .sweep import SWEEP_RECORD, GridRun, compose_grid, sweep_command, variable_length_runs  # noqa: E402
+from .sweep import SWEEP_RECORD, GridRun, select_runs, sweep_command, variable_length_runs  # noqa: E402
+from .train import ConfigError  # noqa: E402
 
 REPORT_DIR = "report"
-ACCURACY_FIGURE = "accuracy_vs_length"
-CURVES_FIGURE = "training_curves.png"
+CURVES_FIGURE = "training_curves"
+SETTING_GRID_FIGURE = "accuracy_grid.png"
+LONGEST_FIGURE = "longest_length.png"
+LONGEST_THRESHOLDS = (0.99, 0.5)
+LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]  # one per value of a styled setting
 COUNTERFACTUAL_FIGURE = "counterfactual.png"
 GENERALISATION_FIGURE = "length_generalisation.png"
 SPECIAL_SYMBOLS = {PAD: "·", BOS: "<s>", EOS: "</s>"}
@@ -45,33 +56,146 @@ def colours(attentions: list[str]) -> dict[str, str]:
     return {attention: f"C{i}" for i, attention in enumerate(attentions)}
 
 
-def plot_accuracy(summary: pd.DataFrame, chance: float, stem: Path, per_length: pd.DataFrame) -> list[Path]:
-    """Token and sequence accuracy against length (log axis), mean and 95% band over seeds, and
-    the variable-length models' accuracy per length (`analysis.per_length_table`) dashed."""
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
-    lengths = sorted(summary["length"].unique())
+def x_column(x: str, loaded: results.Loaded) -> str:
+    """The results column `report.x` names (`task.length` is `length`); ConfigError unless it is
+    the length or a numeric setting of the grid."""
+    column = "length" if x == "task.length" else x
+    table = loaded.table
+    numeric = [key for key in loaded.settings if pd.api.types.is_numeric_dtype(table[key]) and not pd.api.types.is_bool_dtype(table[key])]
+    if column != "length" and column not in numeric:
+        raise ConfigError(f"report.x must be task.length or a numeric key swept in this grid ({', '.join(['task.length', *numeric])}), got {x!r}")
+    return column
+
+
+def label(column: str) -> str:
+    return "sequence length" if column == "length" else column
+
+
+def setting_title(keys: list[str], values: tuple) -> str:
+    """`model.hidden_size=16, length=40`: one facet's or one run's setting, for titles."""
+    return ", ".join(f"{key}={results.setting_value(value)}" for key, value in zip(keys, values))
+
+
+def setting_suffix(keys: list[str], values: tuple) -> str:
+    """`_model.hidden_size16`: a setting in file names (empty without settings)."""
+    return "".join(f"_{key}{results.setting_value(value)}" for key, value in zip(keys, values))
+
+
+def groups(table: pd.DataFrame, keys: list[str]) -> list[tuple[tuple, pd.DataFrame]]:
+    """(values, rows) per combination of `keys`, in sorted order; one group of everything without keys."""
+    if not keys:
+        return [((), table)]
+    return [(values if isinstance(values, tuple) else (values,), rows) for values, rows in table.groupby(keys, dropna=False)]
+
+
+def set_numeric_axis(axis: plt.Axes, values: list[float]) -> None:
+    """Ticks at the values; a log scale where they are powers of two or span a decade."""
+    values = sorted(values)
+    powers_of_two = all(v > 0 and float(v).is_integer() and int(v) & (int(v) - 1) == 0 for v in values)
+    if len(values) > 1 and values[0] > 0 and (powers_of_two or values[-1] / values[0] >= 10):
+        axis.set_xscale("log", base=2 if powers_of_two else 10)
+    axis.set_xticks(values, [results.setting_value(v) for v in values])
+    axis.minorticks_off()
+
+
+def plot_accuracy(summary: pd.DataFrame, settings: list[str], x: str, stem: Path, per_length: pd.DataFrame) -> list[Path]:
+    """Token and sequence accuracy against `x` (a column of `summary`), mean and 95% band over
+    seeds, one colour per attention type. The other keys that vary are shown, not pooled: the last
+    one as a line style when there are two or more, the rest as one row of panels per value. The
+    variable-length models' accuracy per length (`analysis.per_length_table`) is dashed, when
+    nothing else varies."""
+    others = [key for key in [*settings, "length"] if key != x and summary[key].nunique(dropna=False) > 1]
+    style_key = others[-1] if len(others) >= 2 else None
+    facet_keys = [key for key in others if key != style_key]
+    style_values = sorted(summary[style_key].unique()) if style_key else [None]
+    style = {value: LINE_STYLES[i % len(LINE_STYLES)] for i, value in enumerate(style_values)}
+    facets = groups(summary, facet_keys)
+    figure, axes = plt.subplots(len(facets), 2, figsize=(11, 0.8 + 3.6 * len(facets)), sharex=True, squeeze=False)
     colour = colours(list(dict.fromkeys(summary["attention"])))
-    for axis, metric, title in zip(axes, ("token_acc", "seq_acc"), ("greedy token accuracy", "exact-sequence accuracy")):
-        for attention, rows in summary.groupby("attention", sort=False):
-            axis.plot(rows["length"], 100 * rows[metric], "o-", color=colour[attention], label=attention)
-            low, high = rows[f"{metric}_lo"].clip(lower=0), rows[f"{metric}_hi"].clip(upper=1)
-            axis.fill_between(rows["length"], 100 * low, 100 * high, color=colour[attention], alpha=0.2, linewidth=0)
-        plot_per_length(axis, per_length, metric, colour)
-        if metric == "token_acc":
-            axis.axhline(100 * chance, color="grey", linestyle="--", label=f"chance ({100 * chance:.1f}%)")
-        axis.set_xscale("log")
-        axis.set_xticks(lengths, [str(length) for length in lengths])
-        axis.minorticks_off()
-        axis.set(title=title, xlabel="sequence length", ylabel="% (held-out set, greedy decoding)", ylim=(-2, 102))
-        axis.grid(alpha=0.3)
-    axes[0].legend(loc="lower left")
-    figure.suptitle("Copy accuracy against length: mean over seeds, band = 95% t-interval")
+    for (values, rows), row_axes in zip(facets, axes):
+        facet = setting_title(facet_keys, values)
+        for axis, metric, title in zip(row_axes, ("token_acc", "seq_acc"), ("greedy token accuracy", "exact-sequence accuracy")):
+            for (attention, style_value), series in rows.groupby(["attention", style_key] if style_key else ["attention", np.zeros(len(rows))], sort=False):
+                series = series.sort_values(x)
+                linestyle, marker = style[style_value if style_key else None]
+                name = f"{attention}, {style_key}={results.setting_value(style_value)}" if style_key else attention
+                axis.plot(series[x], 100 * series[metric], linestyle=linestyle, marker=marker, color=colour[attention], label=name)
+                low, high = series[f"{metric}_lo"].clip(lower=0), series[f"{metric}_hi"].clip(upper=1)
+                axis.fill_between(series[x], 100 * low, 100 * high, color=colour[attention], alpha=0.2, linewidth=0)
+            if x == "length" and not others:
+                plot_per_length(axis, per_length, metric, colour)
+            if metric == "token_acc":
+                for chance in rows["chance"].unique():
+                    axis.axhline(100 * chance, color="grey", linestyle="--", label=f"chance ({100 * chance:.1f}%)")
+            set_numeric_axis(axis, list(summary[x].unique()))
+            axis.set(title=f"{title}, {facet}" if facet else title, ylabel="% (held-out set, greedy decoding)", ylim=(-2, 102))
+            axis.grid(alpha=0.3)
+    for axis in axes[-1]:
+        axis.set_xlabel(label(x))
+    handles, names = axes[0][0].get_legend_handles_labels()
+    unique = dict(zip(names, handles))
+    axes[0][0].legend(unique.values(), unique.keys(), loc="lower left", fontsize="small")
+    figure.suptitle(f"Copy accuracy against {label(x)}: mean over seeds, band = 95% t-interval")
     figure.tight_layout()
-    paths = [stem.with_suffix(".png"), stem.with_suffix(".svg")]
+    paths = [stem.parent / f"{stem.name}.{suffix}" for suffix in ("png", "svg")]  # not with_suffix: a stem may hold a dotted key
     for path in paths:
         figure.savefig(path, dpi=120)
     plt.close(figure)
     return paths
+
+
+def longest_lengths(summary: pd.DataFrame, key: str) -> pd.DataFrame:
+    """Per attention type and value of `key`: the longest length whose mean greedy token accuracy
+    is at least each of LONGEST_THRESHOLDS (NaN where no length reaches it)."""
+    rows = []
+    for (attention, value), runs in summary.groupby(["attention", key], sort=False):
+        row = {"attention": attention, key: value}
+        for threshold in LONGEST_THRESHOLDS:
+            reached = runs.loc[runs["token_acc"] >= threshold, "length"]
+            row[f"longest at {threshold:.0%}"] = reached.max() if len(reached) else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def plot_setting_grid(summary: pd.DataFrame, key: str, out: Path) -> list[Path]:
+    """For one numeric setting beside the length (say `model.hidden_size`): mean greedy token
+    accuracy over (setting, length) as a heatmap per attention type, and the longest length
+    reaching each of LONGEST_THRESHOLDS against the setting."""
+    attentions = list(dict.fromkeys(summary["attention"]))
+    figure, axes = plt.subplots(1, len(attentions), figsize=(4.2 * len(attentions) + 1, 3.8), squeeze=False, layout="constrained")
+    for axis, attention in zip(axes[0], attentions):
+        matrix = summary[summary["attention"] == attention].pivot_table(index=key, columns="length", values="token_acc")
+        image = axis.imshow(100 * matrix.to_numpy(), vmin=0, vmax=100, cmap="viridis", origin="lower", aspect="auto")
+        for (i, j), value in np.ndenumerate(100 * matrix.to_numpy()):
+            axis.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8, color="white" if value < 60 else "black")
+        axis.set_xticks(range(matrix.shape[1]), matrix.columns)
+        axis.set_yticks(range(matrix.shape[0]), [results.setting_value(v) for v in matrix.index])
+        axis.set(title=attention, xlabel="sequence length", ylabel=key)
+    figure.colorbar(image, ax=list(axes[0]), shrink=0.8, label="greedy token accuracy % (mean over seeds)")
+    grid_path = out / SETTING_GRID_FIGURE
+    figure.savefig(grid_path, dpi=120)
+    plt.close(figure)
+
+    longest = longest_lengths(summary, key)
+    colour = colours(attentions)
+    figure, axis = plt.subplots(figsize=(6.5, 4.2))
+    for (attention, rows), threshold in ((group, threshold) for group in longest.groupby("attention", sort=False) for threshold in LONGEST_THRESHOLDS):
+        linestyle, marker = LINE_STYLES[LONGEST_THRESHOLDS.index(threshold)]
+        axis.plot(rows[key], rows[f"longest at {threshold:.0%}"], linestyle=linestyle, marker=marker, color=colour[attention],
+                  label=f"{attention}, >= {threshold:.0%}")
+    set_numeric_axis(axis, list(summary[key].unique()))
+    lengths = sorted(summary["length"].unique())
+    axis.set_yscale("log")
+    axis.set_yticks(lengths, [str(length) for length in lengths])
+    axis.minorticks_off()
+    axis.set(xlabel=key, ylabel="longest length reached (grid lengths)", title="Longest length copied at a token accuracy")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    longest_path = out / LONGEST_FIGURE
+    figure.savefig(longest_path, dpi=120)
+    plt.close(figure)
+    return [grid_path, longest_path]
 
 
 def plot_heatmap(sample: dict, vocab_size: int, title: str, path: Path) -> None:
@@ -105,11 +229,11 @@ def read_part(run: GridRun, name: str, reader) -> object | None:
         return None
 
 
-def plot_curves(loaded: results.Loaded, path: Path) -> Path | None:
-    """Training loss and held-out greedy token accuracy against step: one row per length,
-    one colour per attention type, one line per seed."""
+def plot_curves(loaded: results.Loaded, table: pd.DataFrame, title: str, path: Path) -> Path | None:
+    """Training loss and held-out greedy token accuracy against step for the runs in `table` (rows
+    of `loaded.table`, one setting): one row per length, one colour per attention type, one line per seed."""
     histories = []
-    for row in loaded.table.itertuples():
+    for row in table.itertuples():
         history = read_part(loaded.runs[row.run], store.HISTORY, pd.read_csv)
         if history is not None and {"step", "loss", "token_acc"} <= set(history.columns):
             histories.append((row.length, row.attention, history))
@@ -132,37 +256,56 @@ def plot_curves(loaded: results.Loaded, path: Path) -> Path | None:
     handles, labels = axes[0][1].get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     axes[0][1].legend(unique.values(), unique.keys(), loc="lower right")
+    if title:
+        figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
 
 
-def plot_heatmaps(loaded: results.Loaded, out: Path) -> list[tuple[str, int, Path]]:
-    """For every attention type with weights and every length: the first held-out example of
-    the lowest seed's run."""
+def run_heading(row: dict, settings: list[str]) -> tuple[str, str]:
+    """(`luong_general, length 40, model.hidden_size=16`, `_model.hidden_size16`): a results row's
+    attention type, length and setting, for headings and titles, and its setting for file names."""
+    values = tuple(row[key] for key in settings)
+    heading = f"{row['attention']}, length {row['length']}"
+    return (f"{heading}, {setting_title(settings, values)}" if settings else heading), setting_suffix(settings, values)
+
+
+def first_runs(loaded: results.Loaded) -> list[dict]:
+    """The lowest seed's run of every setting, attention type and length, as results rows."""
+    keys = [*loaded.settings, "attention", "length"]
+    first = loaded.table.sort_values("seed").groupby(keys, sort=False, dropna=False).head(1)
+    return first.sort_values(keys).to_dict("records")
+
+
+def plot_heatmaps(loaded: results.Loaded, out: Path) -> list[tuple[str, Path]]:
+    """For every setting, attention type with weights and length: the first held-out example of
+    the lowest seed's run. -> (heading, path) per map."""
     made = []
-    first_runs = loaded.table.sort_values("seed").groupby(["attention", "length"], sort=False).head(1)
-    for row in first_runs.sort_values(["attention", "length"]).itertuples():
-        samples = read_part(loaded.runs[row.run], store.ATTENTION, store.read_json)
+    for row in first_runs(loaded):
+        samples = read_part(loaded.runs[row["run"]], store.ATTENTION, store.read_json)
         if samples is None or not samples.get("samples") or samples["samples"][0].get("weights") is None:
             continue  # the baseline has no attention (or the file was corrupt: warned above)
-        path = out / f"attention_{row.attention}_length{row.length}.png"
-        title = f"{row.attention}, length {row.length}, seed {row.seed} (run token acc {100 * row.token_acc:.1f}%)"
-        plot_heatmap(samples["samples"][0], int(row.vocab_size), title, path)
-        made.append((row.attention, row.length, path))
+        heading, suffix = run_heading(row, loaded.settings)
+        path = out / f"attention_{row['attention']}_length{row['length']}{suffix}.png"
+        title = f"{heading}, seed {row['seed']} (run token acc {100 * row['token_acc']:.1f}%)"
+        plot_heatmap(samples["samples"][0], int(row["vocab_size"]), title, path)
+        made.append((heading, path))
     return made
 
 
-def plot_head_heatmaps(loaded: results.Loaded, out: Path) -> list[tuple[str, int, Path]]:
-    """For every multi-head attention type and length: each head's map of the lowest seed's run."""
-    made = []
-    for row in loaded.table.sort_values(["attention", "length", "seed"]).itertuples():
-        analysed = loaded.analyses.get(row.run)
-        if analysed is None or "head_weights" not in analysed or (row.attention, row.length) in {m[:2] for m in made}:
+def plot_head_heatmaps(loaded: results.Loaded, out: Path) -> list[tuple[str, Path]]:
+    """For every setting, multi-head attention type and length: each head's map of the lowest
+    seed's run that has one. -> (heading, path) per figure."""
+    made, seen = [], set()
+    for row in loaded.table.sort_values([*loaded.settings, "attention", "length", "seed"]).to_dict("records"):
+        analysed = loaded.analyses.get(row["run"])
+        heading, suffix = run_heading(row, loaded.settings)
+        if analysed is None or "head_weights" not in analysed or heading in seen:
             continue
-        path = plot_head_weights(analysed, out / f"heads_{row.attention}_length{row.length}.png")
-        made.append((row.attention, row.length, path))
+        seen.add(heading)
+        made.append((heading, plot_head_weights(analysed, out / f"heads_{row['attention']}_length{row['length']}{suffix}.png")))
     return made
 
 
@@ -172,13 +315,14 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def setup_section(config: DictConfig, grid: list[GridRun], table: pd.DataFrame, runs_dir: Path) -> list[str]:
-    """The settings every run shares, what varies, the hardware and the wall time."""
-    task, model, train = config.task, config.model, config.train
-    attentions = ", ".join(dict.fromkeys(store.attention_label(run.config.attention.name, run.config.attention.get("heads", 1)) for run in grid))
-    lengths = ", ".join(map(str, sorted({run.config.task.length for run in grid})))
-    seeds = ", ".join(map(str, sorted({run.config.seed for run in grid})))
-    swept = ", ".join(f"`{key}`" for key in dict.fromkeys(o.split("=", 1)[0] for run in grid for o in run.label.split()))
+def setup_section(config: DictConfig, loaded: results.Loaded, runs_dir: Path) -> list[str]:
+    """The settings every run shares (those of `config`, one run's), what varies, the hardware and the wall time."""
+    task, model, train, table = config.task, config.model, config.train, loaded.table
+    attentions = ", ".join(dict.fromkeys(table["attention"]))
+    lengths = ", ".join(map(str, sorted(table["length"].unique())))
+    seeds = ", ".join(map(str, sorted(table["seed"].unique())))
+    varying = [key for key in ("attention", "length", "seed") if table[key].nunique() > 1] + loaded.settings
+    swept = ", ".join(f"`{key}` ({', '.join(map(results.setting_value, sorted(table[key].unique())))})" for key in varying)
     early_stop = (
         f"stops early once held-out token accuracy is >= {train.target_acc:.0%} at {train.patience} evaluations in a row"
         if train.patience
@@ -201,8 +345,8 @@ def setup_section(config: DictConfig, grid: list[GridRun], table: pd.DataFrame, 
         f"- Compute: {table['train_seconds'].sum():.0f} s of training summed over {len(table)} runs.",
     ]
     record_path = runs_dir / SWEEP_RECORD
-    if record_path.is_file():
-        record = store.read_json(record_path)
+    record = store.read_json(record_path) if record_path.is_file() else {}
+    if "wall_seconds" in record:  # a finished sweep's record, not one still running
         lines.append(
             f"- Last sweep in `{runs_dir}`: `{record['command']}` ({record.get('launcher')} launcher) trained "
             f"{record['trained']} of {record['jobs']} runs in **{record['wall_seconds']:.0f} s wall time**, "
@@ -223,16 +367,26 @@ CAUTION = (
 )
 
 
-def evidence_tables(analyses: list[dict]) -> list[str]:
-    """Markdown: the counterfactual table and the alignment table, per length and attention type,
-    mean over seeds (runs with attention and an analysis.json only)."""
-    table = analysis.analysis_table(analyses)
+def with_settings(table: pd.DataFrame, loaded: results.Loaded) -> pd.DataFrame:
+    """An analysis table (one row per run) with the settings of each run from the results table."""
     if table.empty:
+        return table
+    return table.merge(loaded.table[["run", *loaded.settings]], on="run", how="left")
+
+
+def evidence_tables(analysed: pd.DataFrame, settings: list[str]) -> list[str]:
+    """Markdown: the counterfactual table and the alignment table, per setting, length and
+    attention type, mean over seeds, from `with_settings(analysis.analysis_table(...))`."""
+    if analysed.empty:
         return []
-    means = table.groupby(["length", "attention"]).mean(numeric_only=True).join(table.groupby(["length", "attention"]).size().rename("seeds"))
+    keys = [*settings, "length", "attention"]
+    numbers = analysed.drop(columns=["run", "task", "train_length", "seed"])
+    means = numbers.groupby(keys, dropna=False).mean().join(analysed.groupby(keys, dropna=False).size().rename("seeds"))
     means = means.reset_index()
+    columns = {key: means[key].map(results.setting_value) for key in settings}
     counterfactual = pd.DataFrame(
         {
+            **columns,
             "length": means["length"],
             "attention": means["attention"],
             "seeds": means["seeds"],
@@ -243,6 +397,7 @@ def evidence_tables(analyses: list[dict]) -> list[str]:
     )
     alignment = pd.DataFrame(
         {
+            **columns,
             "length": means["length"],
             "attention": means["attention"],
             "seeds": means["seeds"],
@@ -291,51 +446,78 @@ def missing_analysis(folders: list[Path], total: int, what: str, runs_dir: Path)
     ]
 
 
-def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path) -> Path:
-    """Write runs_dir/report/ (figures and report.md) from `loaded`, which must not be empty."""
+def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path, x: str = "task.length") -> Path:
+    """Write runs_dir/report/ (figures and report.md) from `loaded`, which must not be empty, with
+    `x` (`report.x`, checked by `x_column`) on the accuracy figure's x axis."""
     started = time.perf_counter()
     runs_dir = Path(runs_dir)
     out = runs_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
+    x, settings = x_column(x, loaded), loaded.settings
     analyses = list(loaded.analyses.values())
     unanalysed = [loaded.runs[run].folder for run in loaded.table["run"] if run not in loaded.analyses]
-    variable_folders = variable_length_runs(grid, runs_dir)
+    variable_folders = [folder for folder in variable_length_runs(grid, runs_dir) if folder.name not in loaded.runs]
     variable = {folder: results.read_analysis(folder) for folder in variable_folders}
     variable_analyses = [a for a in variable.values() if a is not None]
     per_length = analysis.per_length_table(variable_analyses)
 
-    summary = results.summarise(loaded.table)
-    chance = float(loaded.table["chance"].iloc[0])
-    figures = plot_accuracy(summary, chance, out / ACCURACY_FIGURE, per_length)
-    curves = plot_curves(loaded, out / CURVES_FIGURE)
+    summary = results.summarise(loaded.table, settings)
+    accuracy_stem = out / f"accuracy_vs_{x}"
+    figures = plot_accuracy(summary, settings, x, accuracy_stem, per_length)
+    others = [key for key in [*settings, "length"] if key != x and summary[key].nunique() > 1]
+    setting_grid = x == "length" and len(others) == 1 and pd.api.types.is_numeric_dtype(summary[others[0]])
+    if setting_grid:
+        figures += plot_setting_grid(summary, others[0], out)
+    curves = []
+    for values, runs in groups(loaded.table, settings):
+        suffix, title = setting_suffix(settings, values), setting_title(settings, values)
+        if (path := plot_curves(loaded, runs, title, out / f"{CURVES_FIGURE}{suffix}.png")) is not None:
+            curves.append((title, path))
     heatmaps = plot_heatmaps(loaded, out)
     head_heatmaps = plot_head_heatmaps(loaded, out)
-    evidence = evidence_tables(analyses)
+    analysed = with_settings(analysis.analysis_table(analyses), loaded)
+    evidence = evidence_tables(analysed, settings)
     if evidence:
-        figures.append(plot_counterfactual(analysis.analysis_table(analyses), out / COUNTERFACTUAL_FIGURE))
+        figures.append(plot_counterfactual(analysed, out / COUNTERFACTUAL_FIGURE, settings))
     generalisation = analysis.length_generalisation_table(analyses + variable_analyses)
     if not generalisation.empty:
-        figures.append(plot_length_generalisation(generalisation, out / GENERALISATION_FIGURE))
+        generalisation = with_settings(generalisation, loaded)
+        figures.append(plot_length_generalisation(generalisation, out / GENERALISATION_FIGURE, settings))
 
     lines = [
         "# copytask report",
         "",
         f"Made by `python -m copytask report` from the run folders in `{runs_dir}` "
-        f"({len(loaded.table)} of {len(grid)} runs of the grid complete). Regenerate it with the same overrides as the sweep.",
+        f"({len(loaded.table)} of {len(grid)} runs of the grid complete). Regenerate it with `python -m copytask report runs_dir={runs_dir}` "
+        "(the last sweep's grid there) or with the sweep's overrides.",
         "",
-        *setup_section(grid[0].config, grid, loaded.table, Path(runs_dir)),
+        *setup_section(loaded.runs[loaded.table["run"].iloc[0]].config, loaded, runs_dir),
         "",
-        "## Accuracy against length",
+        f"## Accuracy against {label(x)}",
         "",
-        f"![accuracy against length]({ACCURACY_FIGURE}.png) ([vector copy]({ACCURACY_FIGURE}.svg))",
+        f"![accuracy against {label(x)}]({accuracy_stem.name}.png) ([vector copy]({accuracy_stem.name}.svg))",
         "",
         "Mean over seeds with a 95% t-interval (clipped to [0, 100]; none with a single seed); the gap is the attention type's mean minus "
-        f"the `{results.BASELINE}` baseline's at the same length, in percentage points. Per-run numbers: "
-        f"[`{results.RESULTS_CSV}`](../{results.RESULTS_CSV}).",
+        f"the `{results.BASELINE}` baseline's with the same settings and length, in percentage points (empty where there is no such "
+        f"baseline). Per-run numbers: [`{results.RESULTS_CSV}`](../{results.RESULTS_CSV}).",
         "",
-        markdown_table(results.comparison_table(summary)),
+        markdown_table(results.comparison_table(summary, settings)),
         "",
     ]
+    if setting_grid:
+        longest = longest_lengths(summary, others[0])
+        lines += [
+            f"### Accuracy over ({others[0]}, length)",
+            "",
+            f"![accuracy over {others[0]} and length]({SETTING_GRID_FIGURE})",
+            "",
+            f"![longest length copied against {others[0]}]({LONGEST_FIGURE})",
+            "",
+            "The longest length of the grid at which the mean greedy token accuracy reaches each threshold (`-`: none does):",
+            "",
+            markdown_table(longest.assign(**{c: longest[c].map(results.setting_value) for c in longest.columns[1:]})),
+            "",
+        ]
     if not per_length.empty:
         lines += [
             "Dashed lines: models trained on variable lengths (same settings otherwise), evaluated at every length of their "
@@ -348,8 +530,9 @@ def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path) ->
         lines += [f"- `{run.label or run.folder.name}` (`{run.folder.name}`): {reason}" for run, reason in loaded.missing]
         lines.append("")
     if curves:
-        figures.append(curves)
-        lines += ["## Training curves", "", f"![training curves]({CURVES_FIGURE})", ""]
+        lines += ["## Training curves", ""]
+        for title, path in curves:
+            lines += [*([f"### {title}", ""] if title else []), f"![training curves{', ' + title if title else ''}]({path.name})", ""]
     lines += ["## Analysis", ""]
     lines += missing_analysis(unanalysed, len(loaded.table), "the counterfactual, alignment and length-generalisation results", runs_dir)
     if not generalisation.empty:
@@ -364,32 +547,35 @@ def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path) ->
         ]
     if heatmaps or evidence:
         lines += ["## Attention: the evidence, then the maps", "", CAUTION, "", *evidence]
-    for attention, length, path in heatmaps:
-        lines += [f"### {attention}, length {length}", "", f"![{attention} attention, length {length}]({path.name})", ""]
-    for attention, length, path in head_heatmaps:
-        lines += [f"### {attention}, length {length}: each head", "", f"![{attention} heads, length {length}]({path.name})", ""]
+    for heading, path in heatmaps:
+        lines += [f"### {heading}", "", f"![attention of {heading}]({path.name})", ""]
+    for heading, path in head_heatmaps:
+        lines += [f"### {heading}: each head", "", f"![heads of {heading}]({path.name})", ""]
     store.atomic_write(out / "report.md", "\n".join(lines))
-    figures += [path for *_, path in heatmaps + head_heatmaps]
+    figures += [path for _, path in curves + heatmaps + head_heatmaps]
     print(f"report: {out / 'report.md'} and {len(figures)} figures in {time.perf_counter() - started:.1f} s")
     return out / "report.md"
 
 
-def report_command(overrides: list[str]) -> int:
-    """`python -m copytask report [overrides]`: results.csv and report/ for the grid of
-    `python -m copytask sweep [overrides]`; exit status 1 when no run of it is complete."""
-    master, grid = compose_grid(overrides)
-    runs_dir = Path(master.runs_dir)
+def report_command(overrides: list[str], every_run: bool = False) -> int:
+    """`python -m copytask report [--all] [overrides]`: results.csv and report/ for the runs
+    `sweep.select_runs` picks; exit status 1 when none of them is complete, 2 (ConfigError) for a
+    `report.x` that is not swept, before anything is written."""
+    selection = select_runs(overrides, every_run)
+    print(f"report: {selection.source}")
+    runs_dir, grid = Path(selection.master.runs_dir), selection.runs
     loaded = results.load(grid)
     if loaded.table.empty:
         what = "does not exist" if not runs_dir.is_dir() else "has no finished run of this grid"
         print(
             f"copytask: error: nothing to report: {runs_dir} {what} (0 of {len(grid)} runs complete); "
-            f"train them with: {sweep_command(master)}",
+            f"train them with: {sweep_command(selection.master)}",
             file=sys.stderr,
         )
         return 1
+    x_column(selection.master.report.x, loaded)
     if loaded.missing:
         print(results.describe_missing(loaded.missing, len(grid)))
-    print(f"results: {results.save(loaded.table, runs_dir)}")
-    write_report(grid, loaded, runs_dir)
+    print(f"results: {results.save(loaded, runs_dir)}")
+    write_report(grid, loaded, runs_dir, selection.master.report.x)
     return 0

@@ -4,6 +4,11 @@ Each run's metrics.json, and its analysis.json where `copytask analyze` has writ
 here; a run whose metrics.json is corrupt is skipped with a warning that names it (a corrupt
 analysis.json only loses its analysis), so a half-written or damaged folder never stops
 `compare` or `report`. Runs are labelled by `store.attention_label`: multi-head runs stand apart.
+
+A sweep is a table: every config key whose value differs between the runs (besides the attention
+type, the length and the seed) is a *setting* column of the table, named by its dotted key
+(`model.hidden_size`). Summaries group by every setting, the length and the attention type:
+nothing is ever averaged but seeds.
 """
 
 from __future__ import annotations
@@ -19,23 +24,26 @@ import numpy as np
 import pandas as pd
 
 from . import store
-from .sweep import GridRun, SweepFailed, compose_grid
+from .sweep import GridRun, SweepFailed, select_runs, sweep_command
 
 RESULTS_CSV = "results.csv"
 COLUMNS = ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "run")
 ALIGNMENT_COLUMNS = ("align_hit", "align_mass", "align_adjacent")  # from analysis.json, empty for runs without attention or analysis
 BASELINE = "none"
 CONFIDENCE = 0.95
+# Identity keys that are columns of their own (`seed`, `length`), never settings.
+OWN_COLUMNS = ("seed", "task.length")
 
 
 @dataclass
 class Loaded:
     """The grid's usable runs, and the rest with the reason each one is left out."""
 
-    table: pd.DataFrame  # one row per complete run, COLUMNS plus the rest of metrics.json and ALIGNMENT_COLUMNS
+    table: pd.DataFrame  # one row per complete run: COLUMNS, ALIGNMENT_COLUMNS, the settings, the rest of metrics.json
     runs: dict[str, GridRun]  # run folder name -> grid run, for the rows of `table`
     missing: list[tuple[GridRun, str]]
     analyses: dict[str, dict]  # run folder name -> its analysis.json, for the rows of `table` that have one
+    settings: list[str]  # the config keys that vary between the rows, dotted, in config order (see `setting_keys`)
 
 
 def read_analysis(folder: Path) -> dict | None:
@@ -50,9 +58,30 @@ def read_analysis(folder: Path) -> dict | None:
         return None
 
 
+def flat_identity(run: GridRun) -> dict:
+    """A run's identity config with dotted keys (`model.hidden_size`); lists as text, so that every value compares."""
+    flat = pd.json_normalize(store.identity(run.config), sep=".").iloc[0].to_dict()
+    return {key: str(value) if isinstance(value, list) else value for key, value in flat.items()}
+
+
+def setting_keys(configs: pd.DataFrame, attention: pd.Series) -> list[str]:
+    """The columns of `configs` (one row per run, dotted keys) whose values differ between runs,
+    besides OWN_COLUMNS. An `attention.*` key is a setting only where it varies among runs of one
+    attention type (`attention.size=16,32`): between types it is part of what the type is."""
+    keys = []
+    for key in configs.columns:
+        values = configs[key]
+        if key in OWN_COLUMNS or values.nunique(dropna=False) < 2:
+            continue
+        if key.startswith("attention.") and values.groupby(attention.to_numpy()).nunique(dropna=False).max() < 2:
+            continue
+        keys.append(key)
+    return keys
+
+
 def load(grid: list[GridRun]) -> Loaded:
     """Read metrics.json (and analysis.json) of every complete run in `grid`; warn about and skip the rest."""
-    rows, runs, missing, analyses = [], {}, [], {}
+    rows, runs, missing, analyses, configs = [], {}, [], {}, []
     for run in grid:
         status = run.status()
         if status == "complete":
@@ -72,21 +101,29 @@ def load(grid: list[GridRun]) -> Loaded:
                 analyses[metrics["run"]] = analysis
                 metrics |= {f"align_{key}": value for key, value in analysis.get("alignment", {}).items()}
             rows.append(metrics)
+            configs.append(flat_identity(run))
             runs[metrics["run"]] = run
         else:
             if status == "incomplete":  # a half-written folder; failed runs are named by their sweep
                 store.warn(f"skipping {run.folder}: {run.failure()}")
             missing.append((run, run.failure()))
-    table = pd.DataFrame(rows)
+    table, settings = pd.DataFrame(rows), []
     if not table.empty:
-        table = table.reindex(columns=[*COLUMNS, *ALIGNMENT_COLUMNS, *(c for c in table.columns if c not in COLUMNS + ALIGNMENT_COLUMNS)])
-    return Loaded(table, runs, missing, analyses)
+        configs = pd.DataFrame(configs)
+        settings = setting_keys(configs, table["attention"])
+        table = pd.concat([table, configs[settings]], axis=1)
+        first = [*COLUMNS, *ALIGNMENT_COLUMNS, *settings]
+        table = table.reindex(columns=[*first, *(c for c in table.columns if c not in first)])
+    return Loaded(table, runs, missing, analyses, settings)
 
 
-def save(table: pd.DataFrame, runs_dir: Path) -> Path:
-    """runs_dir/results.csv: one row per run, written atomically."""
+def save(loaded: Loaded, runs_dir: Path) -> Path:
+    """runs_dir/results.csv, written atomically: one row per run, its settings, and `config`, the
+    path of its resolved config.yaml relative to runs_dir."""
     path = Path(runs_dir) / RESULTS_CSV
-    store.atomic_write(path, table[[*COLUMNS, *ALIGNMENT_COLUMNS]].to_csv(index=False))
+    table = loaded.table[[*COLUMNS, *ALIGNMENT_COLUMNS, *loaded.settings]].copy()
+    table["config"] = [f"{run}/{store.CONFIG}" for run in table["run"]]
+    store.atomic_write(path, table.to_csv(index=False))
     return path
 
 
@@ -112,12 +149,15 @@ def interval(values: pd.Series) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
-def summarise(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per (length, attention), baseline first: seeds, mean and interval of token and
-    sequence accuracy, chance, params, and the gap of each mean to the baseline's."""
+def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
+    """One row per (settings..., length, attention), baseline first within each: seeds, mean and
+    interval of token and sequence accuracy, chance, params, and the gap of each mean to the mean
+    of the baseline with the same settings and length (empty where there is no such baseline;
+    `attention.*` settings are not matched, as the baseline has no attention)."""
+    keys = [*settings, "length", "attention"]
     rows = []
-    for (length, attention), group in table.groupby(["length", "attention"], sort=False):
-        row = {"length": length, "attention": attention, "seeds": len(group)}
+    for values, group in table.groupby(keys, sort=False, dropna=False):
+        row = dict(zip(keys, values)) | {"seeds": group["seed"].nunique()}
         for metric in ("token_acc", "seq_acc"):
             row[metric], row[f"{metric}_lo"], row[f"{metric}_hi"] = interval(group[metric])
         row["chance"] = group["chance"].iloc[0]
@@ -126,13 +166,22 @@ def summarise(table: pd.DataFrame) -> pd.DataFrame:
     summary = pd.DataFrame(rows)
     order = [BASELINE] + [a for a in dict.fromkeys(table["attention"]) if a != BASELINE]
     summary["attention"] = pd.Categorical(summary["attention"], categories=order, ordered=True)
-    summary = summary.sort_values(["length", "attention"]).reset_index(drop=True)
+    summary = summary.sort_values(keys, na_position="first").reset_index(drop=True)
     summary["attention"] = summary["attention"].astype(str)
-    baseline = summary[summary["attention"] == BASELINE].set_index("length")
+    match = [key for key in keys[:-1] if not key.startswith("attention.")]
+    baseline = summary.loc[summary["attention"] == BASELINE, [*match, "token_acc", "seq_acc"]]
+    paired = summary[match].merge(baseline, on=match, how="left")  # keeps summary's row order
     for metric in ("token_acc", "seq_acc"):
-        summary[f"{metric}_gap"] = summary[metric] - summary["length"].map(baseline[metric])
+        summary[f"{metric}_gap"] = summary[metric].to_numpy() - paired[metric].to_numpy()
         summary.loc[summary["attention"] == BASELINE, f"{metric}_gap"] = math.nan
     return summary
+
+
+def setting_value(value: object) -> str:
+    """A setting's value as a table or a title shows it: `1e-3` rather than `0.001000`, `-` for none."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def percent(value: float) -> str:
@@ -146,7 +195,7 @@ def with_interval(mean: float, low: float, high: float) -> str:
     return f"{percent(mean)} [{percent(max(low, 0.0))}, {percent(min(high, 1.0))}]"
 
 
-def comparison_table(summary: pd.DataFrame) -> pd.DataFrame:
+def comparison_table(summary: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
     """`summarise`'s numbers as strings for a terminal or markdown, accuracies in percent."""
 
     def gap(value: float) -> str:
@@ -154,6 +203,7 @@ def comparison_table(summary: pd.DataFrame) -> pd.DataFrame:
 
     return pd.DataFrame(
         {
+            **{key: summary[key].map(setting_value) for key in settings},
             "length": summary["length"],
             "attention": summary["attention"],
             "seeds": summary["seeds"],
@@ -174,29 +224,35 @@ def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
     return "\n".join(lines)
 
 
-def compare(overrides: list[str], missing_only: bool, run_sweep: Callable[[], object]) -> int:
-    """`python -m copytask compare [--missing] [overrides]`: per length, the baseline and each
-    attention type side by side. Missing runs are first trained by `run_sweep` (the same
-    resumable sweep), unless `missing_only`, which lists them and trains nothing."""
-    master, grid = compose_grid(overrides)
-    unfinished = [(run, run.failure()) for run in grid if run.status() != "complete"]
+def compare(overrides: list[str], missing_only: bool, train_missing: bool, every_run: bool, run_sweep: Callable[[list[str]], object]) -> int:
+    """`python -m copytask compare [--missing | --train-missing | --all] [overrides]`: per setting
+    and length, the baseline and each attention type side by side. Missing runs are listed with
+    the command that trains them; `train_missing` trains them first with `run_sweep(overrides)`
+    (the same resumable sweep); `missing_only` lists them and prints no table."""
+    selection = select_runs(overrides, every_run)
+    print(f"compare: {selection.source}")
+    unfinished = [(run, run.failure()) for run in selection.runs if run.status() != "complete"]
     if missing_only:
-        print(describe_missing(unfinished, len(grid)) if unfinished else f"all {len(grid)} runs complete in {master.runs_dir}")
+        runs_dir = selection.master.runs_dir
+        print(describe_missing(unfinished, len(selection.runs)) if unfinished else f"all {len(selection.runs)} runs complete in {runs_dir}")
         return 0
     status = 0
-    if unfinished:
-        print(f"{len(unfinished)} of {len(grid)} runs missing: running the sweep first")
+    if unfinished and train_missing:
+        print(f"{len(unfinished)} of {len(selection.runs)} runs missing: running the sweep first")
         try:
-            run_sweep()
+            run_sweep(selection.overrides)
         except SweepFailed:  # it has named the failed jobs; compare what there is
             status = 1
-        master, grid = compose_grid(overrides)
-    loaded = load(grid)
+        selection = select_runs(selection.overrides)
+    loaded = load(selection.runs)
     if loaded.table.empty:
-        print(f"copytask: error: no finished run of this grid in {master.runs_dir}", file=sys.stderr)
+        print(f"copytask: error: no finished run of this grid in {selection.master.runs_dir}; train it with: "
+              f"{sweep_command(selection.master)}", file=sys.stderr)
         return 1
     if loaded.missing:
-        print(describe_missing(loaded.missing, len(grid)))
-    print(f"{master.task.name} task, mean over seeds with 95% t-interval (none with one seed), accuracies in %; gap = mean - {BASELINE}'s mean")
-    print(comparison_table(summarise(loaded.table)).to_string(index=False))
+        print(describe_missing(loaded.missing, len(selection.runs)))
+        print(f"train them with: {sweep_command(selection.master)}  (or compare --train-missing)")
+    tasks = "/".join(dict.fromkeys(loaded.table["task"]))
+    print(f"{tasks} task, mean over seeds with 95% t-interval (none with one seed), accuracies in %; gap = mean - {BASELINE}'s mean")
+    print(comparison_table(summarise(loaded.table, loaded.settings), loaded.settings).to_string(index=False))
     return status

@@ -71,6 +71,13 @@ def is_complete(folder: Path) -> bool:
     return (folder / METRICS).is_file()
 
 
+def complete_runs(runs_dir: Path) -> list[Path]:
+    """The complete run folders in `runs_dir` (none if it does not exist), in name order."""
+    if not Path(runs_dir).is_dir():
+        return []
+    return sorted(folder for folder in Path(runs_dir).iterdir() if folder.is_dir() and is_complete(folder))
+
+
 def atomic_write(path: Path, data: str | bytes) -> None:
     """Write to a temporary file beside `path`, then rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -45,15 +45,17 @@ class SweepFailed(SystemExit):
 
 @dataclass(frozen=True)
 class GridRun:
-    """One job of a grid: its sweep overrides and its config as the task function sees it."""
+    """One job of a grid: its sweep overrides, its config as the task function sees it, and its folder."""
 
     overrides: tuple[str, ...]
     label: str  # the swept overrides only, e.g. "attention=none task.length=5 seed=0"
     config: DictConfig
+    folder: Path
 
-    @property
-    def folder(self) -> Path:
-        return store.run_dir(self.config)
+    @classmethod
+    def from_folder(cls, folder: Path) -> GridRun:
+        """A run found in a folder rather than in a grid (`--all`), with the config it was trained with."""
+        return cls((), "", OmegaConf.load(folder / store.CONFIG), folder)
 
     def status(self) -> str:
         """complete | failed | incomplete (folder without results: running or killed) | not run."""
@@ -90,7 +92,7 @@ def expand(master: DictConfig) -> list[GridRun]:
         with open_dict(config):
             del config["hydra"]  # as Hydra does before calling the task function
         label = " ".join(o for o in overrides if o.split("=", 1)[0] in swept)
-        runs.append(GridRun(tuple(overrides), label, config))
+        runs.append(GridRun(tuple(overrides), label, config, store.run_dir(config)))
     return runs
 
 
@@ -119,9 +121,9 @@ def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
     return found
 
 
-def compose_grid(overrides: list[str]) -> tuple[DictConfig, list[GridRun]]:
-    """The master config and grid of `python -m copytask sweep <overrides>`, composed without
-    running anything and without writing Hydra output folders."""
+def compose_grid(overrides: list[str], expand_grid: bool = True) -> tuple[DictConfig, list[GridRun]]:
+    """The master config and grid (empty unless `expand_grid`) of `python -m copytask sweep
+    <overrides>`, composed without running anything and without writing Hydra output folders."""
     from .cli import config_dir  # the one place that knows where configs live (checkout or wheel)
 
     GlobalHydra.instance().clear()  # a sweep earlier in this process leaves Hydra initialised
@@ -130,10 +132,79 @@ def compose_grid(overrides: list[str]) -> tuple[DictConfig, list[GridRun]]:
         master = GlobalHydra.instance().hydra.compose_config(
             "config", ["hydra.mode=MULTIRUN", *overrides], run_mode=RunMode.MULTIRUN
         )
-        return master, expand(master)
+        return master, expand(master) if expand_grid else []
 
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="copytask"):
-        return run_and_report(compose)  # a bad override: Hydra's one-line error and exit 1, as with sweep
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="copytask"):
+            return run_and_report(compose)  # a bad override: Hydra's one-line error and exit 1, as with sweep
+    finally:
+        GlobalHydra.instance().clear()  # a library call leaves no global Hydra behind
+
+
+# Overrides that say where runs live and how they are analysed or drawn, not which runs a grid has.
+VIEW_KEYS = (*store.NOT_IDENTITY, "hydra")
+
+
+def is_grid_override(override: str) -> bool:
+    """Whether `override` (`key=value`, `+key=value`, `group=option`) changes which runs a grid has."""
+    key = override.lstrip("+~").split("=", 1)[0]
+    return not any(key == view or key.startswith((f"{view}.", f"{view}/")) for view in VIEW_KEYS)
+
+
+def recorded_overrides(runs_dir: Path) -> list[str] | None:
+    """The overrides of the last sweep recorded in runs_dir/sweep.json; None without a readable record."""
+    try:
+        record = store.read_json(Path(runs_dir) / SWEEP_RECORD)
+    except (OSError, ValueError):
+        return None
+    if "overrides" in record:
+        return list(record["overrides"])
+    command = shlex.split(record.get("command", ""))  # a record written before `overrides` was
+    if command[:4] != ["python", "-m", "copytask", "sweep"]:
+        return None
+    return [arg for arg in command[4:] if not arg.lstrip("+~").startswith("hydra")]
+
+
+def folder_runs(folders: list[Path]) -> list[GridRun]:
+    """`GridRun.from_folder` of each folder; one with an unreadable config.yaml is skipped with a warning."""
+    runs = []
+    for folder in folders:
+        try:
+            runs.append(GridRun.from_folder(folder))
+        except Exception as error:  # noqa: BLE001 - a damaged folder must not stop the others (OmegaConf raises many types)
+            store.warn(f"skipping {folder}: unreadable {store.CONFIG} ({type(error).__name__}: {error})")
+    return runs
+
+
+@dataclass
+class Selection:
+    """The runs `compare` and `report` look at, and how they were chosen."""
+
+    master: DictConfig
+    runs: list[GridRun]
+    overrides: list[str]  # the sweep overrides that make `runs` (empty for every run in a folder)
+    source: str  # one line for the user: which grid this is
+
+
+def select_runs(overrides: list[str], every_run: bool = False) -> Selection:
+    """The grid of `python -m copytask sweep <overrides>`; with no grid overrides (only `runs_dir`,
+    `report.*` and the like), the grid of the last sweep recorded in runs_dir; with `every_run`,
+    every complete run in runs_dir, whatever grid it came from."""
+    from .train import ConfigError
+
+    grid_given = [override for override in overrides if is_grid_override(override)]
+    if every_run:
+        if grid_given:
+            raise ConfigError(f"--all takes every complete run in runs_dir; give it no grid overrides (got {' '.join(grid_given)})")
+        master, _ = compose_grid(overrides, expand_grid=False)
+        runs = folder_runs(store.complete_runs(Path(master.runs_dir)))
+        return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs")
+    master, grid = compose_grid(overrides)
+    if not grid_given and (recorded := recorded_overrides(Path(master.runs_dir))) is not None:
+        master, grid = compose_grid([*recorded, *overrides])
+        command = shlex.join(["python", "-m", "copytask", "sweep", *recorded])
+        return Selection(master, grid, [*recorded, *overrides], f"the grid of the last sweep in {master.runs_dir}: {command}")
+    return Selection(master, grid, overrides, f"the grid of: {sweep_command(master)}")
 
 
 def sweep_command(master: DictConfig) -> str:
@@ -160,9 +231,16 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.perf_counter()
         self.started_at = time.time()
+        # Recorded now, so that `compare` and `report` find this grid even while it runs or if it is cut off.
+        store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | {"started": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+    @staticmethod
+    def record(config: DictConfig) -> dict[str, Any]:
+        return {"command": sweep_command(config), "overrides": list(config.hydra.overrides.task)}
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from . import analysis, report, results  # pandas, matplotlib, the model: only once the jobs are done
+        from .train import ConfigError
 
         runs = expand(config)
         runs_dir = Path(config.runs_dir)
@@ -186,8 +264,8 @@ class SweepSummary(Callback):
         wall_seconds = time.perf_counter() - self.started
         store.write_json(
             runs_dir / SWEEP_RECORD,
-            {
-                "command": sweep_command(config),
+            self.record(config)
+            | {
                 "jobs": len(runs),
                 "trained": trained,
                 "failed": len(unfinished),
@@ -203,8 +281,14 @@ class SweepSummary(Callback):
         )
         loaded = results.load(runs)
         if not loaded.table.empty:
-            results.save(loaded.table, runs_dir)
-            report.write_report(runs, loaded, runs_dir)
+            results.save(loaded, runs_dir)
+            try:
+                report.x_column(config.report.x, loaded)
+                x = config.report.x
+            except ConfigError as error:
+                store.warn(f"{error}; the report puts task.length on the x axis")
+                x = "task.length"
+            report.write_report(runs, loaded, runs_dir, x)
         print(
             f"sweep: {len(runs) - len(unfinished)}/{len(runs)} runs complete ({trained} trained now), "
             f"{len(unfinished)} failed; {wall_seconds:.1f} s wall time"

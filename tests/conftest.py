@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from copytask.cli import config_dir
+from copytask.config import config_dir
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from copytask import analysis, analysis_figures, cli, store
+from copytask import analysis, analysis_figures, cli, config, store
 from copytask.data import EOS, Batch, make_batch, total_vocab
 from copytask.model import Seq2Seq
 from copytask.train import evaluate
@@ -111,7 +111,7 @@ def test_interventions_act_inside_greedy_decoding_and_are_removed_after():
 
 
 def test_per_length_evaluation_mixes_lengths_with_masks_in_place():
-    with initialize_config_dir(config_dir=cli.config_dir(), version_base="1.3"):
+    with initialize_config_dir(config_dir=config.config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["task.variable_length=true", "task.min_length=2", "task.length=6", "task.vocab_size=4"])
     model = tiny_model()
     batch = analysis.per_length_batch(cfg, per_length=8)

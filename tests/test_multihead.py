@@ -6,7 +6,7 @@ from hydra import compose, initialize_config_dir
 
 from copytask.analysis import head_weights
 from copytask.attention import Attention, masked_softmax
-from copytask.cli import config_dir
+from copytask.config import config_dir
 from copytask.data import length_mask, make_batch, total_vocab
 from copytask.model import Seq2Seq
 from copytask.train import ConfigError, validate

@@ -8,7 +8,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from copytask.attention import SigmoidTanh
-from copytask.cli import config_dir
+from copytask.config import config_dir
 from copytask.data import make_batch
 from copytask.reference import ReferenceSeq2Seq
 from copytask.train import build_model

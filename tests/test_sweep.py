@@ -8,7 +8,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from copytask import store
+from copytask import cli, store
 from copytask.sweep import compose_grid
 
 from .conftest import TINY, overrides, run_cli
@@ -83,17 +83,54 @@ def test_resume_retrains_exactly_the_removed_run(runs_copy):
     assert "8/8 runs complete (1 trained now)" in process.stdout
 
 
-def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path):
-    process = run_cli("sweep", *TINY, f"runs_dir={tmp_path}", "attention=none", "task.length=0,3", "seed=0")
+def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, monkeypatch, capsys):
+    real_train = cli.train
 
-    assert process.returncode == 1
-    failed = [line for line in process.stderr.splitlines() if line.startswith("copytask: job failed:")]
+    def train(cfg):
+        if cfg.task.length == 4:
+            raise RuntimeError("injected failure at length 4")
+        return real_train(cfg)
+
+    monkeypatch.setattr(cli, "train", train)
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["sweep", *TINY, f"runs_dir={tmp_path}", "attention=none", "task.length=4,3", "seed=0"])
+
+    assert exit.value.code == 1
+    out, err = capsys.readouterr()
+    failed = [line for line in err.splitlines() if line.startswith("copytask: job failed:")]
     assert len(failed) == 2  # once as it fails, once in the summary at the end
-    assert all("task.length must be an integer >= 1, got 0" in line for line in failed)
-    assert "attention=none task.length=0 " in failed[-1]  # the summary names the job by its overrides
+    assert all("injected failure at length 4" in line for line in failed)
+    assert "attention=none task.length=4 " in failed[-1]  # the summary names the job by its overrides
     table = pd.read_csv(tmp_path / "results.csv")  # the other job's results are kept
     assert list(zip(table["attention"], table["length"])) == [("none", 3)]
-    assert "1/2 runs complete" in process.stdout
+    assert "1/2 runs complete" in out
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["task.length=5,oops"], "copytask: error: task.length must be an integer >= 1, got 'oops' (in the grid: task.length=5,oops)"),
+        (["train.steps=0"], "copytask: error: train.steps must be an integer >= 1, got 0 (in the grid: train.steps=0)"),
+        (["task.lenght=40"], "copytask: error: unknown key 'task.lenght'; did you mean task.length?"),
+        (["attention=bogus"], "copytask: error: attention=bogus: no such option; choose one of bahdanau, luong_concat, luong_dot, luong_general, none"),
+        (["report.x=model.hidden_size"], "copytask: error: report.x must be task.length or a numeric key this sweep varies (task.length), got 'model.hidden_size'"),
+    ],
+)
+def test_a_bad_grid_is_refused_in_one_line_before_anything_runs(tmp_path, bad, message):
+    runs_dir = tmp_path / "runs"
+    process = run_cli("sweep", *TINY, "attention=none", "task.length=3,4", f"runs_dir={runs_dir}", *bad)
+
+    assert process.returncode == 2
+    assert process.stderr.strip() == message
+    assert not runs_dir.exists()  # nothing trained, nothing written
+
+
+def test_train_refuses_an_unknown_key_instead_of_training_the_default(tmp_path):
+    process = run_cli("train", *TINY, f"runs_dir={tmp_path}", "task.lenght=40")
+
+    assert process.returncode == 2
+    assert process.stderr.strip() == "copytask: error: unknown key 'task.lenght'; did you mean task.length?"
+    assert "+task.lenght" not in process.stderr and not any(tmp_path.iterdir())
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
 from . import kernels, store
-from .cli import config_dir
+from .config import config_dir
 from .data import Batch
 from .model import Seq2Seq
 from .reference import ReferenceSeq2Seq

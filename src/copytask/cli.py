@@ -19,9 +19,10 @@ from omegaconf import DictConfig
 
 from . import store
 from .analysis import analyze, summary
+from .config import ConfigError, config_dir
 from .results import load
-from .sweep import folder_runs
-from .train import ConfigError, train
+from .sweep import check_grid, folder_runs
+from .train import train
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
 
@@ -60,12 +61,6 @@ COMMANDS = ("train", "sweep", "compare", "report", "analyze", "bench")
 COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report": ("--all",)}
 
 
-def config_dir() -> str:
-    """configs/ inside the package (wheel install) or at the top of the checkout (editable install)."""
-    packaged = Path(__file__).resolve().parent / "configs"
-    return str(packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "configs")
-
-
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_job(cfg: DictConfig) -> None:
     """One job. In a sweep a failure is recorded in the run folder and the sweep goes on."""
@@ -87,6 +82,14 @@ def hydra_job(cfg: DictConfig) -> None:
 
 
 def _hydra(args: list[str], multirun: bool = False) -> int:
+    """`train` or `sweep` through Hydra, after every job's config is composed and validated (unless
+    a Hydra flag such as --cfg or --help asks for something else than a run)."""
+    if not any(arg.startswith("-") for arg in args):
+        try:
+            check_grid(args, multirun)
+        except ConfigError as error:
+            print(f"copytask: error: {error}", file=sys.stderr)
+            return 2
     if multirun:
         # Hydra's parser accepts overrides before flags but not on both sides of one, so the
         # mode override goes with the user's overrides, after every flag. (Not `--multirun`:

@@ -30,7 +30,7 @@ from . import analysis, results, store  # noqa: E402
 from .analysis_figures import plot_counterfactual, plot_head_weights, plot_length_generalisation, plot_per_length  # noqa: E402
 from .data import BOS, EOS, NUM_SPECIAL, PAD  # noqa: E402
 from .sweep import SWEEP_RECORD, GridRun, select_runs, sweep_command, variable_length_runs  # noqa: E402
-from .train import ConfigError  # noqa: E402
+from .config import ConfigError  # noqa: E402
 
 REPORT_DIR = "report"
 CURVES_FIGURE = "training_curves"

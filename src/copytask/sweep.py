@@ -15,6 +15,7 @@ import platform
 import shlex
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,6 @@ from typing import Any
 import torch
 from hydra import initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra._internal.utils import run_and_report
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
@@ -30,6 +30,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import store
+from .config import ConfigError, config_dir, dotted_keys, hydra_errors
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
 
@@ -121,24 +122,54 @@ def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
     return found
 
 
-def compose_grid(overrides: list[str], expand_grid: bool = True) -> tuple[DictConfig, list[GridRun]]:
+def compose_grid(overrides: list[str], expand_grid: bool = True, multirun: bool = True) -> tuple[DictConfig, list[GridRun]]:
     """The master config and grid (empty unless `expand_grid`) of `python -m copytask sweep
-    <overrides>`, composed without running anything and without writing Hydra output folders."""
-    from .cli import config_dir  # the one place that knows where configs live (checkout or wheel)
-
+    <overrides>`, or with `multirun=False` the config of `python -m copytask train <overrides>` and
+    its one run, composed without running anything and without writing Hydra output folders.
+    Raises ConfigError (one line) for what Hydra cannot compose: an unknown key, a group option
+    that does not exist, an override it cannot parse."""
     GlobalHydra.instance().clear()  # a sweep earlier in this process leaves Hydra initialised
-
-    def compose() -> tuple[DictConfig, list[GridRun]]:
-        master = GlobalHydra.instance().hydra.compose_config(
-            "config", ["hydra.mode=MULTIRUN", *overrides], run_mode=RunMode.MULTIRUN
-        )
-        return master, expand(master) if expand_grid else []
-
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="copytask"):
-            return run_and_report(compose)  # a bad override: Hydra's one-line error and exit 1, as with sweep
+            hydra = GlobalHydra.instance().hydra
+
+            def compose(extra: list[str]) -> DictConfig:
+                return hydra.compose_config("config", ["hydra.mode=MULTIRUN", *extra], run_mode=RunMode.MULTIRUN)
+
+            with hydra_errors(dotted_keys(compose([]))):
+                if multirun:
+                    master = compose(overrides)
+                    return master, expand(master) if expand_grid else []
+                config = hydra.compose_config("config", overrides, run_mode=RunMode.RUN)
+                job = config.copy()
+                with open_dict(job):
+                    del job["hydra"]
+                return config, [GridRun(tuple(overrides), "", job, store.run_dir(job))]
     finally:
         GlobalHydra.instance().clear()  # a library call leaves no global Hydra behind
+
+
+def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
+    """Compose and validate every job of `sweep <overrides>` (or the one run of `train
+    <overrides>`) before anything runs. -> the grid; ConfigError, naming the bad value and the
+    grid entry it came from, for the first job that cannot run."""
+    from .train import validate  # torch and the model: only once the overrides compose
+
+    master, grid = compose_grid(overrides, multirun=multirun)
+    entries = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()] if multirun else []
+    entries += list(overrides)
+    for run in grid:
+        try:
+            validate(run.config)
+        except ConfigError as error:
+            key = str(error).split()[0]
+            given = [entry for entry in entries if entry.lstrip("+~").split("=", 1)[0] == key]
+            raise ConfigError(f"{error} (in the grid: {given[-1]})" if given and multirun else str(error)) from None
+    swept = {override.split("=", 1)[0] for run in grid for override in run.label.split()}
+    if multirun and master.report.x != "task.length" and master.report.x not in swept:
+        choices = ", ".join(["task.length", *sorted(swept - {"attention", "seed", "task.length"})])
+        raise ConfigError(f"report.x must be task.length or a numeric key this sweep varies ({choices}), got {master.report.x!r}")
+    return grid
 
 
 # Overrides that say where runs live and how they are analysed or drawn, not which runs a grid has.
@@ -190,8 +221,6 @@ def select_runs(overrides: list[str], every_run: bool = False) -> Selection:
     """The grid of `python -m copytask sweep <overrides>`; with no grid overrides (only `runs_dir`,
     `report.*` and the like), the grid of the last sweep recorded in runs_dir; with `every_run`,
     every complete run in runs_dir, whatever grid it came from."""
-    from .train import ConfigError
-
     grid_given = [override for override in overrides if is_grid_override(override)]
     if every_run:
         if grid_given:
@@ -239,8 +268,18 @@ class SweepSummary(Callback):
         return {"command": sweep_command(config), "overrides": list(config.hydra.overrides.task)}
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra turns a callback's exception into a warning and exits 0: a sweep whose end fails must not look fine.
+        try:
+            self.summarise(config)
+        except SweepFailed:
+            raise
+        except Exception as error:  # noqa: BLE001 - reported, then a non-zero exit
+            traceback.print_exc()
+            print(f"copytask: error: the end of the sweep failed: {type(error).__name__}: {error}", file=sys.stderr)
+            raise SystemExit(1) from error
+
+    def summarise(self, config: DictConfig) -> None:
         from . import analysis, report, results  # pandas, matplotlib, the model: only once the jobs are done
-        from .train import ConfigError
 
         runs = expand(config)
         runs_dir = Path(config.runs_dir)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import store
+from .config import ConfigError
 from .attention import MULTI_HEAD_SCORES
 from .data import PAD, TASKS, Batch, make_batch, total_vocab
 from .kernels import runs_fused
@@ -23,10 +24,6 @@ from .model import DECODERS, Seq2Seq, count_parameters
 
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("onecycle", "constant")
-
-
-class ConfigError(ValueError):
-    """A config value that cannot be run; the message names the value and what is allowed."""
 
 
 def validate(cfg: DictConfig) -> None:

@@ -157,3 +157,12 @@ def test_slurm_preset_passes_cluster_settings_and_sets_torch_threads():
     params = instantiate(master.hydra.launcher).params
     assert (params["partition"], params["timeout_min"], params["gpus_per_node"]) == ("gpu", 30, 1)
     assert params["setup"] == ["export OMP_NUM_THREADS=4"]  # torch in the job uses the CPUs it was given
+
+
+def test_a_sweep_shows_one_progress_bar_for_all_its_runs(tmp_path):
+    tiny = [override for override in TINY if override != "train.progress=false"]
+    process = run_cli("sweep", *tiny, "train.progress=true", "attention=none", "task.length=3,4", "seed=0", f"runs_dir={tmp_path}")
+
+    assert process.returncode == 0, process.stderr
+    assert "sweep: 100%" in process.stderr and "2/2" in process.stderr  # runs finished of the grid
+    assert "step/s" not in process.stderr  # no per-run bars

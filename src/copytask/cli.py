@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from . import store
 from .analysis import analyze, summary
@@ -71,6 +71,8 @@ def hydra_job(cfg: DictConfig) -> None:
             print(f"copytask: error: {error}", file=sys.stderr)
             sys.exit(2)
         return
+    with open_dict(cfg):
+        cfg.train.progress = False  # the sweep has one bar for all its runs (sweep.SweepProgress)
     try:
         train(cfg)
     except Exception as error:  # noqa: BLE001 - recorded for the sweep summary, not swallowed

@@ -14,6 +14,7 @@ import os
 import platform
 import shlex
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -252,6 +253,39 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+class SweepProgress:
+    """One progress bar for a whole sweep: runs finished (complete, or failed during this sweep)
+    of the grid, with elapsed time and ETA. A thread polls the run folders, so it works the same
+    under every launcher, in-process or not."""
+
+    def __init__(self, runs: list[GridRun], enabled: bool, interval: float = 2.0) -> None:
+        from tqdm.auto import tqdm
+
+        self.runs, self.started_at = runs, time.time()
+        self.bar = tqdm(total=len(runs), initial=self.finished(), desc="sweep", unit="run", disable=not enabled,
+                        dynamic_ncols=True, mininterval=interval)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.poll, args=(interval,), daemon=True)
+        self.thread.start()
+
+    def finished(self) -> int:
+        def done(run: GridRun) -> bool:
+            status = run.status()
+            return status == "complete" or status == "failed" and (run.folder / store.FAILED).stat().st_mtime >= self.started_at
+
+        return sum(map(done, self.runs))
+
+    def poll(self, interval: float) -> None:
+        while not self.stop.wait(interval):
+            self.bar.update(self.finished() - self.bar.n)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.bar.update(self.finished() - self.bar.n)
+        self.bar.close()
+
+
 class SweepSummary(Callback):
     """At the end of a sweep: name the failed jobs, analyse the grid's complete runs (the report
     reads analysis.json, it never evaluates a model), write results.csv and the report, print the
@@ -262,6 +296,7 @@ class SweepSummary(Callback):
         self.started_at = time.time()
         # Recorded now, so that `compare` and `report` find this grid even while it runs or if it is cut off.
         store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | {"started": time.strftime("%Y-%m-%d %H:%M:%S")})
+        self.progress = SweepProgress(expand(config), enabled=config.train.progress)
 
     @staticmethod
     def record(config: DictConfig) -> dict[str, Any]:
@@ -280,6 +315,8 @@ class SweepSummary(Callback):
 
     def summarise(self, config: DictConfig) -> None:
         from . import analysis, report, results  # pandas, matplotlib, the model: only once the jobs are done
+
+        self.progress.close()
 
         runs = expand(config)
         runs_dir = Path(config.runs_dir)

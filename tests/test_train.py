@@ -66,6 +66,17 @@ def test_cli_bad_input_is_one_clear_line_and_a_failing_exit(tmp_path):
     assert len(unknown.stderr.strip().splitlines()) == 1 and "luong_general" in unknown.stderr  # names what is allowed
 
 
+def test_train_help_says_what_each_key_means_and_trains_nothing(tmp_path, capsys):
+    from copytask.cli import main
+
+    assert main(["train", "attention=bahdanau", f"runs_dir={tmp_path}", "--help"]) == 0
+    output = capsys.readouterr().out
+    assert "task.length=20: source symbols" in output  # the default and the comment of configs/task/copy.yaml
+    assert "attention.size=32: attention (hidden) size of the additive score" in output  # of the chosen option
+    assert "* attention=bahdanau" in output and "attention=luong_dot" in output  # every option, the chosen one marked
+    assert "experiment=capacity" in output and not any(tmp_path.iterdir())
+
+
 def test_same_config_and_seed_give_the_same_metrics(make_config, tmp_path):
     first = train(make_config(*TINY, "attention=bahdanau", f"runs_dir={tmp_path / 'a'}"))
     second = train(make_config(*TINY, "attention=bahdanau", f"runs_dir={tmp_path / 'b'}"))

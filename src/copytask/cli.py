@@ -19,9 +19,9 @@ from omegaconf import DictConfig, open_dict
 
 from . import store
 from .analysis import analyze, summary
-from .config import ConfigError, config_dir
+from .config import ConfigError, config_dir, config_help
 from .results import load
-from .sweep import check_grid, folder_runs
+from .sweep import check_grid, compose_grid, folder_runs
 from .train import train
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
@@ -112,6 +112,14 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = args[0], args[1:]
+    if command in ("train", "sweep") and {"-h", "--help"} & set(rest):
+        try:
+            master, [run] = compose_grid([arg for arg in rest if not arg.startswith("-")], multirun=False)
+        except ConfigError as error:
+            print(f"copytask: error: {error}", file=sys.stderr)
+            return 2
+        print(config_help(command, run.config, dict(master.hydra.runtime.choices)))
+        return 0
     if command == "train":
         return _hydra(rest)
     if command == "sweep":

@@ -8,6 +8,7 @@ input the same way: one line, `copytask: error: ...`, exit status 2.
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,3 +66,62 @@ def unknown_key(key: str, known_keys: list[str]) -> str:
     """`unknown key 'task.lenght'; did you mean task.length?`"""
     close = difflib.get_close_matches(key, known_keys, n=1, cutoff=0.6)
     return f"unknown key {key!r}" + (f"; did you mean {close[0]}?" if close else "; `--cfg job` lists every key")
+
+
+# `key: value  # comment` in the simple YAML of configs/ (two-space indents)
+YAML_LINE = re.compile(r"^(?P<indent> *)(?P<key>[\w.]+):(?P<value>[^#]*?)\s*(?:#\s*(?P<comment>.*))?$")
+GROUPS = ("task", "attention", "train", "experiment", "hydra/launcher")
+
+
+def yaml_comments(path: Path, prefix: str = "") -> dict[str, str]:
+    """dotted key (after `prefix`) -> the comment on its line in the YAML file at `path`."""
+    comments, parents = {}, []
+    for line in path.read_text().splitlines():
+        match = YAML_LINE.match(line)
+        if match is None:
+            continue
+        parents = parents[: len(match["indent"]) // 2] + [match["key"]]
+        if match["comment"]:
+            comments[prefix + ".".join(parents)] = match["comment"]
+    return comments
+
+
+def option_summary(path: Path) -> str:
+    """What a config-group option is: the comment on its `name:` line, else the first sentence of
+    the comment its file starts with."""
+    text = path.read_text()
+    if named := re.search(r"^name: [^#]*#\s*(.*)$", text, re.M):
+        return named[1]
+    lines = [line for line in text.splitlines() if "@package" not in line]
+    leading = " ".join(line.lstrip("# ").strip() for line in itertools.takewhile(lambda line: line.startswith("#"), lines))
+    sentence = re.match(r".+?[.?!](?=\s|$)", leading)
+    return sentence[0] if sentence else leading
+
+
+def config_help(command: str, cfg: DictConfig, choices: dict[str, str]) -> str:
+    """`python -m copytask train --help`: every config group with its options, and every key with
+    its default and what it means, from the comments in configs/ (one source for both)."""
+    root = Path(config_dir())
+    lines = [
+        f"usage: python -m copytask {command} [key=value ...] [group=option ...]",
+        "",
+        "Hydra overrides of the configs in configs/"
+        + (": a comma-separated list sweeps a key ('task.length=5,10'); the grid is hydra.sweeper.params." if command == "sweep" else "."),
+        "`--cfg job` prints the composed config; `--hydra-help` Hydra's own flags.",
+        "",
+        "config groups (group=option; * the default):",
+    ]
+    options = [(group, path) for group in GROUPS if (root / group).is_dir() for path in sorted((root / group).glob("*.yaml"))]
+    width = max(len(f"{group}={path.stem}") for group, path in options)
+    for group, path in options:
+        mark = "*" if choices.get(group) == path.stem else " "
+        lines.append(f"  {mark} {f'{group}={path.stem}':<{width}}  {option_summary(path)}")
+    comments = yaml_comments(root / "config.yaml")
+    for group in ("task", "attention", "train"):
+        comments |= yaml_comments(root / group / f"{choices[group]}.yaml", prefix=f"{group}.")
+    lines += ["", "keys (key=default: what it means):"]
+    for key in dotted_keys(cfg):
+        value = OmegaConf.select(cfg, key)
+        meaning = comments.get(key) or comments.get(key.rsplit(".", 1)[0], "")
+        lines.append(f"  {key}={'null' if value is None else value}" + (f": {meaning}" if meaning else ""))
+    return "\n".join(lines)

@@ -9,7 +9,7 @@ from copytask.attention import Attention, masked_softmax
 from copytask.config import config_dir
 from copytask.data import length_mask, make_batch, total_vocab
 from copytask.model import Seq2Seq
-from copytask.train import ConfigError, validate
+from copytask.config import ConfigError, validate
 
 B, T_DEC, T_ENC, H = 3, 4, 6, 8
 

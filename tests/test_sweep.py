@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from copytask import cli, store
+from copytask import train as training
 from copytask.sweep import compose_grid
 
 from .conftest import TINY, overrides, run_cli
@@ -84,14 +85,14 @@ def test_resume_retrains_exactly_the_removed_run(runs_copy):
 
 
 def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, monkeypatch, capsys):
-    real_train = cli.train
+    real_train = training.train
 
     def train(cfg):
         if cfg.task.length == 4:
             raise RuntimeError("injected failure at length 4")
         return real_train(cfg)
 
-    monkeypatch.setattr(cli, "train", train)
+    monkeypatch.setattr(training, "train", train)  # what the job imports when it runs
     with pytest.raises(SystemExit) as exit:
         cli.main(["sweep", *TINY, f"runs_dir={tmp_path}", "attention=none", "task.length=4,3", "seed=0"])
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from copytask import kernels, store
-from copytask.train import ConfigError, build_model, eval_batch, evaluate, train, validate
+from copytask.config import ConfigError, validate
+from copytask.train import build_model, eval_batch, evaluate, train
 
 from .conftest import TINY, run_cli
 
@@ -38,6 +39,10 @@ def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
         ("attention.decoder=transformer", "'transformer'"),
         ("train.schedule=cosine", "'cosine'"),
         ("train.fused=maybe", "train.fused must be true or false, got 'maybe'"),
+        ("train.warmup=2", "train.warmup must be a fraction between 0 and 1, got 2"),
+        ("train.clip=0", "train.clip must be a positive number, got 0"),
+        ("train.target_acc=99", r"train.target_acc must be a number in \[0, 1\], got 99"),
+        ("train.attention_samples=-1", "train.attention_samples must be an integer >= 0, got -1"),
     ],
 )
 def test_bad_values_are_refused_before_training(make_config, override, named):

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from . import kernels
+from .config import MULTI_HEAD_SCORES
 
 SCORES = ("additive", "dot", "general")
-MULTI_HEAD_SCORES = ("dot", "general")  # a dot product splits into per-head dot products; additive does not
 
 ADDITIVE_CHUNK = 2**19  # elements of the additive score's tanh tensor computed at once on CPU (2 MB)
 

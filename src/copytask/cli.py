@@ -18,11 +18,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from . import store
-from .analysis import analyze, summary
 from .config import ConfigError, config_dir, config_help
-from .results import load
-from .sweep import check_grid, compose_grid, folder_runs
-from .train import train
+from .sweep import check_grid, compose_grid, folder_runs, nothing_done, select_runs
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
 
@@ -64,6 +61,7 @@ COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report":
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_job(cfg: DictConfig) -> None:
     """One job. In a sweep a failure is recorded in the run folder and the sweep goes on."""
+    from .train import train  # torch and the model: only when something is trained
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         try:
             train(cfg)
@@ -131,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         if not runs_dir.is_dir():
             print(f"copytask: error: runs_dir {str(runs_dir)!r} does not exist", file=sys.stderr)
             return 2
+        from .analysis import analyze, summary
+        from .results import load
+
         folders = store.complete_runs(runs_dir)
         analyze(folders, eval_size=cfg.analysis.eval_size, threads=cfg.analysis.threads, progress=cfg.train.progress)
         loaded = load(folder_runs(folders))  # each run's settings: the keys that vary between the runs
@@ -147,16 +148,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         overrides = [arg for arg in rest if arg not in flags]
         try:
+            selection = select_runs(overrides, every_run="--all" in rest)
+            print(f"{command}: {selection.source}")
+            asked_to_train_or_list = {"--missing", "--train-missing"} & set(rest)
+            if not asked_to_train_or_list and not any(run.status() == "complete" for run in selection.runs):
+                print(nothing_done(command, selection), file=sys.stderr)  # before pandas, matplotlib and torch are imported
+                return 1
             if command == "compare":
                 from .results import compare
 
-                return compare(
-                    overrides, "--missing" in rest, "--train-missing" in rest, "--all" in rest,
-                    run_sweep=lambda grid: _hydra(grid, multirun=True),
-                )
+                return compare(selection, "--missing" in rest, "--train-missing" in rest, run_sweep=lambda grid: _hydra(grid, multirun=True))
             from .report import report_command
 
-            return report_command(overrides, every_run="--all" in rest)
+            return report_command(selection)
         except ConfigError as error:
             print(f"copytask: error: {error}", file=sys.stderr)
             return 2

@@ -1,4 +1,5 @@
-"""Where the Hydra configs live, and copytask's one kind of config error.
+"""Where the Hydra configs live, what a valid config is (`validate`), and copytask's one kind of
+config error. Light on purpose: no torch, so the command line refuses bad input at once.
 
 Hydra's own composition errors (an unknown key, a config-group option that does not exist, an
 override it cannot parse) are turned into `ConfigError`s here, so every command answers bad
@@ -20,6 +21,80 @@ from omegaconf import DictConfig, OmegaConf
 
 class ConfigError(ValueError):
     """A config value that cannot be run; the message names the value and what is allowed."""
+
+
+TASKS = ("copy", "reverse")
+DECODERS = ("plain", "bahdanau", "luong")
+MULTI_HEAD_SCORES = ("dot", "general")  # a dot product splits into per-head dot products; additive does not
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULES = ("onecycle", "constant")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Refuse bad values before anything is trained or written: ConfigError naming the key, the value and what is allowed."""
+    task, train, model = cfg.task, cfg.train, cfg.model
+
+    def at_least(name: str, value, low: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+
+    if task.name not in TASKS:
+        raise ConfigError(f"task.name must be one of {', '.join(TASKS)}, got {task.name!r}")
+    at_least("task.length", task.length, 1)
+    at_least("task.vocab_size", task.vocab_size, 2)  # one symbol would make copying trivial
+    if task.variable_length:
+        at_least("task.min_length", task.min_length, 1)
+        if task.min_length > task.length:
+            raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")
+    if cfg.attention.decoder not in DECODERS:
+        raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {cfg.attention.decoder!r}")
+    at_least("model.embedding_size", model.embedding_size, 1)
+    at_least("model.hidden_size", model.hidden_size, 2 if model.bidirectional else 1)
+    if model.bidirectional and model.hidden_size % 2:
+        raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
+    if cfg.attention.score == "additive":
+        at_least("attention.size", cfg.attention.size, 1)
+    heads = cfg.attention.get("heads", 1)
+    at_least("attention.heads", heads, 1)
+    if heads > 1 and (cfg.attention.decoder != "luong" or cfg.attention.score not in MULTI_HEAD_SCORES):
+        raise ConfigError(
+            f"attention.heads={heads} needs Luong attention with a {' or '.join(MULTI_HEAD_SCORES)} score, "
+            f"got attention={cfg.attention.name}"
+        )
+    if model.hidden_size % heads:
+        raise ConfigError(f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({heads})")
+    for key in ("steps", "batch_size", "eval_every", "eval_size"):
+        at_least(f"train.{key}", train[key], 1)
+    if not (isinstance(train.lr, (int, float)) and train.lr > 0):
+        raise ConfigError(f"train.lr must be a positive number, got {train.lr!r}")
+    if train.schedule not in SCHEDULES:
+        raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {train.schedule!r}")
+    if train.patience is not None:
+        at_least("train.patience", train.patience, 1)
+    if train.threads is not None:
+        at_least("train.threads", train.threads, 1)
+    if not isinstance(train.get("fused", True), bool):
+        raise ConfigError(f"train.fused must be true or false, got {train.fused!r}")
+    if not (isinstance(train.clip, (int, float)) and train.clip > 0):
+        raise ConfigError(f"train.clip must be a positive number, got {train.clip!r}")
+    if train.schedule == "onecycle" and not (isinstance(train.warmup, (int, float)) and 0 < train.warmup < 1):
+        raise ConfigError(f"train.warmup must be a fraction between 0 and 1, got {train.warmup!r}")
+    if not (isinstance(train.target_acc, (int, float)) and 0 <= train.target_acc <= 1):
+        raise ConfigError(f"train.target_acc must be a number in [0, 1], got {train.target_acc!r}")
+    at_least("train.eval_seed", train.eval_seed, 0)
+    at_least("train.attention_samples", train.attention_samples, 0)
+    check_device(train.device)
+
+
+def check_device(name: str) -> None:
+    """ConfigError unless `name` is a device this machine has (torch is imported only to look for CUDA)."""
+    if name not in DEVICES:
+        raise ConfigError(f"train.device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda was requested but no CUDA device is available; use auto or cpu")
 
 
 def config_dir() -> str:

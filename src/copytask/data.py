@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .config import TASKS
+
 PAD, BOS, EOS = 0, 1, 2
 NUM_SPECIAL = 3
-TASKS = ("copy", "reverse")
 
 
 def total_vocab(vocab_size: int) -> int:

@@ -13,9 +13,9 @@ from torch import Tensor, nn
 
 from . import kernels
 from .attention import Attention
+from .config import DECODERS
 from .data import BOS, PAD, length_mask
 
-DECODERS = ("plain", "bahdanau", "luong")
 
 Memory = tuple[Tensor, Tensor] | None  # (keys, values) the attention reads at every step
 

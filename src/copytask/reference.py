@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from .data import BOS, PAD, length_mask
-from .model import DECODERS, Encoder
+from .config import DECODERS
+from .model import Encoder
 
 
 class ReferenceAttention(nn.Module):

@@ -29,7 +29,7 @@ from omegaconf import DictConfig  # noqa: E402
 from . import analysis, results, store  # noqa: E402
 from .analysis_figures import plot_counterfactual, plot_head_weights, plot_length_generalisation, plot_per_length  # noqa: E402
 from .data import BOS, EOS, NUM_SPECIAL, PAD  # noqa: E402
-from .sweep import SWEEP_RECORD, GridRun, select_runs, sweep_command, variable_length_runs  # noqa: E402
+from .sweep import SWEEP_RECORD, GridRun, Selection, nothing_done, variable_length_runs  # noqa: E402
 from .config import ConfigError  # noqa: E402
 
 REPORT_DIR = "report"
@@ -557,21 +557,14 @@ def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path, x:
     return out / "report.md"
 
 
-def report_command(overrides: list[str], every_run: bool = False) -> int:
+def report_command(selection: Selection) -> int:
     """`python -m copytask report [--all] [overrides]`: results.csv and report/ for the runs
-    `sweep.select_runs` picks; exit status 1 when none of them is complete, 2 (ConfigError) for a
+    `sweep.select_runs` picked; exit status 1 when none of them is complete, 2 (ConfigError) for a
     `report.x` that is not swept, before anything is written."""
-    selection = select_runs(overrides, every_run)
-    print(f"report: {selection.source}")
     runs_dir, grid = Path(selection.master.runs_dir), selection.runs
     loaded = results.load(grid)
     if loaded.table.empty:
-        what = "does not exist" if not runs_dir.is_dir() else "has no finished run of this grid"
-        print(
-            f"copytask: error: nothing to report: {runs_dir} {what} (0 of {len(grid)} runs complete); "
-            f"train them with: {sweep_command(selection.master)}",
-            file=sys.stderr,
-        )
+        print(nothing_done("report", selection), file=sys.stderr)
         return 1
     x_column(selection.master.report.x, loaded)
     if loaded.missing:

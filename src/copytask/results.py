@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from . import store
-from .sweep import GridRun, SweepFailed, select_runs, sweep_command
+from .sweep import GridRun, Selection, SweepFailed, nothing_done, select_runs, sweep_command
 
 RESULTS_CSV = "results.csv"
 COLUMNS = ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "run")
@@ -224,13 +224,12 @@ def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
     return "\n".join(lines)
 
 
-def compare(overrides: list[str], missing_only: bool, train_missing: bool, every_run: bool, run_sweep: Callable[[list[str]], object]) -> int:
-    """`python -m copytask compare [--missing | --train-missing | --all] [overrides]`: per setting
-    and length, the baseline and each attention type side by side. Missing runs are listed with
-    the command that trains them; `train_missing` trains them first with `run_sweep(overrides)`
-    (the same resumable sweep); `missing_only` lists them and prints no table."""
-    selection = select_runs(overrides, every_run)
-    print(f"compare: {selection.source}")
+def compare(selection: Selection, missing_only: bool, train_missing: bool, run_sweep: Callable[[list[str]], object]) -> int:
+    """`python -m copytask compare [--missing | --train-missing | --all] [overrides]` on the runs
+    `sweep.select_runs` picked: per setting and length, the baseline and each attention type side
+    by side. Missing runs are listed with the command that trains them; `train_missing` trains
+    them first with `run_sweep(overrides)` (the same resumable sweep); `missing_only` lists them
+    and prints no table."""
     unfinished = [(run, run.failure()) for run in selection.runs if run.status() != "complete"]
     if missing_only:
         runs_dir = selection.master.runs_dir
@@ -246,8 +245,7 @@ def compare(overrides: list[str], missing_only: bool, train_missing: bool, every
         selection = select_runs(selection.overrides)
     loaded = load(selection.runs)
     if loaded.table.empty:
-        print(f"copytask: error: no finished run of this grid in {selection.master.runs_dir}; train it with: "
-              f"{sweep_command(selection.master)}", file=sys.stderr)
+        print(nothing_done("compare", selection), file=sys.stderr)
         return 1
     if loaded.missing:
         print(describe_missing(loaded.missing, len(selection.runs)))

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from hydra import initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
@@ -31,7 +30,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import store
-from .config import ConfigError, config_dir, dotted_keys, hydra_errors
+from .config import ConfigError, config_dir, dotted_keys, hydra_errors, validate
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
 
@@ -154,8 +153,6 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
     """Compose and validate every job of `sweep <overrides>` (or the one run of `train
     <overrides>`) before anything runs. -> the grid; ConfigError, naming the bad value and the
     grid entry it came from, for the first job that cannot run."""
-    from .train import validate  # torch and the model: only once the overrides compose
-
     master, grid = compose_grid(overrides, multirun=multirun)
     entries = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()] if multirun else []
     entries += list(overrides)
@@ -237,6 +234,16 @@ def select_runs(overrides: list[str], every_run: bool = False) -> Selection:
     return Selection(master, grid, overrides, f"the grid of: {sweep_command(master)}")
 
 
+def nothing_done(command: str, selection: Selection) -> str:
+    """The error for `compare` or `report` on runs none of which is complete (or readable)."""
+    runs_dir = Path(selection.master.runs_dir)
+    what = "does not exist" if not runs_dir.is_dir() else "has no finished run of this grid"
+    return (
+        f"copytask: error: nothing to {command}: {runs_dir} {what} (0 of {len(selection.runs)} runs complete); "
+        f"train them with: {sweep_command(selection.master)}"
+    )
+
+
 def sweep_command(master: DictConfig) -> str:
     """The command line that starts this sweep."""
     hydra_overrides = [o for o in master.hydra.overrides.hydra if o != "hydra.mode=MULTIRUN"]
@@ -251,6 +258,12 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def gpu_name() -> str | None:
+    import torch  # by now the jobs have imported it, if they ran in this process
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 class SweepProgress:
@@ -351,7 +364,7 @@ class SweepSummary(Callback):
                 "launcher": config.hydra.runtime.choices.get("hydra/launcher"),
                 "machine": cpu_model(),
                 "cpus": os.cpu_count(),
-                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                "gpu": gpu_name(),
                 "python": platform.python_version(),
             },
         )

@@ -149,3 +149,20 @@ def test_gap_is_empty_where_no_baseline_has_the_same_settings():
     assert summary.loc[(8, "bahdanau"), "token_acc_gap"] == pytest.approx(0.9 - 0.6)
     assert math.isnan(summary.loc[(16, "bahdanau"), "token_acc_gap"])  # never borrowed from hidden size 8
     assert summary.loc[(8, "none"), "seeds"] == 2 and summary.loc[(16, "bahdanau"), "params"] == 1600
+
+
+def test_two_settings_give_panels_for_one_and_line_styles_for_the_other(tmp_path):
+    from copytask.report import plot_accuracy
+
+    rows = [
+        {"attention": attention, "length": length, "model.hidden_size": size, "train.lr": lr, "seed": seed,
+         "token_acc": 0.5, "seq_acc": 0.2, "chance": 1 / 9, "params": size}
+        for attention in ("none", "bahdanau") for length in (5, 10) for size in (8, 16) for lr in (1e-3, 6e-3) for seed in (0, 1)
+    ]
+    settings = ["model.hidden_size", "train.lr"]
+    summary = summarise(pd.DataFrame(rows), settings)
+    [_, svg] = plot_accuracy(summary, settings, "length", tmp_path / "accuracy", pd.DataFrame())
+
+    text = svg.read_text()
+    assert "greedy token accuracy, model.hidden_size=8" in text and "greedy token accuracy, model.hidden_size=16" in text
+    assert "bahdanau, train.lr=0.001" in text and "bahdanau, train.lr=0.006" in text  # one line style per value

@@ -115,10 +115,10 @@ def plot_accuracy(summary: pd.DataFrame, settings: list[str], x: str, stem: Path
     for (values, rows), row_axes in zip(facets, axes):
         facet = setting_title(facet_keys, values)
         for axis, metric, title in zip(row_axes, ("token_acc", "seq_acc"), ("greedy token accuracy", "exact-sequence accuracy")):
-            for (attention, style_value), series in rows.groupby(["attention", style_key] if style_key else ["attention", np.zeros(len(rows))], sort=False):
+            for (attention, *style_value), series in rows.groupby(["attention", *([style_key] if style_key else [])], sort=False):
                 series = series.sort_values(x)
-                linestyle, marker = style[style_value if style_key else None]
-                name = f"{attention}, {style_key}={results.setting_value(style_value)}" if style_key else attention
+                linestyle, marker = style[style_value[0] if style_key else None]
+                name = f"{attention}, {style_key}={results.setting_value(style_value[0])}" if style_key else attention
                 axis.plot(series[x], 100 * series[metric], linestyle=linestyle, marker=marker, color=colour[attention], label=name)
                 low, high = series[f"{metric}_lo"].clip(lower=0), series[f"{metric}_hi"].clip(upper=1)
                 axis.fill_between(series[x], 100 * low, 100 * high, color=colour[attention], alpha=0.2, linewidth=0)

@@ -11,7 +11,7 @@ import pytest
 
 from copytask import analysis, store
 from copytask.cli import main
-from copytask.results import t_quantile
+from copytask.results import interval
 from copytask.sweep import compose_grid, variable_length_runs
 
 from .conftest import TINY, overrides
@@ -113,8 +113,11 @@ def test_compare_missing_lists_and_trains_nothing(runs_copy, capsys):
 
 
 @pytest.mark.parametrize("df, expected", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (1000, 1.962)])
-def test_t_quantile_matches_tables(df, expected):
-    assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+def test_interval_uses_the_t_quantile_of_the_tables(df, expected):
+    values = pd.Series([0.0, 1.0] * ((df + 1) // 2) + [0.5] * ((df + 1) % 2))  # df + 1 seeds
+    mean, low, high = interval(values)
+    half = expected * values.std(ddof=1) / (df + 1) ** 0.5
+    assert (low, high) == (pytest.approx(mean - half, abs=1e-3), pytest.approx(mean + half, abs=1e-3))
 
 
 def test_compare_trains_nothing_unless_asked_and_says_how(runs_copy, capsys):

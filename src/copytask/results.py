@@ -16,12 +16,11 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import pandas as pd
+from scipy import stats
 
 from . import store
 from .sweep import GridRun, Selection, SweepFailed, nothing_done, select_runs, sweep_command
@@ -127,26 +126,13 @@ def save(loaded: Loaded, runs_dir: Path) -> Path:
     return path
 
 
-@lru_cache(maxsize=None)
-def t_quantile(probability: float, df: int) -> float:
-    """Student-t quantile for `df` degrees of freedom, from the density integrated numerically
-    (numpy and pandas have no t distribution; scipy is not worth a dependency for this)."""
-    x = np.linspace(0.0, 200.0, 800_001)
-    log_density = (
-        math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi) - (df + 1) / 2 * np.log1p(x * x / df)
-    )
-    density = np.exp(log_density)
-    cdf = 0.5 + np.concatenate([[0.0], np.cumsum((density[1:] + density[:-1]) / 2 * np.diff(x))])
-    return float(np.interp(probability, cdf, x))
-
-
 def interval(values: pd.Series) -> tuple[float, float, float]:
     """Mean and 95% t-interval over seeds; the interval is NaN with a single seed."""
     n, mean = len(values), float(values.mean())
     if n < 2:
         return mean, math.nan, math.nan
-    half = t_quantile(0.5 + CONFIDENCE / 2, n - 1) * float(values.std(ddof=1)) / math.sqrt(n)
-    return mean, mean - half, mean + half
+    low, high = stats.t.interval(CONFIDENCE, n - 1, loc=mean, scale=float(values.std(ddof=1)) / math.sqrt(n))
+    return mean, float(low), float(high)
 
 
 def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:

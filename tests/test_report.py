@@ -120,6 +120,10 @@ def test_interval_uses_the_t_quantile_of_the_tables(df, expected):
     assert (low, high) == (pytest.approx(mean - half, abs=1e-3), pytest.approx(mean + half, abs=1e-3))
 
 
+def test_interval_of_equal_values_is_that_value():
+    assert interval(pd.Series([0.0, 0.0, 0.0])) == (0.0, 0.0, 0.0)  # seeds that all agree: no spread, no warning
+
+
 def test_compare_trains_nothing_unless_asked_and_says_how(runs_copy, capsys):
     removed = pd.read_csv(runs_copy / "results.csv")["run"].iloc[6]
     shutil.rmtree(runs_copy / removed)

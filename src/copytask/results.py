@@ -131,8 +131,8 @@ def interval(values: pd.Series) -> tuple[float, float, float]:
     n, mean = len(values), float(values.mean())
     if n < 2:
         return mean, math.nan, math.nan
-    low, high = stats.t.interval(CONFIDENCE, n - 1, loc=mean, scale=float(values.std(ddof=1)) / math.sqrt(n))
-    return mean, float(low), float(high)
+    half = stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1) * float(values.std(ddof=1)) / math.sqrt(n)
+    return mean, mean - half, mean + half
 
 
 def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import hydra
 from hydra import compose, initialize_config_dir
-from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from . import store
 from .config import ConfigError, config_dir, config_help
+from .hydra_internals import override_args
 from .sweep import check_grid, compose_grid, folder_runs, nothing_done, select_runs
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
@@ -94,7 +94,7 @@ def _hydra(args: list[str], multirun: bool = False) -> int:
         # Hydra's parser accepts overrides before flags but not on both sides of one, so the
         # mode override goes with the user's overrides, after every flag. (Not `--multirun`:
         # that clashes with `--cfg`.)
-        overrides = get_args_parser().parse_intermixed_args(args).overrides
+        overrides = override_args(args)
         flags = list(args)
         for override in overrides:
             flags.remove(override)

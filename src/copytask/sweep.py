@@ -22,15 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from hydra import initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import store
 from .config import ConfigError, config_dir, dotted_keys, hydra_errors, validate
+from .hydra_internals import compose, sweep_jobs
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
 
@@ -82,14 +80,9 @@ class GridRun:
 def expand(master: DictConfig) -> list[GridRun]:
     """The jobs Hydra's basic sweeper launches for `master` (a multirun config with its hydra
     node), in launch order. Needs an initialised GlobalHydra (inside a sweep, or `compose_grid`)."""
-    loader = GlobalHydra.instance().config_loader()
-    params = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()]
-    parsed = OverridesParser.create(config_loader=loader).parse_overrides(params + list(master.hydra.overrides.task))
-    [batches] = BasicSweeper.split_arguments(parsed, max_batch_size=None)
-    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    jobs, swept = sweep_jobs(master)
     runs = []
-    for overrides in batches:
-        config = loader.load_sweep_config(master, overrides)
+    for overrides, config in jobs:
         with open_dict(config):
             del config["hydra"]  # as Hydra does before calling the task function
         label = " ".join(o for o in overrides if o.split("=", 1)[0] in swept)
@@ -131,16 +124,11 @@ def compose_grid(overrides: list[str], expand_grid: bool = True, multirun: bool 
     GlobalHydra.instance().clear()  # a sweep earlier in this process leaves Hydra initialised
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="copytask"):
-            hydra = GlobalHydra.instance().hydra
-
-            def compose(extra: list[str]) -> DictConfig:
-                return hydra.compose_config("config", ["hydra.mode=MULTIRUN", *extra], run_mode=RunMode.MULTIRUN)
-
-            with hydra_errors(dotted_keys(compose([]))):
+            with hydra_errors(dotted_keys(compose([], multirun=True))):
                 if multirun:
-                    master = compose(overrides)
+                    master = compose(overrides, multirun=True)
                     return master, expand(master) if expand_grid else []
-                config = hydra.compose_config("config", overrides, run_mode=RunMode.RUN)
+                config = compose(overrides, multirun=False)
                 job = config.copy()
                 with open_dict(job):
                     del job["hydra"]

@@ -167,3 +167,12 @@ def test_a_sweep_shows_one_progress_bar_for_all_its_runs(tmp_path):
     assert process.returncode == 0, process.stderr
     assert "sweep: 100%" in process.stderr and "2/2" in process.stderr  # runs finished of the grid
     assert "step/s" not in process.stderr  # no per-run bars
+
+
+def test_a_sweep_through_the_parallel_launcher(tmp_path):
+    process = run_cli("sweep", *TINY, "attention=none,luong_general", "task.length=3", "seed=0", f"runs_dir={tmp_path}",
+                      "hydra/launcher=parallel")
+
+    assert process.returncode == 0, process.stderr  # the jobs, callbacks included, pickle into joblib's workers
+    assert set(pd.read_csv(tmp_path / "results.csv")["attention"]) == {"none", "luong_general"}
+    assert store.read_json(tmp_path / "sweep.json")["launcher"] == "parallel"

@@ -276,9 +276,17 @@ class SweepProgress:
 
         return sum(map(done, self.runs))
 
-    def poll(self, interval: float) -> None:
+    def poll(self, interval: float, refresh_every: float = 30.0) -> None:
+        """Update on every finished run, and redraw the clock now and then: a sweep's log stays small."""
+        last_refresh = time.monotonic()
         while not self.stop.wait(interval):
-            self.bar.update(self.finished() - self.bar.n)
+            if (finished := self.finished()) != self.bar.n:
+                self.bar.update(finished - self.bar.n)
+            elif time.monotonic() - last_refresh > refresh_every:
+                self.bar.refresh()
+            else:
+                continue
+            last_refresh = time.monotonic()
 
     def close(self) -> None:
         self.stop.set()
@@ -298,6 +306,11 @@ class SweepSummary(Callback):
         # Recorded now, so that `compare` and `report` find this grid even while it runs or if it is cut off.
         store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | {"started": time.strftime("%Y-%m-%d %H:%M:%S")})
         self.progress = SweepProgress(expand(config), enabled=config.train.progress)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Launchers that run jobs in other processes (joblib, submitit) pickle the callbacks with
+        # the job; the progress bar and its thread live in the launching process only.
+        return {key: value for key, value in self.__dict__.items() if key != "progress"}
 
     @staticmethod
     def record(config: DictConfig) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +72,22 @@ def is_complete(folder: Path) -> bool:
 
 
 def atomic_write(path: Path, data: str | bytes) -> None:
-    """Write to a temporary file beside `path`, then rename it into place."""
+    """Write to a temporary file beside `path`, flush it to disk, then rename it into place: a
+    crash leaves the old file or the whole new one, never a part. The file gets the permissions
+    the umask gives, as open() would: mkstemp's 600 would hide results from the rest of a group."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            # Without this a crash soon after the rename can leave `path` empty on disk (ext4,
+            # xfs): a zero-length metrics.json where a finished run should be.
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

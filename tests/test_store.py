@@ -45,3 +45,20 @@ def test_atomic_write_is_on_disk_before_it_is_renamed_into_place(tmp_path, monke
     assert events == [("fsync", len(data)), ("replace", len(data))]
     assert (tmp_path / "checkpoint.pt").read_bytes() == data
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("keep", [0, 40], ids=["empty", "truncated"])
+def test_cut_short_metrics_is_unfinished_and_the_run_is_trained_again(make_config, keep):
+    cfg = make_config(*TINY)
+    first = train(cfg)
+    folder = store.run_dir(cfg)
+    metrics = folder / store.METRICS
+    metrics.write_text(metrics.read_text()[:keep])  # what a crash before the data reached the disk leaves
+
+    assert not store.is_complete(folder)
+    assert GridRun((), "", cfg).status() == "incomplete"  # the sweep's summary agrees
+    again = train(cfg)  # trained again from scratch, to the same result
+    assert {key: again[key] for key in ("run", "steps", "final_loss", "token_acc")} == {
+        key: first[key] for key in ("run", "steps", "final_loss", "token_acc")
+    }
+    assert store.read_json(metrics) == again

@@ -1,8 +1,8 @@
 """Run folders: identity, atomic writes, and loading finished runs into a table.
 
 A run's identity is its resolved config (less the keys that change where or how fast it runs,
-not what it computes). Its folder `runs_dir/<name>/` is complete once `metrics.json` exists:
-that file is written last, atomically, so a killed run never looks finished.
+not what it computes). Its folder `runs_dir/<name>/` is complete once a readable `metrics.json`
+exists: that file is written last, atomically, so a killed run never looks finished.
 """
 
 from __future__ import annotations
@@ -68,7 +68,13 @@ def run_dir(cfg: DictConfig) -> Path:
 
 
 def is_complete(folder: Path) -> bool:
-    return (folder / METRICS).is_file()
+    """Whether `folder` holds a finished run: a metrics.json that reads as a JSON object. An empty or
+    cut-off one (a crash before the data reached the disk) counts as unfinished, so it is trained
+    again rather than read as a result."""
+    try:
+        return isinstance(read_json(folder / METRICS), dict)
+    except (OSError, ValueError):  # none yet, or not JSON (UnicodeDecodeError is a ValueError)
+        return False
 
 
 def atomic_write(path: Path, data: str | bytes) -> None:

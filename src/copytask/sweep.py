@@ -72,6 +72,8 @@ class GridRun:
             except (OSError, ValueError, KeyError, TypeError) as error:
                 return f"failed (unreadable {store.FAILED}: {error})"
         if status == "incomplete":
+            if (self.folder / store.METRICS).exists():
+                return f"corrupt {store.METRICS} in {self.folder} (cut short by a crash; the next sweep trains it again)"
             return f"incomplete: {self.folder} has no {store.METRICS} (still running, or killed)"
         return status
 

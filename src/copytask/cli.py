@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from . import store
 from .analysis import analyze, complete_runs, summary
 from .results import read_analysis
-from .train import ConfigError, train
+from .train import ConfigError, NonFiniteLoss, train
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
 
@@ -67,6 +67,9 @@ def hydra_job(cfg: DictConfig) -> None:
         except ConfigError as error:
             print(f"copytask: error: {error}", file=sys.stderr)
             sys.exit(2)
+        except NonFiniteLoss as error:
+            print(f"copytask: error: {error}", file=sys.stderr)
+            sys.exit(1)
         return
     try:
         train(cfg)

@@ -29,6 +29,10 @@ class ConfigError(ValueError):
     """A config value that cannot be run; the message names the value and what is allowed."""
 
 
+class NonFiniteLoss(FloatingPointError):
+    """The training loss became NaN or inf: the run diverged; the message names the run and step."""
+
+
 def validate(cfg: DictConfig) -> None:
     """Refuse bad values before anything is trained or written."""
     task, train, model = cfg.task, cfg.train, cfg.model
@@ -184,7 +188,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
 
 def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
     """Train one run and write its folder; returns metrics.json's content. A run whose
-    complete results already exist is not trained again. `model_class`: see `build_model`."""
+    complete results already exist is not trained again. Raises NonFiniteLoss if the run
+    diverges. `model_class`: see `build_model`."""
     validate(cfg)
     folder = store.run_dir(cfg)
     if store.is_complete(folder):
@@ -212,6 +217,9 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
         schedule = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)
 
     history, hits, loss_sum, loss_count = [], 0, torch.zeros((), device=device), 0
+    # The first step whose loss was NaN or inf (0: none), kept on the device and read at each
+    # evaluation: reading the loss on the host every step would stall a GPU with a sync per step.
+    nonfinite_step = torch.zeros((), dtype=torch.long, device=device)
     started = time.perf_counter()
     bar = tqdm(total=steps, desc=folder.name, unit="step", disable=not cfg.train.progress, dynamic_ncols=True)
     for step in range(1, steps + 1):
@@ -220,9 +228,16 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
         schedule.step()
         loss_sum += loss
         loss_count += 1
+        nonfinite_step = torch.where((nonfinite_step == 0) & ~loss.isfinite(), step, nonfinite_step)
         bar.update()
 
         if step % cfg.train.eval_every == 0 or step == steps:
+            if first := int(nonfinite_step):
+                bar.close()
+                raise NonFiniteLoss(
+                    f"{folder.name}: the training loss became NaN or inf at step {first} (the run diverged: "
+                    f"try a lower train.lr); stopped at step {step}, nothing saved"
+                )
             result = evaluate(model, heldout)
             history.append(
                 {

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import time
+from typing import Callable
 
 import pytest
 
-from copytask import store
+from copytask import cli, store
 from copytask.sweep import GridRun
 from copytask.train import train
 
-from .conftest import TINY
+from .conftest import SRC, TINY, run_cli
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)], ids=["022", "027", "002"])
@@ -62,3 +66,61 @@ def test_cut_short_metrics_is_unfinished_and_the_run_is_trained_again(make_confi
         key: first[key] for key in ("run", "steps", "final_loss", "token_acc")
     }
     assert store.read_json(metrics) == again
+
+
+# `python -m copytask train ...` that, once it has trained a few steps, hangs until killed: a run
+# in training, holding its lock, for as long as the test needs.
+HANGS_IN_TRAINING = """
+import sys, time
+import copytask.train
+copytask.train.evaluate = lambda *args, **kwargs: time.sleep(600)
+from copytask.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def wait_for(condition: Callable[[], bool], process: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_run_in_training_is_left_alone_and_a_killed_ones_lock_is_taken_over(make_config, tmp_path, capsys):
+    runs_dir = tmp_path / "runs"
+    cfg = make_config(*TINY)  # the run both processes are asked for
+    folder, run = store.run_dir(cfg), GridRun((), "", cfg)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    first = subprocess.Popen(
+        [sys.executable, "-c", HANGS_IN_TRAINING, "train", *TINY, f"runs_dir={runs_dir}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for(lambda: (folder / store.CONFIG).is_file(), first)
+        started = (folder / store.CONFIG).stat().st_ino
+        assert run.status() == "running"
+
+        second = run_cli("train", *TINY, f"runs_dir={runs_dir}")
+        assert second.returncode == 0, second.stderr
+        assert f"{folder.name}: being trained by another process" in second.stderr
+        assert "greedy token acc" not in second.stdout  # it trained nothing ...
+        assert (folder / store.CONFIG).stat().st_ino == started and first.poll() is None  # ... and deleted nothing
+
+        # A sweep over a grid with that run: not a failure, not complete, and says so.
+        assert cli.main(["sweep", *TINY, f"runs_dir={runs_dir}", "task.length=5,3", "attention=luong_general", "seed=0"]) == 0
+        out, err = capsys.readouterr()
+        assert "sweep: 1/2 runs complete (1 trained now), 0 failed, 1 being trained by another process" in out
+        assert "job failed" not in err
+        [skipped] = [line for line in err.splitlines() if "being trained by another process" in line and "skipped" in line]
+        [summary] = [line for line in err.splitlines() if "being trained by another process" in line and "not in these results" in line]
+        assert folder.name in skipped and "task.length=5" in summary
+        assert store.read_json(runs_dir / "sweep.json")["training_elsewhere"] == 1
+    finally:
+        first.kill()  # SIGKILL: no clean-up runs, the OS drops the lock
+        first.communicate()
+
+    assert run.status() == "incomplete"  # the dead process's lock is not mistaken for a live one
+    third = run_cli("train", *TINY, f"runs_dir={runs_dir}")
+    assert third.returncode == 0, third.stderr
+    assert f"{folder.name}: greedy token acc" in third.stdout and store.is_complete(folder)

@@ -18,7 +18,7 @@ RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store
 def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
     result = run_cli("train", *TINY, "attention=bahdanau", f"runs_dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir() and p.name != store.LOCKS]
     assert folder.name.startswith("bahdanau-copy5-seed0-")
     assert RUN_FILES <= {p.name for p in folder.iterdir()}
     metrics = json.loads((folder / store.METRICS).read_text())

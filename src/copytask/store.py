@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from filelock import AcquireReturnProxy, FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 METRICS = "metrics.json"
@@ -74,6 +75,42 @@ def is_complete(folder: Path) -> bool:
     try:
         return isinstance(read_json(folder / METRICS), dict)
     except (OSError, ValueError):  # none yet, or not JSON (UnicodeDecodeError is a ValueError)
+        return False
+
+
+# runs_dir/.locks/<run name>.lock: held by the process training that run. Beside the run folder,
+# not in it, so that clearing a killed run's leftovers never deletes a lock in use.
+LOCKS = ".locks"
+# A training process holds a run's lock for its whole run; `is_locked` for a moment. Waiting this
+# long keeps a process that finds the lock held by a probe from skipping a run nobody trains.
+LOCK_WAIT_SECONDS = 0.5
+
+
+def lock_path(folder: Path) -> Path:
+    return folder.parent / LOCKS / f"{folder.name}.lock"
+
+
+def lock_run(folder: Path) -> AcquireReturnProxy | None:
+    """Take the run's lock; None if another process holds it. Use as `with lock_run(f) as ...`.
+    An OS lock (flock, or its Windows counterpart), which the OS drops when its process dies, even by
+    kill -9: a killed run's lock is taken over by the next process, with no stale lock to clear."""
+    lock_path(folder).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return FileLock(lock_path(folder)).acquire(timeout=LOCK_WAIT_SECONDS)
+    except Timeout:
+        return None
+
+
+def is_locked(folder: Path) -> bool:
+    """Whether another process is training the run in `folder` now (holds its lock)."""
+    if not lock_path(folder).exists():  # never locked: create no lock file just to look
+        return False
+    try:
+        with FileLock(lock_path(folder)).acquire(blocking=False):
+            return False
+    except Timeout:
+        return True
+    except OSError:  # a lock file we may not open (another user's runs): we cannot tell
         return False
 
 

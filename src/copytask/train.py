@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import shutil
 import time
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -186,18 +187,29 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     return loss.detach()
 
 
-def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
-    """Train one run and write its folder; returns metrics.json's content. A run whose
-    complete results already exist is not trained again. Raises NonFiniteLoss if the run
-    diverges. `model_class`: see `build_model`."""
+def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict | None:
+    """Train one run and write its folder; returns metrics.json's content. A run whose complete
+    results already exist is not trained again; one that another process is training now is
+    skipped with a warning, and None is returned. Raises NonFiniteLoss if the run diverges.
+    `model_class`: see `build_model`."""
     validate(cfg)
     folder = store.run_dir(cfg)
-    if store.is_complete(folder):
-        metrics = store.read_json(folder / store.METRICS)
-        print(f"{folder.name}: already complete, skipped (delete {folder} to train it again)")
-        return metrics
-    if folder.exists():  # leftovers of an interrupted or failed run
-        shutil.rmtree(folder)
+    lock = store.lock_run(folder)
+    if lock is None:
+        store.warn(f"{folder.name}: being trained by another process (it holds {store.lock_path(folder)}); skipped")
+        return None
+    with lock:
+        if store.is_complete(folder):
+            metrics = store.read_json(folder / store.METRICS)
+            print(f"{folder.name}: already complete, skipped (delete {folder} to train it again)")
+            return metrics
+        if folder.exists():  # leftovers of an interrupted or failed run: no one else writes here while we hold the lock
+            shutil.rmtree(folder)
+        return _train_locked(cfg, folder, model_class)
+
+
+def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module]) -> dict:
+    """`train`'s work, in a fresh `folder`, under the run's lock."""
     folder.mkdir(parents=True)
     store.atomic_write(folder / store.CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
 

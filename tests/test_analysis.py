@@ -172,7 +172,8 @@ def test_analyze_skips_a_corrupt_run_with_a_warning_naming_it(analysed_runs, tmp
     corrupt, intact = store.complete_runs(runs_dir)
     for folder in (corrupt, intact):
         (folder / store.ANALYSIS).unlink()
-    (corrupt / store.METRICS).write_text('{"attention": "luong')  # half-written
+    # readable but damaged (a half-written one means an unfinished run, which analyze never sees)
+    (corrupt / store.METRICS).write_text('{"attention": "luong_general"}')
     assert cli.main(["analyze", f"runs_dir={runs_dir}"]) == 0
     assert f"skipping {corrupt}" in capsys.readouterr().err
     assert (intact / store.ANALYSIS).is_file() and not (corrupt / store.ANALYSIS).exists()

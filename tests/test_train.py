@@ -1,10 +1,15 @@
+import itertools
 import json
+from typing import Callable
+
 import pytest
 import torch
 
-from copytask import kernels, store
+from copytask import cli, kernels, store
 from copytask.config import ConfigError, validate
-from copytask.train import build_model, eval_batch, evaluate, train
+from copytask.data import Batch
+from copytask.sweep import compose_grid
+from copytask.train import NonFiniteLoss, build_model, eval_batch, evaluate, train, train_step
 
 from .conftest import TINY, run_cli
 
@@ -14,7 +19,7 @@ RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store
 def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
     result = run_cli("train", *TINY, "attention=bahdanau", f"runs_dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir() and p.name != store.LOCKS]
     assert folder.name.startswith("bahdanau-copy5-seed0-")
     assert RUN_FILES <= {p.name for p in folder.iterdir()}
     metrics = json.loads((folder / store.METRICS).read_text())
@@ -136,3 +141,43 @@ def test_attention_learns_to_copy_length_10(make_config):
     metrics = train(make_config("task.length=10", "train.progress=false", "train.eval_every=50"))
     assert metrics["token_acc"] >= 0.99, metrics
     assert metrics["chance"] == pytest.approx(1 / 9)
+
+
+def diverging(poison: Callable[[Batch], bool]):
+    """train_step, but every parameter turns NaN before a step whose batch `poison` picks: what a
+    too-large update does, whatever the kernels make of NaN inputs (the output layer is NaN too)."""
+    real_step = train_step
+
+    def step(model, optimizer, batch, clip):
+        if poison(batch):
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.fill_(float("nan"))
+        return real_step(model, optimizer, batch, clip)
+
+    return step
+
+
+def test_nonfinite_loss_stops_the_run_naming_it_and_the_step(make_config, monkeypatch):
+    cfg = make_config(*TINY)  # evaluations at steps 5 and 10
+    steps = itertools.count(1)
+    monkeypatch.setattr("copytask.train.train_step", diverging(lambda batch: next(steps) == 7))
+
+    with pytest.raises(NonFiniteLoss, match=rf"^{store.run_name(cfg)}: .* at step 7 .* stopped at step 10, nothing saved"):
+        train(cfg)
+    assert not store.is_complete(store.run_dir(cfg)) and not (store.run_dir(cfg) / store.METRICS).exists()
+
+
+def test_a_diverging_run_is_a_failed_job_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("copytask.train.train_step", diverging(lambda batch: batch.src.size(1) == 6))
+
+    with pytest.raises(SystemExit) as exit:  # the sweep, in this process: jobs at length 6 diverge
+        cli.main(["sweep", *TINY, f"runs_dir={tmp_path}", "attention=none", "task.length=6,3", "seed=0"])
+
+    assert exit.value.code == 1
+    _, (diverged, fine) = compose_grid([*TINY, f"runs_dir={tmp_path}", "attention=none", "task.length=6,3", "seed=0"])
+    error = store.read_json(diverged.folder / store.FAILED)["error"]
+    assert error.startswith(f"NonFiniteLoss: {diverged.folder.name}: ") and "at step 1 " in error
+    assert not (diverged.folder / store.METRICS).exists()
+    assert store.is_complete(fine.folder)  # trained after the failed job
+    assert "1/2 runs complete (1 trained now), 1 failed" in capsys.readouterr().out

@@ -61,13 +61,17 @@ COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report":
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_job(cfg: DictConfig) -> None:
     """One job. In a sweep a failure is recorded in the run folder and the sweep goes on."""
-    from .train import train  # torch and the model: only when something is trained
+    from .train import NonFiniteLoss, train  # torch and the model: only when something is trained
+
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         try:
             train(cfg)
         except ConfigError as error:
             print(f"copytask: error: {error}", file=sys.stderr)
             sys.exit(2)
+        except NonFiniteLoss as error:
+            print(f"copytask: error: {error}", file=sys.stderr)
+            sys.exit(1)
         return
     with open_dict(cfg):
         cfg.train.progress = False  # the sweep has one bar for all its runs (sweep.SweepProgress)

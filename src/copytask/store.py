@@ -1,8 +1,8 @@
 """Run folders: identity, atomic writes, and loading finished runs into a table.
 
 A run's identity is its resolved config (less the keys that change where or how fast it runs,
-not what it computes). Its folder `runs_dir/<name>/` is complete once `metrics.json` exists:
-that file is written last, atomically, so a killed run never looks finished.
+not what it computes). Its folder `runs_dir/<name>/` is complete once a readable `metrics.json`
+exists: that file is written last, atomically, so a killed run never looks finished.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
+from filelock import AcquireReturnProxy, FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 METRICS = "metrics.json"
@@ -68,7 +69,49 @@ def run_dir(cfg: DictConfig) -> Path:
 
 
 def is_complete(folder: Path) -> bool:
-    return (folder / METRICS).is_file()
+    """Whether `folder` holds a finished run: a metrics.json that reads as a JSON object. An empty or
+    cut-off one (a crash before the data reached the disk) counts as unfinished, so it is trained
+    again rather than read as a result."""
+    try:
+        return isinstance(read_json(folder / METRICS), dict)
+    except (OSError, ValueError):  # none yet, or not JSON (UnicodeDecodeError is a ValueError)
+        return False
+
+
+# runs_dir/.locks/<run name>.lock: held by the process training that run. Beside the run folder,
+# not in it, so that clearing a killed run's leftovers never deletes a lock in use.
+LOCKS = ".locks"
+# A training process holds a run's lock for its whole run; `is_locked` for a moment. Waiting this
+# long keeps a process that finds the lock held by a probe from skipping a run nobody trains.
+LOCK_WAIT_SECONDS = 0.5
+
+
+def lock_path(folder: Path) -> Path:
+    return folder.parent / LOCKS / f"{folder.name}.lock"
+
+
+def lock_run(folder: Path) -> AcquireReturnProxy | None:
+    """Take the run's lock; None if another process holds it. Use as `with lock_run(f) as ...`.
+    An OS lock (flock, or its Windows counterpart), which the OS drops when its process dies, even by
+    kill -9: a killed run's lock is taken over by the next process, with no stale lock to clear."""
+    lock_path(folder).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return FileLock(lock_path(folder)).acquire(timeout=LOCK_WAIT_SECONDS)
+    except Timeout:
+        return None
+
+
+def is_locked(folder: Path) -> bool:
+    """Whether another process is training the run in `folder` now (holds its lock)."""
+    if not lock_path(folder).exists():  # never locked: create no lock file just to look
+        return False
+    try:
+        with FileLock(lock_path(folder)).acquire(blocking=False):
+            return False
+    except Timeout:
+        return True
+    except OSError:  # a lock file we may not open (another user's runs): we cannot tell
+        return False
 
 
 def complete_runs(runs_dir: Path) -> list[Path]:
@@ -79,15 +122,22 @@ def complete_runs(runs_dir: Path) -> list[Path]:
 
 
 def atomic_write(path: Path, data: str | bytes) -> None:
-    """Write to a temporary file beside `path`, then rename it into place."""
+    """Write to a temporary file beside `path`, flush it to disk, then rename it into place: a
+    crash leaves the old file or the whole new one, never a part. The file gets the permissions
+    the umask gives, as open() would: mkstemp's 600 would hide results from the rest of a group."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            # Without this a crash soon after the rename can leave `path` empty on disk (ext4,
+            # xfs): a zero-length metrics.json where a finished run should be.
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -57,9 +57,12 @@ class GridRun:
         return cls((), "", OmegaConf.load(folder / store.CONFIG), folder)
 
     def status(self) -> str:
-        """complete | failed | incomplete (folder without results: running or killed) | not run."""
+        """complete | running (another process holds its lock) | failed | incomplete (folder
+        without results: killed, or cut short) | not run."""
         if store.is_complete(self.folder):
             return "complete"
+        if store.is_locked(self.folder):
+            return "running"
         if (self.folder / store.FAILED).is_file():
             return "failed"
         return "incomplete" if self.folder.is_dir() else "not run"
@@ -73,7 +76,11 @@ class GridRun:
             except (OSError, ValueError, KeyError, TypeError) as error:
                 return f"failed (unreadable {store.FAILED}: {error})"
         if status == "incomplete":
+            if (self.folder / store.METRICS).exists():
+                return f"corrupt {store.METRICS} in {self.folder} (cut short by a crash; the next sweep trains it again)"
             return f"incomplete: {self.folder} has no {store.METRICS} (still running, or killed)"
+        if status == "running":
+            return f"being trained by another process (it holds {store.lock_path(self.folder)})"
         return status
 
 
@@ -334,9 +341,14 @@ class SweepSummary(Callback):
 
         runs = expand(config)
         runs_dir = Path(config.runs_dir)
-        unfinished = [run for run in runs if run.status() != "complete"]
+        statuses = [run.status() for run in runs]
+        # Runs another process is training are neither failures of this sweep nor results yet.
+        elsewhere = [run for run, status in zip(runs, statuses) if status == "running"]
+        unfinished = [run for run, status in zip(runs, statuses) if status not in ("complete", "running")]
         for run in unfinished:  # first: nothing after this may hide which jobs failed
             print(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}", file=sys.stderr)
+        for run in elsewhere:
+            store.warn(f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)")
         trained = sum(
             store.is_complete(run.folder) and (run.folder / store.METRICS).stat().st_mtime >= self.started_at
             for run in runs
@@ -359,6 +371,7 @@ class SweepSummary(Callback):
                 "jobs": len(runs),
                 "trained": trained,
                 "failed": len(unfinished),
+                "training_elsewhere": len(elsewhere),
                 "wall_seconds": round(wall_seconds, 1),
                 "analysis_seconds": round(analysis_seconds, 1),
                 "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -380,8 +393,9 @@ class SweepSummary(Callback):
                 x = "task.length"
             report.write_report(runs, loaded, runs_dir, x)
         print(
-            f"sweep: {len(runs) - len(unfinished)}/{len(runs)} runs complete ({trained} trained now), "
-            f"{len(unfinished)} failed; {wall_seconds:.1f} s wall time"
+            f"sweep: {len(runs) - len(unfinished) - len(elsewhere)}/{len(runs)} runs complete ({trained} trained now), "
+            f"{len(unfinished)} failed" + (f", {len(elsewhere)} being trained by another process" if elsewhere else "")
+            + f"; {wall_seconds:.1f} s wall time"
             + (f"; results in {runs_dir / results.RESULTS_CSV}" if not loaded.table.empty else "")
         )
         if unfinished:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import shutil
 import time
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -20,6 +21,11 @@ from .config import check_device, validate
 from .data import PAD, Batch, make_batch, total_vocab
 from .kernels import runs_fused
 from .model import Seq2Seq, count_parameters
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The training loss became NaN or inf: the run diverged; the message names the run and step."""
+
 
 def resolve_device(name: str) -> torch.device:
     check_device(name)
@@ -123,17 +129,29 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     return loss.detach()
 
 
-def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
-    """Train one run and write its folder; returns metrics.json's content. A run whose
-    complete results already exist is not trained again. `model_class`: see `build_model`."""
+def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict | None:
+    """Train one run and write its folder; returns metrics.json's content. A run whose complete
+    results already exist is not trained again; one that another process is training now is
+    skipped with a warning, and None is returned. Raises NonFiniteLoss if the run diverges.
+    `model_class`: see `build_model`."""
     validate(cfg)
     folder = store.run_dir(cfg)
-    if store.is_complete(folder):
-        metrics = store.read_json(folder / store.METRICS)
-        print(f"{folder.name}: already complete, skipped (delete {folder} to train it again)")
-        return metrics
-    if folder.exists():  # leftovers of an interrupted or failed run
-        shutil.rmtree(folder)
+    lock = store.lock_run(folder)
+    if lock is None:
+        store.warn(f"{folder.name}: being trained by another process (it holds {store.lock_path(folder)}); skipped")
+        return None
+    with lock:
+        if store.is_complete(folder):
+            metrics = store.read_json(folder / store.METRICS)
+            print(f"{folder.name}: already complete, skipped (delete {folder} to train it again)")
+            return metrics
+        if folder.exists():  # leftovers of an interrupted or failed run: no one else writes here while we hold the lock
+            shutil.rmtree(folder)
+        return _train_locked(cfg, folder, model_class)
+
+
+def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module]) -> dict:
+    """`train`'s work, in a fresh `folder`, under the run's lock."""
     folder.mkdir(parents=True)
     store.atomic_write(folder / store.CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
 
@@ -153,6 +171,9 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
         schedule = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)
 
     history, hits, loss_sum, loss_count = [], 0, torch.zeros((), device=device), 0
+    # The first step whose loss was NaN or inf (0: none), kept on the device and read at each
+    # evaluation: reading the loss on the host every step would stall a GPU with a sync per step.
+    nonfinite_step = torch.zeros((), dtype=torch.long, device=device)
     started = time.perf_counter()
     bar = tqdm(total=steps, desc=folder.name, unit="step", disable=not cfg.train.progress, dynamic_ncols=True)
     for step in range(1, steps + 1):
@@ -161,9 +182,16 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
         schedule.step()
         loss_sum += loss
         loss_count += 1
+        nonfinite_step = torch.where((nonfinite_step == 0) & ~loss.isfinite(), step, nonfinite_step)
         bar.update()
 
         if step % cfg.train.eval_every == 0 or step == steps:
+            if first := int(nonfinite_step):
+                bar.close()
+                raise NonFiniteLoss(
+                    f"{folder.name}: the training loss became NaN or inf at step {first} (the run diverged: "
+                    f"try a lower train.lr); stopped at step {step}, nothing saved"
+                )
             result = evaluate(model, heldout)
             history.append(
                 {

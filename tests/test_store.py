@@ -1,0 +1,126 @@
+"""The store's guarantees: durable atomic writes with the umask's permissions, unfinished runs
+recognised as such, and one process per run (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import pytest
+
+from copytask import cli, store
+from copytask.sweep import GridRun
+from copytask.train import train
+
+from .conftest import SRC, TINY, run_cli
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)], ids=["022", "027", "002"])
+def test_atomic_write_gives_the_permissions_the_umask_gives(tmp_path, umask, mode):
+    previous = os.umask(umask)
+    try:
+        store.atomic_write(tmp_path / "results.csv", "a,b\n1,2\n")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "results.csv").stat().st_mode) == mode
+
+
+def test_atomic_write_is_on_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    data = b"x" * 10_000
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_size))  # the whole content has reached the file
+        fsync(fd)
+
+    def recording_replace(source, target):
+        events.append(("replace", os.stat(source).st_size))
+        replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    store.atomic_write(tmp_path / "checkpoint.pt", data)
+
+    assert events == [("fsync", len(data)), ("replace", len(data))]
+    assert (tmp_path / "checkpoint.pt").read_bytes() == data
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("keep", [0, 40], ids=["empty", "truncated"])
+def test_cut_short_metrics_is_unfinished_and_the_run_is_trained_again(make_config, keep):
+    cfg = make_config(*TINY)
+    first = train(cfg)
+    folder = store.run_dir(cfg)
+    metrics = folder / store.METRICS
+    metrics.write_text(metrics.read_text()[:keep])  # what a crash before the data reached the disk leaves
+
+    assert not store.is_complete(folder)
+    assert GridRun((), "", cfg).status() == "incomplete"  # the sweep's summary agrees
+    again = train(cfg)  # trained again from scratch, to the same result
+    assert {key: again[key] for key in ("run", "steps", "final_loss", "token_acc")} == {
+        key: first[key] for key in ("run", "steps", "final_loss", "token_acc")
+    }
+    assert store.read_json(metrics) == again
+
+
+# `python -m copytask train ...` that, once it has trained a few steps, hangs until killed: a run
+# in training, holding its lock, for as long as the test needs.
+HANGS_IN_TRAINING = """
+import sys, time
+import copytask.train
+copytask.train.evaluate = lambda *args, **kwargs: time.sleep(600)
+from copytask.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def wait_for(condition: Callable[[], bool], process: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_run_in_training_is_left_alone_and_a_killed_ones_lock_is_taken_over(make_config, tmp_path, capsys):
+    runs_dir = tmp_path / "runs"
+    cfg = make_config(*TINY)  # the run both processes are asked for
+    folder, run = store.run_dir(cfg), GridRun((), "", cfg)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    first = subprocess.Popen(
+        [sys.executable, "-c", HANGS_IN_TRAINING, "train", *TINY, f"runs_dir={runs_dir}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for(lambda: (folder / store.CONFIG).is_file(), first)
+        started = (folder / store.CONFIG).stat().st_ino
+        assert run.status() == "running"
+
+        second = run_cli("train", *TINY, f"runs_dir={runs_dir}")
+        assert second.returncode == 0, second.stderr
+        assert f"{folder.name}: being trained by another process" in second.stderr
+        assert "greedy token acc" not in second.stdout  # it trained nothing ...
+        assert (folder / store.CONFIG).stat().st_ino == started and first.poll() is None  # ... and deleted nothing
+
+        # A sweep over a grid with that run: not a failure, not complete, and says so.
+        assert cli.main(["sweep", *TINY, f"runs_dir={runs_dir}", "task.length=5,3", "attention=luong_general", "seed=0"]) == 0
+        out, err = capsys.readouterr()
+        assert "sweep: 1/2 runs complete (1 trained now), 0 failed, 1 being trained by another process" in out
+        assert "job failed" not in err
+        [skipped] = [line for line in err.splitlines() if "being trained by another process" in line and "skipped" in line]
+        [summary] = [line for line in err.splitlines() if "being trained by another process" in line and "not in these results" in line]
+        assert folder.name in skipped and "task.length=5" in summary
+        assert store.read_json(runs_dir / "sweep.json")["training_elsewhere"] == 1
+    finally:
+        first.kill()  # SIGKILL: no clean-up runs, the OS drops the lock
+        first.communicate()
+
+    assert run.status() == "incomplete"  # the dead process's lock is not mistaken for a live one
+    third = run_cli("train", *TINY, f"runs_dir={runs_dir}")
+    assert third.returncode == 0, third.stderr
+    assert f"{folder.name}: greedy token acc" in third.stdout and store.is_complete(folder)

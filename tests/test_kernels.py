@@ -169,3 +169,51 @@ def test_kernels_refuse_what_they_cannot_read(kernel):
         kernel.gru_forward(gi.transpose(0, 1), h0, w_hh, b_hh, no_mask, False)
     with pytest.raises(RuntimeError, match="expects contiguous float32 CPU tensors.*Double"):
         kernel.additive_forward(torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 5, 4), torch.randn(4))
+
+
+def assert_same_non_finite(got, want):
+    """NaN and inf exactly where torch has them, the finite rest equal to float rounding."""
+    assert torch.equal(got.isnan(), want.isnan()), f"NaN at {got.isnan().sum()} places, torch at {want.isnan().sum()}"
+    assert torch.equal(got.isinf(), want.isinf()), f"inf at {got.isinf().sum()} places, torch at {want.isinf().sum()}"
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], atol=1e-5, rtol=1e-4)
+
+
+def test_gru_propagates_non_finite_as_torch(kernel):
+    """A diverging input must reach the output as torch's would, not be clamped into a finite
+    number; a bad value at a padded position stays out, as packing leaves it out."""
+    torch.manual_seed(0)
+    fused = kernels.GRU(6, 5, bidirectional=True)
+    reference = copy.deepcopy(fused)
+    reference.fused = False
+    x, lengths = torch.randn(4, 7, 6), torch.tensor([7, 4, 7, 7])
+    x[0, 2, 1] = float("nan")
+    x[1, 5] = float("nan")  # padding
+    x[2, 3, 0] = float("inf")
+    with torch.no_grad():
+        got, want = fused(x, lengths=lengths), reference(x, lengths=lengths)
+    assert want[0][0].isnan().any() and want[0][1].isfinite().all()
+    for a, b in zip(got, want, strict=True):
+        assert_same_non_finite(a, b)
+
+
+@pytest.mark.parametrize("attention", ["bahdanau", "luong"])
+def test_attention_kernels_propagate_non_finite_as_torch(kernel, attention):
+    """Bahdanau's decoder kernel and Luong concat's score kernel: a non-finite decoder input
+    (one target symbol's embedding NaN, another's inf) gives non-finite logits and weights
+    where torch's ops do."""
+    torch.manual_seed(0)
+    fused = Seq2Seq(total_vocab(9), attention, "additive", attention_size=16)
+    plain = copy.deepcopy(fused)
+    for module in plain.modules():
+        if hasattr(module, "fused"):
+            module.fused = False
+    batch = make_batch("copy", 4, 6, 9, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for model in (fused, plain):
+            model.decoder.embedding.weight[batch.tgt_in[0, 3]] = float("nan")
+            model.decoder.embedding.weight[batch.tgt_in[1, 2]] = float("inf")
+        got, want = fused(batch.src, batch.src_lengths, batch.tgt_in), plain(batch.src, batch.src_lengths, batch.tgt_in)
+    assert want[0].isnan().any() and want[1].isnan().any()
+    for a, b in zip(got, want, strict=True):
+        assert_same_non_finite(a, b)

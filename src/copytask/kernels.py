@@ -45,7 +45,8 @@ from .data import length_mask
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "bahdanau.cpp")]
 # -ffast-math lets the compiler vectorise the sums over a row; it is a compile flag only, so
 # the library is not linked with the start-up code that would set flush-to-zero for the process.
-CFLAGS = ["-O3", "-ffast-math"]
+# -fno-finite-math-only keeps NaN and inf meaning what they mean, so that they propagate as in torch.
+CFLAGS = ["-O3", "-ffast-math", "-fno-finite-math-only"]
 # AVX2 and FMA make the kernels' loops 1.2-1.7x faster where the CPU has them (torch says whether it
 # does); the build is named after the instruction set, so machines that share a home directory
 # (a cluster's nodes) never load a build their CPU cannot run.

@@ -62,7 +62,7 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
       float* __restrict ub = u.data_ptr<float>() + (t * B + b) * S * A;
       float* __restrict wb = weights.data_ptr<float>() + (t * B + b) * S;
       additive_row(qb, keys_p + b * S * A, v_p, S, A, ub, wb);
-      float top = -FLT_MAX;  // finite: the kernel is built with -ffast-math, which assumes no infinities
+      float top = -FLT_MAX;  // a NaN score is passed over here and makes its row NaN below, as in torch
       for (int64_t i = 0; i < S; ++i)
         if (!masked || mask_p[b * S + i] != 0.f) top = std::max(top, wb[i]);
       float total = 0.f;

@@ -20,9 +20,12 @@ static inline void check_inputs(const char* kernel, std::initializer_list<const 
 
 // tanh as a rational function of x (odd degree 13 over even degree 6) on [-7.9, 7.9], where it
 // reaches +-1 in float: Eigen's float tanh (generic_fast_tanh_float), within a few ulp. No exp,
-// so it vectorises into multiplies and adds wherever the compiler vectorises the loop.
+// so it vectorises into multiplies and adds wherever the compiler vectorises the loop. The clamp
+// is written with comparisons, false for NaN, so that NaN passes through as in torch (fmin and
+// fmax would return the bound); inf is clamped to the bound, giving +-1 as torch does.
 static inline float tanh_(float x) {
-  x = std::fmin(std::fmax(x, -7.90531110763549805f), 7.90531110763549805f);
+  constexpr float bound = 7.90531110763549805f;
+  x = x < -bound ? -bound : (x > bound ? bound : x);
   const float x2 = x * x;
   float p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
   p = x2 * p + -8.60467152213735e-11f;

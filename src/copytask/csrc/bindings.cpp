@@ -2,9 +2,6 @@
 #include <torch/extension.h>
 
 #include <vector>
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
 
 using at::Tensor;
 
@@ -12,26 +9,20 @@ std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor
                                 const Tensor& mask, bool reverse);
 std::vector<Tensor> gru_backward(const Tensor& grad_states, const Tensor& grad_final, const Tensor& gates,
                                  const Tensor& before, const Tensor& w_hh, const Tensor& mask, bool reverse);
-std::vector<Tensor> additive_forward(const Tensor& queries, const Tensor& keys, const Tensor& v);
-std::vector<Tensor> additive_backward(const Tensor& grad_scores, const Tensor& u, const Tensor& v);
+Tensor additive_forward(const Tensor& queries, const Tensor& keys, const Tensor& v);
+std::vector<Tensor> additive_backward(const Tensor& grad_scores, const Tensor& queries, const Tensor& keys,
+                                      const Tensor& v);
 std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, const Tensor& keys,
                                      const Tensor& values, const Tensor& mask, const Tensor& w_q,
                                      const Tensor& v, const Tensor& w_ih, const Tensor& b_ih,
                                      const Tensor& w_hh, const Tensor& b_hh);
 std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& grad_contexts,
-                                      const Tensor& grad_weights, const Tensor& weights, const Tensor& u,
-                                      const Tensor& inputs, const Tensor& gates, const Tensor& before,
+                                      const Tensor& grad_weights, const Tensor& weights, const Tensor& queries,
+                                      const Tensor& keys, const Tensor& inputs, const Tensor& gates, const Tensor& before,
                                       const Tensor& values, const Tensor& w_q, const Tensor& v,
                                       const Tensor& w_ih, const Tensor& w_hh);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-#ifdef __GLIBC__
-  // glibc hands every block over 32 MB straight back to the kernel and maps a fresh one on the
-  // next request, so the 53 MB of Bahdanau's saved scores at length 80 page-faulted in anew at
-  // every training step: 25 of the forward pass's 67 ms. Keep freed blocks up to 1 GB for reuse.
-  mallopt(M_MMAP_THRESHOLD, 1 << 30);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-#endif
   m.def("gru_forward", &gru_forward, "one GRU layer's recurrence, forward (csrc/gru.cpp)");
   m.def("gru_backward", &gru_backward, "one GRU layer's recurrence, backward");
   m.def("additive_forward", &additive_forward, "the additive score of every (query, key) pair, forward (csrc/additive.cpp)");

@@ -18,6 +18,19 @@ static inline void check_inputs(const char* kernel, std::initializer_list<const 
                 t->scalar_type(), ", on ", t->device());
 }
 
+// ...and they index those pointers by sizes taken from a few of the tensors, so every other
+// tensor must have the shape those sizes imply, or it would be read out of bounds.
+static inline void check_dim(const char* kernel, const char* name, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim, kernel, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
+}
+static inline void check_shape(const char* kernel, const char* name, const at::Tensor& t, at::IntArrayRef shape) {
+  TORCH_CHECK(t.sizes() == shape, kernel, ": ", name, " must have shape ", shape, ", got ", t.sizes());
+}
+// A mask (or an optional gradient) may also be empty: nothing padded (nothing to add).
+static inline void check_shape_or_empty(const char* kernel, const char* name, const at::Tensor& t, at::IntArrayRef shape) {
+  if (t.numel() > 0) check_shape(kernel, name, t, shape);
+}
+
 // tanh as a rational function of x (odd degree 13 over even degree 6) on [-7.9, 7.9], where it
 // reaches +-1 in float: Eigen's float tanh (generic_fast_tanh_float), within a few ulp. No exp,
 // so it vectorises into multiplies and adds wherever the compiler vectorises the loop. The clamp
@@ -75,35 +88,36 @@ static inline void gru_cell_backward(const float* __restrict saved, const float*
 }
 
 // The additive score of one query against S keys: scores[i] = v . tanh(q + keys[i]), q and v
-// (A), keys (S, A); u (S, A) keeps the tanh for the backward pass.
+// (A), keys (S, A).
 static inline void additive_row(const float* __restrict q, const float* __restrict keys, const float* __restrict v,
-                                int64_t S, int64_t A, float* __restrict u, float* __restrict scores) {
+                                int64_t S, int64_t A, float* __restrict scores) {
   for (int64_t i = 0; i < S; ++i) {
     const float* __restrict k = keys + i * A;
-    float* __restrict ui = u + i * A;
     float score = 0.f;
-    for (int64_t a = 0; a < A; ++a) {
-      ui[a] = tanh_(q[a] + k[a]);
-      score += v[a] * ui[a];
-    }
+    for (int64_t a = 0; a < A; ++a) score += v[a] * tanh_(q[a] + k[a]);
     scores[i] = score;
   }
 }
 
-// Its backward: grad_scores (S) -> adds to grad_q (A), grad_keys (S, A) and grad_v (A).
-static inline void additive_row_backward(const float* __restrict grad_scores, const float* __restrict u,
-                                         const float* __restrict v, int64_t S, int64_t A, float* __restrict grad_q,
-                                         float* __restrict grad_keys, float* __restrict grad_v) {
+// Its backward: grad_scores (S) -> adds to grad_q (A), grad_keys (S, A) and grad_v (A). It
+// computes the tanh again rather than have the forward pass keep all of them: that tensor is
+// (T_dec, T_enc, A) per sequence, 53 MB at length 80, and a buffer that large is mapped and
+// page-faulted afresh by glibc at every step (it cost more than the tanh).
+static inline void additive_row_backward(const float* __restrict grad_scores, const float* __restrict q,
+                                         const float* __restrict keys, const float* __restrict v, int64_t S,
+                                         int64_t A, float* __restrict grad_q, float* __restrict grad_keys,
+                                         float* __restrict grad_v) {
   for (int64_t i = 0; i < S; ++i) {
     const float g = grad_scores[i];
     if (g == 0.f) continue;  // padding (zero weight) and positions no loss reaches
-    const float* __restrict ui = u + i * A;
+    const float* __restrict k = keys + i * A;
     float* __restrict dk = grad_keys + i * A;
     for (int64_t a = 0; a < A; ++a) {
-      const float pre = g * v[a] * (1.f - ui[a] * ui[a]);
+      const float u = tanh_(q[a] + k[a]);
+      const float pre = g * v[a] * (1.f - u * u);
       dk[a] += pre;
       grad_q[a] += pre;
-      grad_v[a] += g * ui[a];
+      grad_v[a] += g * u;
     }
   }
 }

@@ -24,8 +24,16 @@ using at::Tensor;
 //    (T, B, 4H: r, z, n, gh_n) and the state before each step (T, B, H).
 std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor& w_hh, const Tensor& b_hh,
                             const Tensor& mask, bool reverse) {
-  check_inputs("gru_forward", {&gi, &h0, &w_hh, &b_hh, &mask});
+  const char* kernel = "gru_forward";
+  check_inputs(kernel, {&gi, &h0, &w_hh, &b_hh, &mask});
+  check_dim(kernel, "gi", gi, 3);
+  check_dim(kernel, "h0", h0, 2);
   const int64_t T = gi.size(0), B = gi.size(1), H = h0.size(1);
+  check_shape(kernel, "gi", gi, {T, B, 3 * H});
+  check_shape(kernel, "h0", h0, {B, H});
+  check_shape(kernel, "w_hh", w_hh, {3 * H, H});
+  check_shape(kernel, "b_hh", b_hh, {3 * H});
+  check_shape_or_empty(kernel, "mask", mask, {T, B});
   auto states = at::empty({T, B, H}, gi.options());
   auto gates = at::empty({T, B, 4 * H}, gi.options());
   auto before = at::empty({T, B, H}, gi.options());
@@ -71,8 +79,15 @@ std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor
 // -> gradients of gi (T, B, 3H), h0 (B, H), w_hh (3H, H), b_hh (3H).
 std::vector<Tensor> gru_backward(const Tensor& grad_states, const Tensor& grad_final, const Tensor& gates,
                              const Tensor& before, const Tensor& w_hh, const Tensor& mask, bool reverse) {
-  check_inputs("gru_backward", {&grad_states, &grad_final, &gates, &before, &w_hh, &mask});
-  const int64_t T = gates.size(0), B = gates.size(1), H = before.size(2);
+  const char* kernel = "gru_backward";
+  check_inputs(kernel, {&grad_states, &grad_final, &gates, &before, &w_hh, &mask});
+  check_dim(kernel, "before", before, 3);
+  const int64_t T = before.size(0), B = before.size(1), H = before.size(2);
+  check_shape(kernel, "grad_states", grad_states, {T, B, H});
+  check_shape(kernel, "grad_final", grad_final, {B, H});
+  check_shape(kernel, "gates", gates, {T, B, 4 * H});
+  check_shape(kernel, "w_hh", w_hh, {3 * H, H});
+  check_shape_or_empty(kernel, "mask", mask, {T, B});
   auto grad_gi = at::empty({T, B, 3 * H}, gates.options());
   auto grad_gh = at::empty({T, B, 3 * H}, gates.options());
   auto grad_h = grad_final.contiguous().clone();  // gradient reaching the state after step t

@@ -256,7 +256,7 @@ EVERY_KERNEL = [("luong", "general"), ("bahdanau", "additive"), ("luong", "addit
 @pytest.mark.parametrize("attention, score", EVERY_KERNEL)
 def test_double_backward_raises_instead_of_dropping_the_second_derivative(kernel, attention, score):
     """A gradient penalty needs the second derivative, which the kernels do not have: an error
-    that says so, never a silently missing term (what torch.autograd.Function once gave)."""
+    that says so, never a silently missing term."""
     fused, plain, batch = small_model(attention, score)
     for model in (plain, fused):
         logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
@@ -298,7 +298,7 @@ def test_ops_are_registered_as_torch_asks(kernel):
     bahdanau = (torch.randn(T, B, E, **grad), torch.randn(B, H, **grad), torch.randn(B, S, A, **grad), torch.randn(B, S, H, **grad),
                 torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]), torch.randn(A, H, **grad), torch.randn(A, **grad),
                 torch.randn(3 * H, E + H, **grad), torch.randn(3 * H, **grad), torch.randn(3 * H, H, **grad), torch.randn(3 * H, **grad))
-    for op, args in ((kernels.gru_forward, gru), (kernels.additive_scores, additive), (kernels.bahdanau_forward, bahdanau)):
+    for op, args in ((kernels.gru_forward, gru), (kernels.additive_forward, additive), (kernels.bahdanau_forward, bahdanau)):
         torch.library.opcheck(op, args)
 
 

@@ -241,37 +241,46 @@ class GRU(nn.GRU):
         return states.transpose(0, 1), torch.stack(finals)
 
 
-@torch.library.custom_op("copytask::additive_scores", mutates_args=())
-def additive_scores(queries: Tensor, keys: Tensor, v: Tensor) -> Tensor:
-    """queries W q (B, T_dec, A), keys U h + b (B, T_enc, A), v (A) -> v . tanh(W q_t + U h_i) (B, T_dec, T_enc)."""
-    return _library().additive_forward(queries.contiguous(), keys.contiguous(), v.contiguous())
+@torch.library.custom_op("copytask::additive_forward", mutates_args=())
+def additive_forward(queries: Tensor, keys: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """queries W q (B, T_dec, A), keys U h + b (B, T_enc, A), v (A) -> v . tanh(W q_t + U h_i)
+    (B, T_dec, T_enc), and, saved for the backward pass (no gradient flows back through it), the
+    tanh (B, T_dec, T_enc, A)."""
+    return tuple(_library().additive_forward(queries.contiguous(), keys.contiguous(), v.contiguous()))
 
 
-@additive_scores.register_fake
+@additive_forward.register_fake
 def _(queries, keys, v):
-    return queries.new_empty(queries.size(0), queries.size(1), keys.size(1))
+    (batch, steps, attention), source = queries.shape, keys.size(1)
+    return queries.new_empty(batch, steps, source), queries.new_empty(batch, steps, source, attention)
 
 
-@torch.library.custom_op("copytask::additive_scores_backward", mutates_args=())
-def additive_scores_backward(grad_scores: Tensor, queries: Tensor, keys: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """-> gradients of queries, keys and v."""
-    return tuple(_library().additive_backward(*(t.contiguous() for t in (grad_scores, queries, keys, v))))
+@torch.library.custom_op("copytask::additive_backward", mutates_args=())
+def additive_backward(grad_scores: Tensor, u: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """-> gradients of queries (B, T_dec, A), keys (B, T_enc, A) and v (A)."""
+    return tuple(_library().additive_backward(grad_scores.contiguous(), u.contiguous(), v.contiguous()))
 
 
-@additive_scores_backward.register_fake
-def _(grad_scores, queries, keys, v):
-    return queries.new_empty(queries.shape), keys.new_empty(keys.shape), v.new_empty(v.shape)
+@additive_backward.register_fake
+def _(grad_scores, u, v):
+    return u.new_empty(u.size(0), u.size(1), u.size(3)), u.new_empty(u.size(0), u.size(2), u.size(3)), v.new_empty(v.shape)
 
 
 def _additive_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(output[1], inputs[2])
+    ctx.set_materialize_grads(False)
 
 
-def _additive_backward(ctx, grad_scores):
-    return additive_scores_backward(grad_scores, *ctx.saved_tensors)
+def _additive_backward(ctx, grad_scores, _grad_u):
+    return additive_backward(grad_scores, *ctx.saved_tensors)
 
 
-additive_scores.register_autograd(_additive_backward, setup_context=_additive_setup)
+additive_forward.register_autograd(_additive_backward, setup_context=_additive_setup)
+
+
+def additive_scores(queries: Tensor, keys: Tensor, v: Tensor) -> Tensor:
+    """queries W q (B, T_dec, A), keys U h + b (B, T_enc, A), v (A) -> v . tanh(W q_t + U h_i) (B, T_dec, T_enc)."""
+    return additive_forward(queries, keys, v)[0]
 
 
 @torch.library.custom_op("copytask::bahdanau_forward", mutates_args=())
@@ -282,8 +291,9 @@ def bahdanau_forward(
     """Time first: embedded (T_dec, B, E), s0 (B, H), keys (B, T_enc, A), values (B, T_enc, H),
     mask (B, T_enc) float or empty, then the attention's w_q (A, H) and v (A) and the GRU cell's
     parameters -> states s_1..s_T, contexts (T_dec, B, H), weights (T_dec, B, T_enc), and, saved
-    for the backward pass (no gradient flows back through them), queries (T_dec, B, A), GRU inputs
-    (T_dec, B, E + H), gates (T_dec, B, 4H) and the state before each step (T_dec, B, H)."""
+    for the backward pass (no gradient flows back through them), the score's tanh
+    (T_dec, B, T_enc, A), GRU inputs (T_dec, B, E + H), gates (T_dec, B, 4H) and the state before
+    each step (T_dec, B, H)."""
     tensors = (embedded, s0, keys, values, mask, w_q, v, w_ih, b_ih, w_hh, b_hh)
     return tuple(_library().bahdanau_forward(*(t.contiguous() for t in tensors)))
 
@@ -292,49 +302,51 @@ def bahdanau_forward(
 def _(embedded, s0, keys, values, mask, w_q, v, w_ih, b_ih, w_hh, b_hh):
     (steps, batch, embedding), (_, source, attention), hidden = embedded.shape, keys.shape, s0.size(1)
     new = embedded.new_empty
-    return (new(steps, batch, hidden), new(steps, batch, hidden), new(steps, batch, source), new(steps, batch, attention),
+    return (new(steps, batch, hidden), new(steps, batch, hidden), new(steps, batch, source), new(steps, batch, source, attention),
             new(steps, batch, embedding + hidden), new(steps, batch, 4 * hidden), new(steps, batch, hidden))
 
 
 @torch.library.custom_op("copytask::bahdanau_backward", mutates_args=())
 def bahdanau_backward(
-    grad_states: Tensor, grad_contexts: Tensor, grad_weights: Tensor, weights: Tensor, queries: Tensor, keys: Tensor,
+    grad_states: Tensor, grad_contexts: Tensor, grad_weights: Tensor, weights: Tensor, u: Tensor,
     inputs: Tensor, gates: Tensor, before: Tensor, values: Tensor, w_q: Tensor, v: Tensor, w_ih: Tensor, w_hh: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """grad_weights may be empty (no gradient reaches the weights) -> gradients of embedded, s0,
     keys, values, w_q, v, w_ih, b_ih, w_hh, b_hh."""
-    tensors = (grad_states, grad_contexts, grad_weights, weights, queries, keys, inputs, gates, before, values, w_q, v, w_ih, w_hh)
+    tensors = (grad_states, grad_contexts, grad_weights, weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh)
     return tuple(_library().bahdanau_backward(*(t.contiguous() for t in tensors)))
 
 
 @bahdanau_backward.register_fake
-def _(grad_states, grad_contexts, grad_weights, weights, queries, keys, inputs, gates, before, values, w_q, v, w_ih, w_hh):
-    like = [inputs[..., : w_ih.size(1) - before.size(2)], before[0], keys, values, w_q, v, w_ih, w_ih[:, 0], w_hh, w_hh[:, 0]]
+def _(grad_states, grad_contexts, grad_weights, weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh):
+    (steps, batch, source, attention), embedding = u.shape, w_ih.size(1) - before.size(2)
+    keys = u.new_empty(batch, source, attention)
+    like = [inputs[..., :embedding], before[0], keys, values, w_q, v, w_ih, w_ih[:, 0], w_hh, w_hh[:, 0]]
     return tuple(t.new_empty(t.shape) for t in like)
 
 
 def _bahdanau_setup(ctx, inputs, output):
-    _, _, keys, values, _, w_q, v, w_ih, _, w_hh, _ = inputs
-    weights, queries, gru_inputs, gates, before = output[2:]
-    ctx.save_for_backward(weights, queries, keys, gru_inputs, gates, before, values, w_q, v, w_ih, w_hh)
+    _, _, _, values, _, w_q, v, w_ih, _, w_hh, _ = inputs
+    weights, u, gru_inputs, gates, before = output[2:]
+    ctx.save_for_backward(weights, u, gru_inputs, gates, before, values, w_q, v, w_ih, w_hh)
     ctx.set_materialize_grads(False)
 
 
 def _bahdanau_backward(ctx, grad_states, grad_contexts, grad_weights, *_grad_saved):
-    weights, queries, keys, inputs, gates, before, values, w_q, v, w_ih, w_hh = ctx.saved_tensors
+    weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh = ctx.saved_tensors
     grad_states = torch.zeros_like(before) if grad_states is None else grad_states
     grad_contexts = torch.zeros_like(before) if grad_contexts is None else grad_contexts
     grad_weights = weights.new_empty(0) if grad_weights is None else grad_weights
-    grads = bahdanau_backward(grad_states, grad_contexts, grad_weights, weights, queries, keys, inputs, gates, before, values, w_q, v, w_ih, w_hh)
+    grads = bahdanau_backward(grad_states, grad_contexts, grad_weights, weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh)
     grad_embedded, grad_s0, grad_keys, grad_values, *grad_parameters = grads
     return grad_embedded, grad_s0, grad_keys, grad_values, None, *grad_parameters
 
 
 bahdanau_forward.register_autograd(_bahdanau_backward, setup_context=_bahdanau_setup)
 
-for _op in (gru_backward, additive_scores_backward, bahdanau_backward):
+for _op in (gru_backward, additive_backward, bahdanau_backward):
     _op.register_autograd(_no_double_backward)
-for _op in (gru_forward, additive_scores, bahdanau_forward):
+for _op in (gru_forward, additive_forward, bahdanau_forward):
     torch.library.register_autocast(_op, "cpu", torch.float32)  # like torch's float32 ops: inputs cast up
 
 

@@ -7,8 +7,7 @@
 // four small matrix products and a few passes over the (B, T_enc, A) score tensor. Per step:
 //   q = W_q s,  u = tanh(q + K),  e = v . u,  alpha = softmax(e) (0 at padding),
 //   c = sum_i alpha_i V_i,  x = [emb; c],  s' = GRUCell(x, s)   (gates r, z, n as torch's).
-// Weight gradients are one product over all steps after the backward loop; the backward pass
-// computes u again instead of keeping it from the forward pass (common.h says why).
+// Weight gradients are one product over all steps after the backward loop.
 // Shapes: T steps (T_dec), B sequences, S source positions (T_enc), A attention size,
 // H hidden size, E embedding size; time-first buffers, so each step reads one block.
 #include <ATen/ATen.h>
@@ -24,8 +23,8 @@ using at::Tensor;
 
 // embedded (T, B, E), s0 (B, H), keys (B, S, A) = U h + b, values (B, S, H), mask (B, S) float
 // (1 real, 0 padding) or empty, w_q (A, H), v (A), w_ih (3H, E + H), b_ih (3H), w_hh (3H, H), b_hh (3H)
-// -> states (T, B, H), contexts (T, B, H), weights (T, B, S), and for backward: queries q
-//    (T, B, A), inputs x (T, B, E + H), gates (T, B, 4H: r, z, n, gh_n), state before each step (T, B, H).
+// -> states (T, B, H), contexts (T, B, H), weights (T, B, S), and for backward: u (T, B, S, A),
+//    inputs x (T, B, E + H), gates (T, B, 4H: r, z, n, gh_n), state before each step (T, B, H).
 std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, const Tensor& keys,
                                      const Tensor& values, const Tensor& mask, const Tensor& w_q,
                                      const Tensor& v, const Tensor& w_ih, const Tensor& b_ih,
@@ -50,8 +49,9 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
   const auto opts = embedded.options();
   auto states = at::empty({T, B, H}, opts);
   auto weights = at::empty({T, B, S}, opts);
-  auto queries = at::empty({T, B, A}, opts);
+  auto u = reusable_empty({T, B, S, A});
   auto inputs = at::empty({T, B, E + H}, opts);
+  auto q = at::empty({B, A}, opts);
   auto gates = at::empty({T, B, 4 * H}, opts);
   auto before = at::empty({T, B, H}, opts);
   auto gi = at::empty({B, 3 * H}, opts);
@@ -64,17 +64,17 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
   const float* keys_p = keys.data_ptr<float>();
   const float* values_p = values.data_ptr<float>();
   const float* v_p = v.data_ptr<float>();
-  const float* q_p = queries.data_ptr<float>();
+  const float* q_p = q.data_ptr<float>();
   const float* gi_p = gi.data_ptr<float>();
   const float* gh_p = gh.data_ptr<float>();
   float* s_p = s.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
-    auto q = queries[t];
     at::mm_out(q, s, w_q_t);
     float* x_t = inputs.data_ptr<float>() + t * B * (E + H);
     for (int64_t b = 0; b < B; ++b) {
       float* __restrict wb = weights.data_ptr<float>() + (t * B + b) * S;
-      additive_row(q_p + (t * B + b) * A, keys_p + b * S * A, v_p, S, A, wb);
+      float* __restrict ub = u.data_ptr<float>() + (t * B + b) * S * A;
+      additive_row(q_p + b * A, keys_p + b * S * A, v_p, S, A, ub, wb);
       float top = -FLT_MAX;  // a NaN score is passed over here and makes its row NaN below, as in torch
       for (int64_t i = 0; i < S; ++i)
         if (!masked || mask_p[b * S + i] != 0.f) top = std::max(top, wb[i]);
@@ -109,31 +109,30 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
     }
   }
   auto contexts = inputs.narrow(2, E, H).contiguous();
-  return {states, contexts, weights, queries, inputs, gates, before};
+  return {states, contexts, weights, u, inputs, gates, before};
 }
 
 // grad_states, grad_contexts (T, B, H), grad_weights (T, B, S) or empty, forward's saved tensors
 // and parameters -> gradients of embedded (T, B, E), s0 (B, H), keys (B, S, A), values (B, S, H),
 // w_q (A, H), v (A), w_ih, b_ih, w_hh, b_hh.
 std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& grad_contexts,
-                                      const Tensor& grad_weights, const Tensor& weights, const Tensor& queries,
-                                      const Tensor& keys, const Tensor& inputs, const Tensor& gates, const Tensor& before,
+                                      const Tensor& grad_weights, const Tensor& weights, const Tensor& u,
+                                      const Tensor& inputs, const Tensor& gates, const Tensor& before,
                                       const Tensor& values, const Tensor& w_q, const Tensor& v,
                                       const Tensor& w_ih, const Tensor& w_hh) {
   const char* kernel = "bahdanau_backward";
-  check_inputs(kernel, {&grad_states, &grad_contexts, &grad_weights, &weights, &queries, &keys, &inputs, &gates,
-                        &before, &values, &w_q, &v, &w_ih, &w_hh});
+  check_inputs(kernel, {&grad_states, &grad_contexts, &grad_weights, &weights, &u, &inputs, &gates, &before, &values,
+                        &w_q, &v, &w_ih, &w_hh});
+  check_dim(kernel, "u", u, 4);
   check_dim(kernel, "before", before, 3);
-  check_dim(kernel, "keys", keys, 3);
   check_dim(kernel, "w_ih", w_ih, 2);
-  const int64_t T = before.size(0), B = before.size(1), H = before.size(2);
-  const int64_t S = keys.size(1), A = keys.size(2), E = w_ih.size(1) - H;
+  const int64_t T = u.size(0), B = u.size(1), S = u.size(2), A = u.size(3);
+  const int64_t H = before.size(2), E = w_ih.size(1) - H;
+  check_shape(kernel, "before", before, {T, B, H});
   check_shape(kernel, "grad_states", grad_states, {T, B, H});
   check_shape(kernel, "grad_contexts", grad_contexts, {T, B, H});
   check_shape_or_empty(kernel, "grad_weights", grad_weights, {T, B, S});
   check_shape(kernel, "weights", weights, {T, B, S});
-  check_shape(kernel, "queries", queries, {T, B, A});
-  check_shape(kernel, "keys", keys, {B, S, A});
   check_shape(kernel, "inputs", inputs, {T, B, E + H});
   check_shape(kernel, "gates", gates, {T, B, 4 * H});
   check_shape(kernel, "values", values, {B, S, H});
@@ -156,8 +155,7 @@ std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& g
   const float* gc_p = grad_contexts.data_ptr<float>();
   const float* gw_p = with_grad_weights ? grad_weights.data_ptr<float>() : nullptr;
   const float* weights_p = weights.data_ptr<float>();
-  const float* q_p = queries.data_ptr<float>();
-  const float* keys_p = keys.data_ptr<float>();
+  const float* u_p = u.data_ptr<float>();
   const float* gates_p = gates.data_ptr<float>();
   const float* before_p = before.data_ptr<float>();
   const float* values_p = values.data_ptr<float>();
@@ -202,8 +200,7 @@ std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& g
       for (int64_t i = 0; i < S; ++i) d_alpha[i] = alpha[i] * (d_alpha[i] - mean);  // softmax backward; 0 at padding
       float* __restrict dq = grad_q.data_ptr<float>() + tb * A;
       for (int64_t a = 0; a < A; ++a) dq[a] = 0.f;
-      additive_row_backward(d_alpha.data(), q_p + tb * A, keys_p + b * S * A, v_p, S, A, dq, grad_keys_p + b * S * A,
-                            grad_v_p);
+      additive_row_backward(d_alpha.data(), u_p + tb * S * A, v_p, S, A, dq, grad_keys_p + b * S * A, grad_v_p);
     }
     grad_s.addmm_(grad_q[t], w_q);  // the path through the query q = W_q s
   }

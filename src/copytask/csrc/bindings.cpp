@@ -9,16 +9,15 @@ std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor
                                 const Tensor& mask, bool reverse);
 std::vector<Tensor> gru_backward(const Tensor& grad_states, const Tensor& grad_final, const Tensor& gates,
                                  const Tensor& before, const Tensor& w_hh, const Tensor& mask, bool reverse);
-Tensor additive_forward(const Tensor& queries, const Tensor& keys, const Tensor& v);
-std::vector<Tensor> additive_backward(const Tensor& grad_scores, const Tensor& queries, const Tensor& keys,
-                                      const Tensor& v);
+std::vector<Tensor> additive_forward(const Tensor& queries, const Tensor& keys, const Tensor& v);
+std::vector<Tensor> additive_backward(const Tensor& grad_scores, const Tensor& u, const Tensor& v);
 std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, const Tensor& keys,
                                      const Tensor& values, const Tensor& mask, const Tensor& w_q,
                                      const Tensor& v, const Tensor& w_ih, const Tensor& b_ih,
                                      const Tensor& w_hh, const Tensor& b_hh);
 std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& grad_contexts,
-                                      const Tensor& grad_weights, const Tensor& weights, const Tensor& queries,
-                                      const Tensor& keys, const Tensor& inputs, const Tensor& gates, const Tensor& before,
+                                      const Tensor& grad_weights, const Tensor& weights, const Tensor& u,
+                                      const Tensor& inputs, const Tensor& gates, const Tensor& before,
                                       const Tensor& values, const Tensor& w_q, const Tensor& v,
                                       const Tensor& w_ih, const Tensor& w_hh);
 

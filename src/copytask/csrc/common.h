@@ -7,7 +7,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
+#include <mutex>
+#include <utility>
 
 // The kernels read raw float pointers: every tensor they take must be contiguous float32 on CPU
 // (copytask/kernels.py sees to it; this guards against a caller that does not).
@@ -87,37 +90,70 @@ static inline void gru_cell_backward(const float* __restrict saved, const float*
   }
 }
 
+// The additive score's tanh, (T_dec, T_enc, A) per sequence, kept for the backward pass: 53 MB at
+// length 80, freed after every backward pass and asked for again by the next forward pass. glibc
+// maps a block that large afresh at every request and page-faults it in (25 of a Bahdanau forward
+// pass's 67 ms), so the kernels keep the largest freed one for the next request: memory held by
+// the kernels, where a process-wide setting of the allocator's thresholds would serve everyone.
+namespace spare {
+inline std::mutex mutex;
+inline void* block = nullptr;
+inline size_t bytes = 0;
+}  // namespace spare
+
+static inline void keep_or_free(void* data, size_t bytes) {
+  std::lock_guard<std::mutex> lock(spare::mutex);
+  if (bytes > spare::bytes) std::swap(data, spare::block), std::swap(bytes, spare::bytes);
+  std::free(data);
+}
+
+// An uninitialised float32 CPU tensor, in the spare block where it is large enough.
+static inline at::Tensor reusable_empty(at::IntArrayRef sizes) {
+  size_t bytes = sizeof(float);
+  for (int64_t size : sizes) bytes *= static_cast<size_t>(size);
+  void* data = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(spare::mutex);
+    if (spare::block != nullptr && spare::bytes >= bytes) {
+      data = spare::block, bytes = spare::bytes;
+      spare::block = nullptr, spare::bytes = 0;
+    }
+  }
+  if (data == nullptr) data = std::malloc(bytes > 0 ? bytes : 1);
+  TORCH_CHECK(data != nullptr, "out of memory allocating ", bytes, " bytes");
+  return at::from_blob(data, sizes, [data, bytes](void*) { keep_or_free(data, bytes); }, at::kFloat);
+}
+
 // The additive score of one query against S keys: scores[i] = v . tanh(q + keys[i]), q and v
-// (A), keys (S, A).
+// (A), keys (S, A); u (S, A) keeps the tanh for the backward pass.
 static inline void additive_row(const float* __restrict q, const float* __restrict keys, const float* __restrict v,
-                                int64_t S, int64_t A, float* __restrict scores) {
+                                int64_t S, int64_t A, float* __restrict u, float* __restrict scores) {
   for (int64_t i = 0; i < S; ++i) {
     const float* __restrict k = keys + i * A;
+    float* __restrict ui = u + i * A;
     float score = 0.f;
-    for (int64_t a = 0; a < A; ++a) score += v[a] * tanh_(q[a] + k[a]);
+    for (int64_t a = 0; a < A; ++a) {
+      ui[a] = tanh_(q[a] + k[a]);
+      score += v[a] * ui[a];
+    }
     scores[i] = score;
   }
 }
 
-// Its backward: grad_scores (S) -> adds to grad_q (A), grad_keys (S, A) and grad_v (A). It
-// computes the tanh again rather than have the forward pass keep all of them: that tensor is
-// (T_dec, T_enc, A) per sequence, 53 MB at length 80, and a buffer that large is mapped and
-// page-faulted afresh by glibc at every step (it cost more than the tanh).
-static inline void additive_row_backward(const float* __restrict grad_scores, const float* __restrict q,
-                                         const float* __restrict keys, const float* __restrict v, int64_t S,
-                                         int64_t A, float* __restrict grad_q, float* __restrict grad_keys,
-                                         float* __restrict grad_v) {
+// Its backward: grad_scores (S) -> adds to grad_q (A), grad_keys (S, A) and grad_v (A).
+static inline void additive_row_backward(const float* __restrict grad_scores, const float* __restrict u,
+                                         const float* __restrict v, int64_t S, int64_t A, float* __restrict grad_q,
+                                         float* __restrict grad_keys, float* __restrict grad_v) {
   for (int64_t i = 0; i < S; ++i) {
     const float g = grad_scores[i];
     if (g == 0.f) continue;  // padding (zero weight) and positions no loss reaches
-    const float* __restrict k = keys + i * A;
+    const float* __restrict ui = u + i * A;
     float* __restrict dk = grad_keys + i * A;
     for (int64_t a = 0; a < A; ++a) {
-      const float u = tanh_(q[a] + k[a]);
-      const float pre = g * v[a] * (1.f - u * u);
+      const float pre = g * v[a] * (1.f - ui[a] * ui[a]);
       dk[a] += pre;
       grad_q[a] += pre;
-      grad_v[a] += g * u;
+      grad_v[a] += g * ui[a];
     }
   }
 }

@@ -28,7 +28,8 @@ or ahead of time by `python -m copytask build`, under $TORCH_EXTENSIONS_DIR or
 sources, the compiler flags and the torch and Python versions: a build is made once and never
 replaced, so checkouts and virtual environments sharing a machine never rebuild each other's.
 That needs a C++ compiler and ninja. Where they cannot be built, one warning says why and the
-torch code runs. Loading them changes nothing in the process beyond loading a library.
+torch code runs. Loading them changes no process-wide setting; they keep one freed buffer (the
+additive score's tanh saved for the backward pass, csrc/common.h) for their next call.
 """
 
 from __future__ import annotations

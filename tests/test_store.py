@@ -60,7 +60,7 @@ def test_cut_short_metrics_is_unfinished_and_the_run_is_trained_again(make_confi
     metrics.write_text(metrics.read_text()[:keep])  # what a crash before the data reached the disk leaves
 
     assert not store.is_complete(folder)
-    assert GridRun((), "", cfg).status() == "incomplete"  # the sweep's summary agrees
+    assert GridRun((), "", cfg, folder).status() == "incomplete"  # the sweep's summary agrees
     again = train(cfg)  # trained again from scratch, to the same result
     assert {key: again[key] for key in ("run", "steps", "final_loss", "token_acc")} == {
         key: first[key] for key in ("run", "steps", "final_loss", "token_acc")
@@ -90,7 +90,8 @@ def wait_for(condition: Callable[[], bool], process: subprocess.Popen, seconds: 
 def test_a_run_in_training_is_left_alone_and_a_killed_ones_lock_is_taken_over(make_config, tmp_path, capsys):
     runs_dir = tmp_path / "runs"
     cfg = make_config(*TINY)  # the run both processes are asked for
-    folder, run = store.run_dir(cfg), GridRun((), "", cfg)
+    folder = store.run_dir(cfg)
+    run = GridRun((), "", cfg, folder)
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     first = subprocess.Popen(
         [sys.executable, "-c", HANGS_IN_TRAINING, "train", *TINY, f"runs_dir={runs_dir}"],

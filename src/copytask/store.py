@@ -29,7 +29,7 @@ ANALYSIS = "analysis.json"  # derived by `copytask analyze`, the one file added 
 
 # Keys that change where or how fast a run computes, not what (results agree to float rounding);
 # `analysis` and `report` only set how finished runs are analysed and drawn.
-NOT_IDENTITY = ("runs_dir", "train.device", "train.threads", "train.fused", "train.progress", "analysis", "report")
+NOT_IDENTITY = ("runs_dir", "retrain", "train.device", "train.threads", "train.fused", "train.progress", "analysis", "report")
 
 
 def warn(message: str) -> None:
@@ -118,7 +118,8 @@ def complete_runs(runs_dir: Path) -> list[Path]:
     """The complete run folders in `runs_dir` (none if it does not exist), in name order."""
     if not Path(runs_dir).is_dir():
         return []
-    return sorted(folder for folder in Path(runs_dir).iterdir() if folder.is_dir() and is_complete(folder))
+    folders = (folder for folder in Path(runs_dir).iterdir() if folder.is_dir() and not folder.name.startswith("."))
+    return sorted(folder for folder in folders if is_complete(folder))
 
 
 def atomic_write(path: Path, data: str | bytes) -> None:

@@ -131,9 +131,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
 
 def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict | None:
     """Train one run and write its folder; returns metrics.json's content. A run whose complete
-    results already exist is not trained again; one that another process is training now is
-    skipped with a warning, and None is returned. Raises NonFiniteLoss if the run diverges.
-    `model_class`: see `build_model`."""
+    results already exist is not trained again unless `retrain=true`, and then its old folder is
+    kept until the new results are complete (and put back if training fails); one that another
+    process is training now is skipped with a warning, and None is returned. Raises NonFiniteLoss
+    if the run diverges. `model_class`: see `build_model`."""
     validate(cfg)
     folder = store.run_dir(cfg)
     lock = store.lock_run(folder)
@@ -141,13 +142,26 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict | Non
         store.warn(f"{folder.name}: being trained by another process (it holds {store.lock_path(folder)}); skipped")
         return None
     with lock:
+        previous = None
         if store.is_complete(folder):
-            metrics = store.read_json(folder / store.METRICS)
-            print(f"{folder.name}: already complete, skipped (delete {folder} to train it again)")
-            return metrics
-        if folder.exists():  # leftovers of an interrupted or failed run: no one else writes here while we hold the lock
+            if not cfg.get("retrain", False):
+                print(f"{folder.name}: already complete, skipped (retrain=true trains it again)")
+                return store.read_json(folder / store.METRICS)
+            previous = folder.with_name(f".{folder.name}.replaced")  # a dot folder: no listing of runs sees it
+            shutil.rmtree(previous, ignore_errors=True)
+            folder.rename(previous)
+        elif folder.exists():  # leftovers of an interrupted or failed run: no one else writes here while we hold the lock
             shutil.rmtree(folder)
-        return _train_locked(cfg, folder, model_class)
+        try:
+            metrics = _train_locked(cfg, folder, model_class)
+        except BaseException:
+            if previous is not None:  # the finished run comes back: a failed retrain loses nothing
+                shutil.rmtree(folder, ignore_errors=True)
+                previous.rename(folder)
+            raise
+        if previous is not None:
+            shutil.rmtree(previous)
+        return metrics
 
 
 def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module]) -> dict:

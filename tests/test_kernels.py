@@ -119,28 +119,6 @@ def test_failed_build_warns_and_falls_back(monkeypatch, fresh_build_root):
         assert kernels.kernel() is None
 
 
-def test_a_failed_build_is_remembered_until_the_toolchain_changes(monkeypatch, fresh_build_root):
-    attempts = []
-
-    def no_compiler(*args, **kwargs):
-        attempts.append(1)
-        raise RuntimeError("c++: not found")
-
-    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
-    with pytest.warns(UserWarning, match="could not build"):
-        assert kernels.kernel() is None
-    kernels.kernel.cache_clear()  # the next process
-    with pytest.warns(UserWarning, match=r"did not build on this machine \(c\+\+: not found\).*copytask build. tries again"):
-        assert kernels.kernel() is None
-    assert len(attempts) == 1  # not tried (and not announced as a 30-60 s compile) again
-
-    kernels.kernel.cache_clear()
-    monkeypatch.setattr(kernels, "toolchain", lambda: '{"cxx": "/usr/bin/c++ (installed now)"}')
-    with pytest.warns(UserWarning, match="could not build"):
-        assert kernels.kernel() is None
-    assert len(attempts) == 2  # a new toolchain: tried again
-
-
 @pytest.mark.parametrize("ragged", [False, True])
 def test_bahdanau_decode_equals_the_step_loop(kernel, ragged):
     """The kernel's teacher-forced Bahdanau decoder against BahdanauDecoder's step loop: logits,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import traceback
-import warnings
 from pathlib import Path
 
 import hydra
@@ -108,13 +107,6 @@ def _hydra(args: list[str], multirun: bool = False) -> int:
     sys.argv = [sys.argv[0], *args]
     hydra_job()
     return 0
-
-
-def entry() -> int:
-    """The `copytask` command (and `python -m copytask`): `main`, with warnings in one line each, as
-    copytask's own messages are (set for the command's own process only, not for library use)."""
-    warnings.formatwarning = lambda message, category, *args, **kwargs: f"{category.__name__}: {message}\n"
-    return main()
 
 
 def main(argv: list[str] | None = None) -> int:

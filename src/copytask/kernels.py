@@ -37,8 +37,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import json
-import logging
 import os
 import shutil
 import sys
@@ -88,30 +86,12 @@ def build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
 
 
-def toolchain() -> str:
-    """What a build depends on besides its sources and flags: the compiler and ninja torch would call."""
-    return json.dumps({"cxx": shutil.which(os.environ.get("CXX", "c++")), "ninja": shutil.which("ninja")})
-
-
-RETRY = "`python -m copytask build` tries again"
-
-
 @functools.cache
 def kernel() -> ModuleType | None:
-    """The compiled kernels, or None (after one warning that says why) where they cannot be built.
-    A failed build is remembered beside the build folder until the toolchain changes, so that a
-    machine without a compiler does not try, and warn at length, in every run."""
+    """The compiled kernels, or None (after one warning that says why) where they cannot be built."""
     name, flags = build_name_and_flags()
     directory = build_root() / name
-    lock, failed = directory.with_name(name + ".lock"), directory.with_name(name + ".failed")
-    try:
-        remembered = json.loads(failed.read_text())
-        if remembered["toolchain"] == toolchain():
-            warnings.warn(f"copytask: the fused CPU kernels did not build on this machine ({remembered['reason']}); "
-                          f"using torch's ops, slower on CPU; {RETRY}")
-            return None
-    except (OSError, ValueError, KeyError, TypeError):  # no failure remembered (or an unreadable note): build
-        pass
+    lock = directory.with_name(name + ".lock")
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         # An OS lock (flock): released when its holder exits, however it exits.
@@ -121,12 +101,8 @@ def kernel() -> ModuleType | None:
         warnings.warn(f"copytask: another process has held {lock} for {BUILD_WAIT_S:.0f} s, building the fused CPU "
                       "kernels; using torch's ops, slower on CPU")
     except Exception as error:  # no compiler, no ninja, unsupported platform: the torch code still works
-        compiler = os.environ.get("CXX", "c++")
-        reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
-        if shutil.which(compiler) is None:
-            reason = f"no C++ compiler: {compiler!r} is not on PATH"
-        failed.write_text(json.dumps({"toolchain": toolchain(), "reason": reason}))
-        warnings.warn(f"copytask: could not build the fused CPU kernels ({reason}); using torch's ops, slower on CPU; {RETRY}")
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        warnings.warn(f"copytask: could not build the fused CPU kernels ({reason}); using torch's ops, slower on CPU")
     return None
 
 
@@ -138,18 +114,9 @@ def _load(name: str, flags: list[str], directory: Path) -> ModuleType:
         shutil.rmtree(directory)
     library = directory / f"{name}.so"
     if not library.exists():
-        print(f"copytask: compiling the fused CPU kernels into {directory} (once, about a minute)", file=sys.stderr, flush=True)
+        print(f"copytask: compiling the fused CPU kernels into {directory} (once, 30-60 s)", file=sys.stderr, flush=True)
         directory.mkdir(exist_ok=True)  # a failed build leaves its folder
-        # torch's compiler banners (warnings and log records): a failure is reported once, in one line, by kernel()
-        torch_log = logging.getLogger("torch.utils.cpp_extension")
-        level = torch_log.level
-        torch_log.setLevel(logging.ERROR)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return cpp_extension.load(name, [str(path) for path in SOURCES], extra_cflags=flags, build_directory=str(directory))
-        finally:
-            torch_log.setLevel(level)
+        return cpp_extension.load(name, [str(path) for path in SOURCES], extra_cflags=flags, build_directory=str(directory))
     # Imported as it is, without asking ninja whether it is up to date: its name says what it was built from, and
     # another checkout's identical sources (other paths) would make ninja rebuild a library someone has loaded.
     spec = importlib.util.spec_from_file_location(name, library)
@@ -161,8 +128,6 @@ def _load(name: str, flags: list[str], directory: Path) -> ModuleType:
 def build_command() -> int:
     """`python -m copytask build`: build the kernels now (for machines that train without a compiler,
     such as a cluster's compute nodes sharing this build folder) and say where -> exit status."""
-    name, _ = build_name_and_flags()
-    (build_root() / f"{name}.failed").unlink(missing_ok=True)  # asked to build: try again, whatever failed before
     module = kernel()
     if module is None:
         print("copytask: error: the fused CPU kernels could not be built (the warning above says why)", file=sys.stderr)

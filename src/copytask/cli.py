@@ -48,14 +48,13 @@ commands:
              python -m copytask analyze runs_dir=runs analysis.eval_size=512
   bench    training speed, memory and time to target against the classical reference
              python -m copytask bench [--quick] [--time-to-target] [train.threads=1]
-  build    compile the fused CPU kernels now (else the first CPU run does) and print where
 
 Overrides are Hydra's: attention=none|bahdanau|luong_dot|luong_general|luong_concat,
 task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
 Hydra's own flags work too (--cfg job, --help)."""
 
 
-COMMANDS = ("train", "sweep", "compare", "report", "analyze", "bench", "build")
+COMMANDS = ("train", "sweep", "compare", "report", "analyze", "bench")
 COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report": ("--all",)}
 
 
@@ -173,9 +172,5 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench  # imported here: it loads the reference and profiler
 
         return bench(rest)
-    if command == "build":
-        from .kernels import build_command
-
-        return build_command()
     print(f"copytask: error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
     return 2

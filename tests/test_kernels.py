@@ -104,17 +104,48 @@ def test_without_kernel_torch_runs(monkeypatch):
     assert not kernels.runs_fused(Seq2Seq(total_vocab(9), "plain"))
 
 
-def test_failed_build_warns_and_falls_back(monkeypatch):
+@pytest.fixture
+def fresh_build_root(monkeypatch, tmp_path):
+    """An empty build folder, and kernel() forgetting the loaded build until the test ends."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    kernels.kernel.cache_clear()
+    yield tmp_path
+    kernels.kernel.cache_clear()  # the next caller loads the real kernel again
+
+
+def test_failed_build_warns_and_falls_back(monkeypatch, fresh_build_root):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Error building extension 'copytask_kernels': c++: not found")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    with pytest.warns(UserWarning, match="could not build the fused CPU kernels .*c\\+\\+: not found"):
+        assert kernels.kernel() is None
+
+
+def test_a_failed_build_is_remembered_until_the_toolchain_changes(monkeypatch, fresh_build_root):
+    attempts = []
+
+    def no_compiler(*args, **kwargs):
+        attempts.append(1)
+        raise RuntimeError("c++: not found")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    with pytest.warns(UserWarning, match="could not build"):
+        assert kernels.kernel() is None
+    kernels.kernel.cache_clear()  # the next process
+    with pytest.warns(UserWarning, match=r"did not build on this machine \(c\+\+: not found\).*copytask build"):
+        assert kernels.kernel() is None
+    assert len(attempts) == 1  # not tried (and not announced as a compile) again
+
     kernels.kernel.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="could not build the fused CPU kernels .*c\\+\\+: not found"):
-            assert kernels.kernel() is None
-    finally:
-        kernels.kernel.cache_clear()  # the next caller loads the real kernel again
+    monkeypatch.setattr(kernels, "toolchain", lambda: '{"cxx": "/usr/bin/c++ (installed now)"}')
+    with pytest.warns(UserWarning, match="could not build"):
+        assert kernels.kernel() is None
+    assert len(attempts) == 2  # a new toolchain: tried again
+    kernels.retry_build()
+    with pytest.warns(UserWarning, match="could not build"):
+        assert kernels.kernel() is None
+    assert len(attempts) == 3  # `copytask build` forgets the failure and tries again
 
 
 @pytest.mark.parametrize("ragged", [False, True])
@@ -169,3 +200,9 @@ def test_kernels_refuse_what_they_cannot_read(kernel):
         kernel.gru_forward(gi.transpose(0, 1), h0, w_hh, b_hh, no_mask, False)
     with pytest.raises(RuntimeError, match="expects contiguous float32 CPU tensors.*Double"):
         kernel.additive_forward(torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 5, 4), torch.randn(4))
+
+
+def test_build_command_builds_and_says_where(kernel):
+    process = run_cli("build")
+    assert process.returncode == 0, process.stderr
+    assert "the fused CPU kernels are built:" in process.stdout and ".so" in process.stdout

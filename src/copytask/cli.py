@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import hydra
@@ -46,6 +47,7 @@ commands:
            in runs_dir (writes analysis.json into each run folder; analysed runs are skipped);
            a sweep does this for its own runs before writing the report
              python -m copytask analyze runs_dir=runs analysis.eval_size=512
+  build    compile the fused CPU kernels now (else the first CPU run does) and say where
   bench    training speed, memory and time to target against the classical reference
              python -m copytask bench [--quick] [--time-to-target] [train.threads=1]
 
@@ -54,7 +56,7 @@ task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_
 Hydra's own flags work too (--cfg job, --help)."""
 
 
-COMMANDS = ("train", "sweep", "compare", "report", "analyze", "bench")
+COMMANDS = ("train", "sweep", "compare", "report", "analyze", "bench", "build")
 COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report": ("--all",)}
 
 
@@ -106,6 +108,13 @@ def _hydra(args: list[str], multirun: bool = False) -> int:
     sys.argv = [sys.argv[0], *args]
     hydra_job()
     return 0
+
+
+def entry() -> int:
+    """The `copytask` command (and `python -m copytask`): `main`, with warnings in one line each, as
+    copytask's own messages are (set for the command's own process only, not for library use)."""
+    warnings.formatwarning = lambda message, category, *args, **kwargs: f"{category.__name__}: {message}\n"
+    return main()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,6 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as error:
             print(f"copytask: error: {error}", file=sys.stderr)
             return 2
+    if command == "build":
+        from . import kernels
+
+        kernels.retry_build()  # asked to build: try again, whatever failed before
+        built = kernels.kernel()
+        if built is None:
+            print("copytask: error: the fused CPU kernels could not be built (the warning above says why)", file=sys.stderr)
+            return 1
+        print(f"copytask: the fused CPU kernels are built: {built.__file__}")
+        return 0
     if command == "bench":
         from .bench import main as bench  # imported here: it loads the reference and profiler
 

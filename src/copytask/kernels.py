@@ -28,7 +28,10 @@ of being mapped afresh, and page-faulted in, at every step. docs/bench.md has th
 from __future__ import annotations
 
 import functools
+import json
+import logging
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -52,27 +55,68 @@ CFLAGS = ["-O3", "-ffast-math"]
 AVX2 = ("AVX2", "AVX512")
 
 
+RETRY = 'retry with `python -m copytask build`'
+
+
 def build_name_and_flags() -> tuple[str, list[str]]:
     if torch.backends.cpu.get_cpu_capability() in AVX2:
         return "copytask_kernels_avx2", [*CFLAGS, "-mavx2", "-mfma"]
     return "copytask_kernels", CFLAGS
 
 
+def toolchain() -> str:
+    """What a build depends on besides its sources and flags: the compiler and ninja torch would call."""
+    return json.dumps({"cxx": shutil.which(os.environ.get("CXX", "c++")), "ninja": shutil.which("ninja")})
+
+
 @functools.cache
 def kernel() -> ModuleType | None:
-    """The compiled kernels, or None (after one warning that says why) where they cannot be built."""
+    """The compiled kernels, or None (after one warning that says why) where they cannot be built.
+    A failed build is remembered in the build root until the toolchain changes, so that a machine
+    without a compiler does not try again, and warn at length, in every run."""
     from torch.utils import cpp_extension
 
     name, flags = build_name_and_flags()
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-    if not any(root.glob(f"**/{name}/{name}*.so")):  # torch builds in root[/<python and CUDA versions>]/name
-        print(f"copytask: compiling the fused CPU kernels under {root} (once, 30-60 s)", file=sys.stderr, flush=True)
+    failed = root / f"{name}.failed"
     try:
-        return cpp_extension.load(name, [str(path) for path in SOURCES], extra_cflags=flags, verbose=False)
+        remembered = json.loads(failed.read_text())
+        if remembered["toolchain"] == toolchain():
+            warnings.warn(f"copytask: the fused CPU kernels did not build on this machine ({remembered['reason']}); "
+                          f"using torch's ops, slower on CPU; {RETRY}")
+            return None
+    except (OSError, ValueError, KeyError, TypeError):  # no failure remembered (or an unreadable note): build
+        pass
+    if not any(root.glob(f"**/{name}/{name}*.so")):  # torch builds in root[/<python and CUDA versions>]/name
+        print(f"copytask: compiling the fused CPU kernels under {root} (once, about a minute)", file=sys.stderr, flush=True)
+    # torch's compiler banners (warnings and log records): a failure is reported below, once, in one line
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return cpp_extension.load(name, [str(path) for path in SOURCES], extra_cflags=flags, verbose=False)
     except Exception as error:  # no compiler, no ninja, unsupported platform: the torch code still works
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        warnings.warn(f"copytask: could not build the fused CPU kernels ({reason}); using torch's ops, slower on CPU")
+        compiler = os.environ.get("CXX", "c++")
+        reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+        if shutil.which(compiler) is None:
+            reason = f"no C++ compiler: {compiler!r} is not on PATH"
+        root.mkdir(parents=True, exist_ok=True)
+        failed.write_text(json.dumps({"toolchain": toolchain(), "reason": reason}))
+        warnings.warn(f"copytask: could not build the fused CPU kernels ({reason}); using torch's ops, slower on CPU; {RETRY}")
         return None
+    finally:
+        torch_log.setLevel(level)
+
+
+def retry_build() -> None:
+    """Forget a remembered failed build, so that the next `kernel()` tries again."""
+    from torch.utils import cpp_extension
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    (root / f"{build_name_and_flags()[0]}.failed").unlink(missing_ok=True)
+    kernel.cache_clear()
 
 
 def padding(real: Tensor) -> Tensor:

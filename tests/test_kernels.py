@@ -12,6 +12,8 @@ from copytask import kernels
 from copytask.data import length_mask, make_batch, total_vocab
 from copytask.model import Seq2Seq
 
+from .conftest import run_cli
+
 
 @pytest.fixture
 def kernel():

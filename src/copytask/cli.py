@@ -161,9 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         overrides = [arg for arg in rest if arg not in flags]
         try:
+            asked_to_train_or_list = {"--missing", "--train-missing"} & set(rest)
+            master, _ = compose_grid(overrides, expand_grid=False)
+            if not asked_to_train_or_list and not Path(master.runs_dir).is_dir():  # answered before any grid is composed
+                print(f"copytask: error: nothing to {command}: {master.runs_dir} does not exist", file=sys.stderr)
+                return 1
             selection = select_runs(overrides, every_run="--all" in rest)
             print(f"{command}: {selection.source}")
-            asked_to_train_or_list = {"--missing", "--train-missing"} & set(rest)
             if not asked_to_train_or_list and not any(run.status() == "complete" for run in selection.runs):
                 print(nothing_done(command, selection), file=sys.stderr)  # before pandas, matplotlib and torch are imported
                 return 1

@@ -13,6 +13,8 @@ changes them fails there, loudly, before anything else does.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
 from hydra.core.global_hydra import GlobalHydra
@@ -35,13 +37,14 @@ def compose(overrides: list[str], multirun: bool, config_name: str = "config") -
     return hydra.compose_config(config_name, overrides, run_mode=RunMode.RUN)
 
 
-def sweep_jobs(master: DictConfig) -> tuple[list[tuple[list[str], DictConfig]], set[str]]:
+def sweep_jobs(master: DictConfig) -> tuple[Iterator[tuple[list[str], DictConfig]], set[str]]:
     """The jobs the basic sweeper launches for `master`, in launch order, each as (overrides, config
-    with its hydra node), and the keys swept over more than one value. The sweeper's params come
-    first, then the command line's overrides, which replace a swept key's list."""
+    with its hydra node), composed one by one as the iterator is read, and the keys swept over more
+    than one value. The sweeper's params come first, then the command line's overrides, which
+    replace a swept key's list."""
     loader = GlobalHydra.instance().config_loader()
     params = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()]
     parsed = OverridesParser.create(config_loader=loader).parse_overrides(params + list(master.hydra.overrides.task))
     [batches] = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     swept = {override.get_key_element() for override in parsed if override.is_sweep_override()}
-    return [(list(overrides), loader.load_sweep_config(master, list(overrides))) for overrides in batches], swept
+    return ((list(overrides), loader.load_sweep_config(master, list(overrides))) for overrides in batches), swept

@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -84,14 +84,17 @@ class GridRun:
         return status
 
 
-def expand(master: DictConfig) -> list[GridRun]:
+def expand(master: DictConfig, check: Callable[[DictConfig], None] | None = None) -> list[GridRun]:
     """The jobs Hydra's basic sweeper launches for `master` (a multirun config with its hydra
-    node), in launch order. Needs an initialised GlobalHydra (inside a sweep, or `compose_grid`)."""
+    node), in launch order; `check` is called on each job's config as it is composed, so that a bad
+    one stops the expansion at once. Needs an initialised GlobalHydra (inside a sweep, or `compose_grid`)."""
     jobs, swept = sweep_jobs(master)
     runs = []
     for overrides, config in jobs:
         with open_dict(config):
             del config["hydra"]  # as Hydra does before calling the task function
+        if check is not None:
+            check(config)
         label = " ".join(o for o in overrides if o.split("=", 1)[0] in swept)
         runs.append(GridRun(tuple(overrides), label, config, store.run_dir(config)))
     return runs
@@ -122,7 +125,9 @@ def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
     return found
 
 
-def compose_grid(overrides: list[str], expand_grid: bool = True, multirun: bool = True) -> tuple[DictConfig, list[GridRun]]:
+def compose_grid(
+    overrides: list[str], expand_grid: bool = True, multirun: bool = True, check: Callable[[DictConfig], None] | None = None
+) -> tuple[DictConfig, list[GridRun]]:
     """The master config and grid (empty unless `expand_grid`) of `python -m copytask sweep
     <overrides>`, or with `multirun=False` the config of `python -m copytask train <overrides>` and
     its one run, composed without running anything and without writing Hydra output folders.
@@ -134,7 +139,7 @@ def compose_grid(overrides: list[str], expand_grid: bool = True, multirun: bool 
             with hydra_errors(dotted_keys(compose([], multirun=True))):
                 if multirun:
                     master = compose(overrides, multirun=True)
-                    return master, expand(master) if expand_grid else []
+                    return master, expand(master, check) if expand_grid else []
                 config = compose(overrides, multirun=False)
                 job = config.copy()
                 with open_dict(job):
@@ -148,16 +153,18 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
     """Compose and validate every job of `sweep <overrides>` (or the one run of `train
     <overrides>`) before anything runs. -> the grid; ConfigError, naming the bad value and the
     grid entry it came from, for the first job that cannot run."""
-    master, grid = compose_grid(overrides, multirun=multirun)
-    entries = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()] if multirun else []
-    entries += list(overrides)
-    for run in grid:
-        try:
-            validate(run.config)
-        except ConfigError as error:
-            key = str(error).split()[0]
-            given = [entry for entry in entries if entry.lstrip("+~").split("=", 1)[0] == key]
-            raise ConfigError(f"{error} (in the grid: {given[-1]})" if given and multirun else str(error)) from None
+    try:
+        master, grid = compose_grid(overrides, multirun=multirun, check=validate)  # stops at the first bad job
+        for run in grid:
+            validate(run.config)  # train's one run (a sweep's jobs are checked as they are composed)
+    except ConfigError as error:
+        if not multirun:
+            raise
+        master, _ = compose_grid(overrides, expand_grid=False)
+        entries = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()] + list(overrides)
+        key = str(error).split()[0]
+        given = [entry for entry in entries if entry.lstrip("+~").split("=", 1)[0] == key]
+        raise ConfigError(f"{error} (in the grid: {given[-1]})" if given else str(error)) from None
     swept = {override.split("=", 1)[0] for run in grid for override in run.label.split()}
     if multirun and master.report.x != "task.length" and master.report.x not in swept:
         choices = ", ".join(["task.length", *sorted(swept - {"attention", "seed", "task.length"})])

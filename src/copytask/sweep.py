@@ -130,8 +130,8 @@ def compose_grid(
 ) -> tuple[DictConfig, list[GridRun]]:
     """The master config and grid (empty unless `expand_grid`) of `python -m copytask sweep
     <overrides>`, or with `multirun=False` the config of `python -m copytask train <overrides>` and
-    its one run, composed without running anything and without writing Hydra output folders.
-    Raises ConfigError (one line) for what Hydra cannot compose: an unknown key, a group option
+    its one run, composed without running anything and without writing Hydra output folders;
+    `check` is called on every job's config as it is composed. Raises ConfigError (one line) for what Hydra cannot compose: an unknown key, a group option
     that does not exist, an override it cannot parse."""
     GlobalHydra.instance().clear()  # a sweep earlier in this process leaves Hydra initialised
     try:
@@ -144,6 +144,8 @@ def compose_grid(
                 job = config.copy()
                 with open_dict(job):
                     del job["hydra"]
+                if check is not None:
+                    check(job)
                 return config, [GridRun(tuple(overrides), "", job, store.run_dir(job))]
     finally:
         GlobalHydra.instance().clear()  # a library call leaves no global Hydra behind
@@ -155,8 +157,6 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
     grid entry it came from, for the first job that cannot run."""
     try:
         master, grid = compose_grid(overrides, multirun=multirun, check=validate)  # stops at the first bad job
-        for run in grid:
-            validate(run.config)  # train's one run (a sweep's jobs are checked as they are composed)
     except ConfigError as error:
         if not multirun:
             raise

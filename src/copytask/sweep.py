@@ -228,11 +228,13 @@ def select_runs(overrides: list[str], every_run: bool = False) -> Selection:
         master, _ = compose_grid(overrides, expand_grid=False)
         runs = folder_runs(store.complete_runs(Path(master.runs_dir)))
         return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs")
+    if not grid_given:  # runs_dir first (cheap: no job composed), then the grid recorded there, expanded once
+        master, _ = compose_grid(overrides, expand_grid=False)
+        if (recorded := recorded_overrides(Path(master.runs_dir))) is not None:
+            master, grid = compose_grid([*recorded, *overrides])
+            command = shlex.join(["python", "-m", "copytask", "sweep", *recorded])
+            return Selection(master, grid, [*recorded, *overrides], f"the grid of the last sweep in {master.runs_dir}: {command}")
     master, grid = compose_grid(overrides)
-    if not grid_given and (recorded := recorded_overrides(Path(master.runs_dir))) is not None:
-        master, grid = compose_grid([*recorded, *overrides])
-        command = shlex.join(["python", "-m", "copytask", "sweep", *recorded])
-        return Selection(master, grid, [*recorded, *overrides], f"the grid of the last sweep in {master.runs_dir}: {command}")
     return Selection(master, grid, overrides, f"the grid of: {sweep_command(master)}")
 
 

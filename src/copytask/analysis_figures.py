@@ -67,6 +67,18 @@ def plot_counterfactual(table: pd.DataFrame, path: Path, settings: list[str] = (
     return _save(figure, path)
 
 
+def draw_matrix(ax: plt.Axes, matrix: pd.DataFrame, scale: float, number: str, fontsize: int, **imshow) -> plt.cm.ScalarMappable:
+    """`matrix` (values in [0, 1]) times `scale` as an image on `ax`, each cell written with `number`
+    (white on dark cells), its index and columns as tick labels. -> the image, for a colour bar."""
+    values = scale * matrix.to_numpy()
+    image = ax.imshow(values, vmin=0, vmax=scale, cmap="viridis", **imshow)
+    for (i, j), value in np.ndenumerate(values):
+        ax.text(j, i, number.format(value), ha="center", va="center", fontsize=fontsize, color="white" if value < 0.6 * scale else "black")
+    ax.set_xticks(range(matrix.shape[1]), matrix.columns)
+    ax.set_yticks(range(matrix.shape[0]), matrix.index)
+    return image
+
+
 def plot_length_generalisation(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Path:
     """Train length (rows) x test length (columns) greedy token accuracy, mean over seeds;
     one panel per attention type, task and value of `settings` (columns of `table`)."""
@@ -77,11 +89,7 @@ def plot_length_generalisation(table: pd.DataFrame, path: Path, settings: list[s
         matrix = runs.pivot_table(index="train_length", columns="test_length", values="token_acc", aggfunc="mean")
         # numeric order of the rows ("5" < "40" < "5-80"), not string order
         matrix = matrix.loc[sorted(matrix.index, key=lambda label: tuple(map(int, label.split("-")))[::-1])]
-        image = ax.imshow(matrix.to_numpy(), vmin=0, vmax=1, cmap="viridis")
-        for (i, j), value in np.ndenumerate(matrix.to_numpy()):
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color="white" if value < 0.6 else "black")
-        ax.set_xticks(range(matrix.shape[1]), matrix.columns)
-        ax.set_yticks(range(matrix.shape[0]), matrix.index)
+        image = draw_matrix(ax, matrix, scale=1, number="{:.2f}", fontsize=7)
         ax.set(title=_title(keys, values), xlabel="test length", ylabel="train length")
     figure.colorbar(image, ax=list(axes), shrink=0.8, label="greedy token accuracy")
     return _save(figure, path)

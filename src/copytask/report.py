@@ -22,12 +22,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from . import analysis, results, store  # noqa: E402
-from .analysis_figures import plot_counterfactual, plot_head_weights, plot_length_generalisation, plot_per_length  # noqa: E402
+from .analysis_figures import draw_matrix, plot_counterfactual, plot_head_weights, plot_length_generalisation, plot_per_length  # noqa: E402
 from .data import BOS, EOS, NUM_SPECIAL, PAD  # noqa: E402
 from .sweep import SWEEP_RECORD, GridRun, Selection, nothing_done, variable_length_runs  # noqa: E402
 from .config import ConfigError  # noqa: E402
@@ -165,11 +164,8 @@ def plot_setting_grid(summary: pd.DataFrame, key: str, out: Path) -> list[Path]:
     figure, axes = plt.subplots(1, len(attentions), figsize=(4.2 * len(attentions) + 1, 3.8), squeeze=False, layout="constrained")
     for axis, attention in zip(axes[0], attentions):
         matrix = summary[summary["attention"] == attention].pivot_table(index=key, columns="length", values="token_acc")
-        image = axis.imshow(100 * matrix.to_numpy(), vmin=0, vmax=100, cmap="viridis", origin="lower", aspect="auto")
-        for (i, j), value in np.ndenumerate(100 * matrix.to_numpy()):
-            axis.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8, color="white" if value < 60 else "black")
-        axis.set_xticks(range(matrix.shape[1]), matrix.columns)
-        axis.set_yticks(range(matrix.shape[0]), [results.setting_value(v) for v in matrix.index])
+        matrix.index = matrix.index.map(results.setting_value)
+        image = draw_matrix(axis, matrix, scale=100, number="{:.0f}", fontsize=8, origin="lower", aspect="auto")
         axis.set(title=attention, xlabel="sequence length", ylabel=key)
     figure.colorbar(image, ax=list(axes[0]), shrink=0.8, label="greedy token accuracy % (mean over seeds)")
     grid_path = out / SETTING_GRID_FIGURE

@@ -4,7 +4,11 @@ ragged batches and given initial states."""
 
 import copy
 import os
+import platform
+import subprocess
+import sys
 
+import filelock
 import pytest
 import torch
 
@@ -12,7 +16,7 @@ from copytask import kernels
 from copytask.data import length_mask, make_batch, total_vocab
 from copytask.model import Seq2Seq
 
-from .conftest import run_cli
+from .conftest import SRC, run_cli
 
 
 @pytest.fixture
@@ -191,7 +195,7 @@ def test_avx2_builds_are_named_apart(monkeypatch, capability, avx2):
     """A build with AVX2 instructions must never be loaded by a CPU without them (shared homes)."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     name, flags = kernels.build_name_and_flags()
-    assert ("-mavx2" in flags) == avx2 and name.endswith("_avx2") == avx2
+    assert ("-mavx2" in flags) == avx2 and name.startswith("copytask_kernels_avx2_") == avx2
 
 
 def test_kernels_refuse_what_they_cannot_read(kernel):
@@ -204,7 +208,213 @@ def test_kernels_refuse_what_they_cannot_read(kernel):
         kernel.additive_forward(torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 5, 4), torch.randn(4))
 
 
-def test_build_command_builds_and_says_where(kernel):
-    process = run_cli("build")
-    assert process.returncode == 0, process.stderr
-    assert "the fused CPU kernels are built:" in process.stdout and ".so" in process.stdout
+def test_kernels_refuse_shapes_they_would_read_out_of_bounds(kernel):
+    """Sizes are taken from a few tensors and the others indexed by them: a tensor of another shape
+    is an error that names it, never a read past its end."""
+    gi, h0, w_hh, b_hh = torch.randn(5, 3, 12), torch.zeros(3, 4), torch.randn(12, 4), torch.zeros(12)
+    with pytest.raises(RuntimeError, match=r"gru_forward: mask must have shape \[5, 3\], got \[2, 2\]"):
+        kernel.gru_forward(gi, h0, w_hh, b_hh, torch.ones(2, 2), False)
+    states, final, gates, before = kernel.gru_forward(gi, h0, w_hh, b_hh, torch.empty(0), False)
+    with pytest.raises(RuntimeError, match=r"gru_backward: grad_states must have shape \[5, 3, 4\], got \[4, 3, 4\]"):
+        kernel.gru_backward(states[:4].contiguous(), final, gates, before, w_hh, torch.empty(0), False)
+    with pytest.raises(RuntimeError, match=r"additive_forward: keys must have shape \[2, 5, 4\], got \[1, 5, 4\]"):
+        kernel.additive_forward(torch.randn(2, 3, 4), torch.randn(1, 5, 4), torch.randn(4))
+    B, T, S, A, H, E = 2, 3, 5, 4, 6, 7
+    embedded, s0, keys, values = torch.randn(T, B, E), torch.randn(B, H), torch.randn(B, S, A), torch.randn(B, S, H - 1)
+    cell = [torch.randn(3 * H, E + H), torch.randn(3 * H), torch.randn(3 * H, H), torch.randn(3 * H)]
+    with pytest.raises(RuntimeError, match=r"bahdanau_forward: values must have shape \[2, 5, 6\], got \[2, 5, 5\]"):
+        kernel.bahdanau_forward(embedded, s0, keys, values, torch.empty(0), torch.randn(A, H), torch.randn(A), *cell)
+
+
+def assert_same_non_finite(got, want):
+    """NaN and inf exactly where torch has them, the finite rest equal to float rounding."""
+    assert torch.equal(got.isnan(), want.isnan()), f"NaN at {got.isnan().sum()} places, torch at {want.isnan().sum()}"
+    assert torch.equal(got.isinf(), want.isinf()), f"inf at {got.isinf().sum()} places, torch at {want.isinf().sum()}"
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], atol=1e-5, rtol=1e-4)
+
+
+def test_gru_propagates_non_finite_as_torch(kernel):
+    """A diverging input must reach the output as torch's would, not be clamped into a finite
+    number; a bad value at a padded position stays out, as packing leaves it out."""
+    torch.manual_seed(0)
+    fused = kernels.GRU(6, 5, bidirectional=True)
+    reference = copy.deepcopy(fused)
+    reference.fused = False
+    x, lengths = torch.randn(4, 7, 6), torch.tensor([7, 4, 7, 7])
+    x[0, 2, 1] = float("nan")
+    x[1, 5] = float("nan")  # padding
+    x[2, 3, 0] = float("inf")
+    with torch.no_grad():
+        got, want = fused(x, lengths=lengths), reference(x, lengths=lengths)
+    assert want[0][0].isnan().any() and want[0][1].isfinite().all()
+    for a, b in zip(got, want, strict=True):
+        assert_same_non_finite(a, b)
+
+
+@pytest.mark.parametrize("attention", ["bahdanau", "luong"])
+def test_attention_kernels_propagate_non_finite_as_torch(kernel, attention):
+    """Bahdanau's decoder kernel and Luong concat's score kernel: a non-finite decoder input
+    (one target symbol's embedding NaN, another's inf) gives non-finite logits and weights
+    where torch's ops do."""
+    torch.manual_seed(0)
+    fused = Seq2Seq(total_vocab(9), attention, "additive", attention_size=16)
+    plain = copy.deepcopy(fused)
+    for module in plain.modules():
+        if hasattr(module, "fused"):
+            module.fused = False
+    batch = make_batch("copy", 4, 6, 9, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for model in (fused, plain):
+            model.decoder.embedding.weight[batch.tgt_in[0, 3]] = float("nan")
+            model.decoder.embedding.weight[batch.tgt_in[1, 2]] = float("inf")
+        got, want = fused(batch.src, batch.src_lengths, batch.tgt_in), plain(batch.src, batch.src_lengths, batch.tgt_in)
+    assert want[0].isnan().any() and want[1].isnan().any()
+    for a, b in zip(got, want, strict=True):
+        assert_same_non_finite(a, b)
+
+
+def small_model(attention: str, score: str) -> tuple[Seq2Seq, Seq2Seq, object]:
+    """A model on the kernels, the same on torch's ops, and a batch."""
+    torch.manual_seed(0)
+    fused = Seq2Seq(total_vocab(9), attention, score, attention_size=16)
+    plain = copy.deepcopy(fused)
+    for module in plain.modules():
+        if hasattr(module, "fused"):
+            module.fused = False
+    return fused, plain, make_batch("copy", 4, 6, 9, torch.Generator().manual_seed(0), min_length=3)
+
+
+EVERY_KERNEL = [("luong", "general"), ("bahdanau", "additive"), ("luong", "additive")]  # GRU, Bahdanau's decoder, the score
+
+
+@pytest.mark.parametrize("attention, score", EVERY_KERNEL)
+def test_double_backward_raises_instead_of_dropping_the_second_derivative(kernel, attention, score):
+    """A gradient penalty needs the second derivative, which the kernels do not have: an error
+    that says so, never a silently missing term."""
+    fused, plain, batch = small_model(attention, score)
+    for model in (plain, fused):
+        logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
+        grads = torch.autograd.grad(logits.square().mean(), list(model.parameters()), create_graph=True)
+        penalty = sum(grad.square().sum() for grad in grads)
+        if model is plain:
+            penalty.backward()  # torch's ops have it
+            continue
+        with pytest.raises(RuntimeError, match="no second derivative"):
+            penalty.backward()
+
+
+@pytest.mark.parametrize("attention, score", EVERY_KERNEL)
+def test_autocast_to_bfloat16_runs_the_kernels_in_float32(kernel, attention, score):
+    """Under CPU autocast the kernels take their inputs cast to float32, as torch's float32 ops
+    do: the same logits as torch's ops under autocast to bfloat16's precision, and gradients."""
+    fused, plain, batch = small_model(attention, score)
+    outputs = []
+    for model in (fused, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
+        logits.float().square().mean().backward()
+        outputs.append((logits.float(), weights.float()))
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b, atol=0.03, rtol=0.03)
+    for (name, a), b in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=0.03, rtol=0.1, msg=name)
+
+
+def test_ops_are_registered_as_torch_asks(kernel):
+    """torch.library.opcheck: schema, autograd registration, fake tensors (torch.compile) and the
+    autograd formula under AOT tracing, for each op on small inputs."""
+    torch.manual_seed(0)
+    T, B, S, A, H, E = 3, 2, 4, 5, 6, 7
+    grad = {"requires_grad": True}
+    gru = (torch.randn(T, B, 3 * H, **grad), torch.randn(B, H, **grad), torch.randn(3 * H, H, **grad), torch.randn(3 * H, **grad),
+           torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]]), True)
+    additive = (torch.randn(B, T, A, **grad), torch.randn(B, S, A, **grad), torch.randn(A, **grad))
+    bahdanau = (torch.randn(T, B, E, **grad), torch.randn(B, H, **grad), torch.randn(B, S, A, **grad), torch.randn(B, S, H, **grad),
+                torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]), torch.randn(A, H, **grad), torch.randn(A, **grad),
+                torch.randn(3 * H, E + H, **grad), torch.randn(3 * H, **grad), torch.randn(3 * H, H, **grad), torch.randn(3 * H, **grad))
+    for op, args in ((kernels.gru_forward, gru), (kernels.additive_forward, additive), (kernels.bahdanau_forward, bahdanau)):
+        torch.library.opcheck(op, args)
+
+
+def test_build_name_keys_everything_the_library_depends_on(monkeypatch, tmp_path):
+    """Another torch, other flags or other sources: another build folder, so no process ever
+    rebuilds or replaces a library that another (another checkout, another venv) has loaded."""
+    name = kernels.build_name_and_flags()[0]
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    other_torch = kernels.build_name_and_flags()[0]
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "CFLAGS", [*kernels.CFLAGS, "-g"])
+    other_flags = kernels.build_name_and_flags()[0]
+    monkeypatch.undo()
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    for path in kernels.CSRC.iterdir():
+        (csrc / path.name).write_bytes(path.read_bytes() + b"\n" * (path.name == "gru.cpp"))
+    monkeypatch.setattr(kernels, "CSRC", csrc)
+    other_sources = kernels.build_name_and_flags()[0]
+    assert len({name, other_torch, other_flags, other_sources}) == 4
+
+
+def test_a_build_killed_midway_is_redone_not_waited_for(monkeypatch, fresh_build_root):
+    """torch's own lock file, left by a build killed midway, made every later process wait for
+    it forever; the half-built library beside it is not to be trusted either."""
+    name = kernels.build_name_and_flags()[0]
+    stale = fresh_build_root / name
+    stale.mkdir()
+    (stale / "lock").touch()
+    (stale / f"{name}.so").write_bytes(b"half a library")
+    builds = []
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda name, sources, **options: builds.append(options["build_directory"]) or "built")
+    assert kernels.kernel() == "built"
+    assert builds == [str(stale)] and not (stale / "lock").exists()
+
+
+def test_a_build_held_too_long_elsewhere_falls_back_to_torch(monkeypatch, fresh_build_root):
+    """Another process holding the build's lock past the bound: a warning, then torch's ops."""
+    monkeypatch.setattr(kernels, "BUILD_WAIT_S", 0.2)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda *args, **options: pytest.fail("built while another process holds the lock"))
+    name = kernels.build_name_and_flags()[0]
+    with filelock.FileLock(fresh_build_root / f"{name}.lock"):  # a second lock of the same file blocks, in this process too
+        with pytest.warns(UserWarning, match="another process has held .* building the fused CPU kernels; using torch's ops"):
+            assert kernels.kernel() is None
+
+
+def test_build_command_says_where(kernel):
+    done = run_cli("build")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(".so") and os.path.exists(done.stdout.split()[-1])
+
+
+# In a fresh process: the first default model's training step (which loads the kernels), then a
+# 40 MB block. glibc maps any block over 32 MB by default; a raised mmap threshold would have
+# served it from the heap instead.
+ALLOCATOR_CHECK = """
+import ctypes, torch
+from copytask import kernels
+from copytask.data import make_batch, total_vocab
+from copytask.model import Seq2Seq
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = Mallinfo2
+model = Seq2Seq(total_vocab(9), "bahdanau", "additive", attention_size=32)
+batch = make_batch("copy", 8, 12, 9, torch.Generator().manual_seed(0))
+model(batch.src, batch.src_lengths, batch.tgt_in)[0].sum().backward()
+assert kernels.runs_fused(model)
+mapped = mallinfo2().hblkhd
+block = torch.empty(40 << 20, dtype=torch.uint8)
+print(mallinfo2().hblkhd - mapped)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator statistics")
+def test_the_kernels_leave_the_allocator_alone(kernel):
+    """Loading and running the kernels changes no process-wide setting: glibc still maps a large
+    block, as it does by default (the library once raised its mmap threshold to 1 GB)."""
+    done = subprocess.run([sys.executable, "-c", ALLOCATOR_CHECK], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) >= 40 << 20, "the 40 MB block came from the heap: the allocator's thresholds were changed"

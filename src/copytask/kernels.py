@@ -14,20 +14,29 @@ rows per step.
   Luong's concat score needs under teacher forcing (`attention.Attention.additive_scores`).
 
 They are used for float32 on CPU; everywhere else (CUDA, float64, `fused=False`, no C++
-compiler) the torch code runs. They agree with it to float rounding (tests/test_kernels.py);
-`python -m copytask bench` measures the speed.
+compiler) the torch code runs. They agree with it to float rounding, NaN and inf included
+(tests/test_kernels.py); `python -m copytask bench` measures the speed.
 
-The kernels are compiled by torch.utils.cpp_extension the first time they are needed (30-60 s,
-once per machine and torch version, cached under $TORCH_EXTENSIONS_DIR or
-`torch.utils.cpp_extension.get_default_build_root()`); that needs a C++ compiler and ninja.
-Where they cannot be built, one warning says why and the torch code runs. Loading them also
-raises glibc's mmap threshold (csrc/bindings.cpp), so that large freed blocks are reused instead
-of being mapped afresh, and page-faulted in, at every step. docs/bench.md has the figures.
+They are torch custom ops (`torch.ops.copytask.*`, torch.library) with their autograd formulas
+and shapes for fake tensors, so that autograd and torch.compile treat them as torch's own ops;
+under autocast they run in float32. There is no second derivative: a double backward through
+them raises an error that says so (build the model with `fused=False` for one).
+
+The kernels are compiled by torch.utils.cpp_extension the first time they are needed (30-60 s),
+or ahead of time by `python -m copytask build`, under $TORCH_EXTENSIONS_DIR or
+`torch.utils.cpp_extension.get_default_build_root()`, in a folder named after a hash of the
+sources, the compiler flags and the torch and Python versions: a build is made once and never
+replaced, so checkouts and virtual environments sharing a machine never rebuild each other's.
+That needs a C++ compiler and ninja. Where they cannot be built, one warning says why and the
+torch code runs. Loading them changes no process-wide setting; they keep one freed buffer (the
+additive score's tanh saved for the backward pass, csrc/common.h) for their next call.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -37,31 +46,47 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
+import filelock
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from .data import length_mask
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "bahdanau.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "bahdanau.cpp")]
 # -ffast-math lets the compiler vectorise the sums over a row; it is a compile flag only, so
 # the library is not linked with the start-up code that would set flush-to-zero for the process.
-CFLAGS = ["-O3", "-ffast-math"]
+# -fno-finite-math-only keeps NaN and inf meaning what they mean, so that they propagate as in torch.
+CFLAGS = ["-O3", "-ffast-math", "-fno-finite-math-only"]
 # AVX2 and FMA make the kernels' loops 1.2-1.7x faster where the CPU has them (torch says whether it
 # does); the build is named after the instruction set, so machines that share a home directory
 # (a cluster's nodes) never load a build their CPU cannot run.
 AVX2 = ("AVX2", "AVX512")
-
-
+# How long to wait for another process's build (one takes 30-60 s) before going on without the
+# kernels: a process holding the lock that long is stuck, and training must not hang on it.
+BUILD_WAIT_S = 600.0
 RETRY = 'retry with `python -m copytask build`'
 
 
 def build_name_and_flags() -> tuple[str, list[str]]:
-    if torch.backends.cpu.get_cpu_capability() in AVX2:
-        return "copytask_kernels_avx2", [*CFLAGS, "-mavx2", "-mfma"]
-    return "copytask_kernels", CFLAGS
+    """The build's name and its compiler flags. The name ends in a hash of everything the library
+    depends on (sources, flags, torch and Python versions), so a build is never replaced."""
+    avx2 = torch.backends.cpu.get_cpu_capability() in AVX2
+    flags = [*CFLAGS, "-mavx2", "-mfma"] if avx2 else CFLAGS
+    key = hashlib.sha256()
+    for part in (torch.__version__, str(torch.version.git_version), sys.implementation.cache_tag, *flags):
+        key.update(part.encode() + b"\0")
+    for path in sorted(CSRC.iterdir()):
+        key.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"copytask_kernels{'_avx2' if avx2 else ''}_{key.hexdigest()[:16]}", flags
+
+
+def build_root() -> Path:
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
 
 
 def toolchain() -> str:
@@ -74,11 +99,9 @@ def kernel() -> ModuleType | None:
     """The compiled kernels, or None (after one warning that says why) where they cannot be built.
     A failed build is remembered in the build root until the toolchain changes, so that a machine
     without a compiler does not try again, and warn at length, in every run."""
-    from torch.utils import cpp_extension
-
     name, flags = build_name_and_flags()
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-    failed = root / f"{name}.failed"
+    directory = build_root() / name
+    failed, lock = directory.with_name(name + ".failed"), directory.with_name(name + ".lock")
     try:
         remembered = json.loads(failed.read_text())
         if remembered["toolchain"] == toolchain():
@@ -87,35 +110,57 @@ def kernel() -> ModuleType | None:
             return None
     except (OSError, ValueError, KeyError, TypeError):  # no failure remembered (or an unreadable note): build
         pass
-    if not any(root.glob(f"**/{name}/{name}*.so")):  # torch builds in root[/<python and CUDA versions>]/name
-        print(f"copytask: compiling the fused CPU kernels under {root} (once, about a minute)", file=sys.stderr, flush=True)
-    # torch's compiler banners (warnings and log records): a failure is reported below, once, in one line
-    torch_log = logging.getLogger("torch.utils.cpp_extension")
-    level = torch_log.level
-    torch_log.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return cpp_extension.load(name, [str(path) for path in SOURCES], extra_cflags=flags, verbose=False)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        # An OS lock (flock): released when its holder exits, however it exits.
+        with filelock.FileLock(lock, timeout=BUILD_WAIT_S):
+            return _load(name, flags, directory)
+    except filelock.Timeout:
+        warnings.warn(f"copytask: another process has held {lock} for {BUILD_WAIT_S:.0f} s, building the fused CPU "
+                      "kernels; using torch's ops, slower on CPU")
     except Exception as error:  # no compiler, no ninja, unsupported platform: the torch code still works
         compiler = os.environ.get("CXX", "c++")
         reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
         if shutil.which(compiler) is None:
             reason = f"no C++ compiler: {compiler!r} is not on PATH"
-        root.mkdir(parents=True, exist_ok=True)
         failed.write_text(json.dumps({"toolchain": toolchain(), "reason": reason}))
         warnings.warn(f"copytask: could not build the fused CPU kernels ({reason}); using torch's ops, slower on CPU; {RETRY}")
-        return None
-    finally:
-        torch_log.setLevel(level)
+    return None
+
+
+def _load(name: str, flags: list[str], directory: Path) -> ModuleType:
+    """Import the build in `directory`, or make it there first. Called holding the build's lock."""
+    from torch.utils import cpp_extension
+
+    if (directory / "lock").exists():  # torch's own lock, left by a build killed midway: its files cannot be trusted
+        shutil.rmtree(directory)
+    library = directory / f"{name}.so"
+    if not library.exists():
+        print(f"copytask: compiling the fused CPU kernels into {directory} (once, about a minute)", file=sys.stderr, flush=True)
+        directory.mkdir(exist_ok=True)  # a failed build leaves its folder
+        # torch's compiler banners (warnings and log records): a failure is reported by kernel(), once, in one line
+        torch_log = logging.getLogger("torch.utils.cpp_extension")
+        level = torch_log.level
+        torch_log.setLevel(logging.ERROR)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return cpp_extension.load(name, [str(path) for path in SOURCES], extra_cflags=flags,
+                                          build_directory=str(directory), verbose=False)
+        finally:
+            torch_log.setLevel(level)
+    # Imported as it is, without asking ninja whether it is up to date: its name says what it was built from, and
+    # another checkout's identical sources (other paths) would make ninja rebuild a library someone has loaded.
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def retry_build() -> None:
     """Forget a remembered failed build, so that the next `kernel()` tries again."""
-    from torch.utils import cpp_extension
-
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-    (root / f"{build_name_and_flags()[0]}.failed").unlink(missing_ok=True)
+    name = build_name_and_flags()[0]
+    (build_root() / f"{name}.failed").unlink(missing_ok=True)
     kernel.cache_clear()
 
 
@@ -130,24 +175,63 @@ def usable(*tensors: Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and kernel() is not None
 
 
-class _GRURecurrence(torch.autograd.Function):
-    """One direction of one layer, time first: gi = W_ih x + b_ih (T, B, 3H) -> states (T, B, H), final (B, H)."""
+def _library() -> ModuleType:
+    library = kernel()
+    if library is None:
+        raise RuntimeError("copytask's fused CPU kernels are not built (the warning above says why); use fused=False")
+    return library
 
-    @staticmethod
-    def forward(ctx, gi: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor, mask: Tensor, reverse: bool):
-        states, final, gates, before = kernel().gru_forward(gi, h0, w_hh, b_hh, mask, reverse)
-        ctx.save_for_backward(gates, before, w_hh, mask)
-        ctx.reverse = reverse
-        return states, final
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_states: Tensor | None, grad_final: Tensor | None):
-        gates, before, w_hh, mask = ctx.saved_tensors
-        grad_states = torch.zeros_like(before) if grad_states is None else grad_states.contiguous()
-        grad_final = torch.zeros_like(before[0]) if grad_final is None else grad_final.contiguous()
-        grad_gi, grad_h0, grad_w_hh, grad_b_hh = kernel().gru_backward(grad_states, grad_final, gates, before, w_hh, mask, ctx.reverse)
-        return grad_gi, grad_h0, grad_w_hh, grad_b_hh, None, None
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("copytask's fused CPU kernels have no second derivative (double backward); "
+                       "build the model with fused=False (train.fused=false) for one")
+
+
+@torch.library.custom_op("copytask::gru_forward", mutates_args=())
+def gru_forward(gi: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor, mask: Tensor, reverse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One direction of one layer, time first: gi = W_ih x + b_ih (T, B, 3H), h0 (B, H), w_hh (3H, H),
+    b_hh (3H), mask (T, B) float (1 real, 0 padding) or empty -> states (T, B, H), final (B, H),
+    and, saved for the backward pass (no gradient flows back through them), gates (T, B, 4H) and
+    the state before each step (T, B, H)."""
+    return tuple(_library().gru_forward(gi.contiguous(), h0.contiguous(), w_hh.contiguous(), b_hh.contiguous(), mask.contiguous(), reverse))
+
+
+@gru_forward.register_fake
+def _(gi, h0, w_hh, b_hh, mask, reverse):
+    (steps, batch, _), hidden = gi.shape, h0.size(1)
+    return gi.new_empty(steps, batch, hidden), h0.new_empty(batch, hidden), gi.new_empty(steps, batch, 4 * hidden), gi.new_empty(steps, batch, hidden)
+
+
+@torch.library.custom_op("copytask::gru_backward", mutates_args=())
+def gru_backward(
+    grad_states: Tensor, grad_final: Tensor, gates: Tensor, before: Tensor, w_hh: Tensor, mask: Tensor, reverse: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> gradients of gi (T, B, 3H), h0 (B, H), w_hh (3H, H), b_hh (3H)."""
+    tensors = (grad_states, grad_final, gates, before, w_hh, mask)
+    return tuple(_library().gru_backward(*(t.contiguous() for t in tensors), reverse))
+
+
+@gru_backward.register_fake
+def _(grad_states, grad_final, gates, before, w_hh, mask, reverse):
+    (steps, batch, hidden) = before.shape
+    return before.new_empty(steps, batch, 3 * hidden), before.new_empty(batch, hidden), w_hh.new_empty(w_hh.shape), w_hh.new_empty(w_hh.size(0))
+
+
+def _gru_setup(ctx, inputs, output):
+    _, _, w_hh, _, mask, reverse = inputs
+    ctx.save_for_backward(output[2], output[3], w_hh, mask)
+    ctx.reverse = reverse
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a tensor of zeros
+
+
+def _gru_backward(ctx, grad_states, grad_final, _grad_gates, _grad_before):
+    gates, before, w_hh, mask = ctx.saved_tensors
+    grad_states = torch.zeros_like(before) if grad_states is None else grad_states
+    grad_final = torch.zeros_like(before[0]) if grad_final is None else grad_final
+    return *gru_backward(grad_states, grad_final, gates, before, w_hh, mask, ctx.reverse), None, None
+
+
+gru_forward.register_autograd(_gru_backward, setup_context=_gru_setup)
 
 
 class GRU(nn.GRU):
@@ -178,56 +262,121 @@ class GRU(nn.GRU):
         states, finals = [], []
         for direction, suffix in enumerate(("_l0", "_l0_reverse")[:directions]):
             w_ih, w_hh, b_ih, b_hh = (getattr(self, name + suffix) for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
-            gi = F.linear(x, w_ih, b_ih).contiguous()  # (T, B, 3H): the input's share of the gates, all steps at once
-            direction_states, final = _GRURecurrence.apply(gi, hx[direction].contiguous(), w_hh, b_hh, mask, direction == 1)
+            gi = F.linear(x, w_ih, b_ih)  # (T, B, 3H): the input's share of the gates, all steps at once
+            direction_states, final, _, _ = gru_forward(gi, hx[direction], w_hh, b_hh, mask, direction == 1)
             states.append(direction_states)
             finals.append(final)
         states = torch.cat(states, dim=-1) if directions == 2 else states[0]
         return states.transpose(0, 1), torch.stack(finals)
 
 
-class _AdditiveScores(torch.autograd.Function):
+@torch.library.custom_op("copytask::additive_forward", mutates_args=())
+def additive_forward(queries: Tensor, keys: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """queries W q (B, T_dec, A), keys U h + b (B, T_enc, A), v (A) -> v . tanh(W q_t + U h_i)
+    (B, T_dec, T_enc), and, saved for the backward pass (no gradient flows back through it), the
+    tanh (B, T_dec, T_enc, A)."""
+    return tuple(_library().additive_forward(queries.contiguous(), keys.contiguous(), v.contiguous()))
+
+
+@additive_forward.register_fake
+def _(queries, keys, v):
+    (batch, steps, attention), source = queries.shape, keys.size(1)
+    return queries.new_empty(batch, steps, source), queries.new_empty(batch, steps, source, attention)
+
+
+@torch.library.custom_op("copytask::additive_backward", mutates_args=())
+def additive_backward(grad_scores: Tensor, u: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """-> gradients of queries (B, T_dec, A), keys (B, T_enc, A) and v (A)."""
+    return tuple(_library().additive_backward(grad_scores.contiguous(), u.contiguous(), v.contiguous()))
+
+
+@additive_backward.register_fake
+def _(grad_scores, u, v):
+    return u.new_empty(u.size(0), u.size(1), u.size(3)), u.new_empty(u.size(0), u.size(2), u.size(3)), v.new_empty(v.shape)
+
+
+def _additive_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], inputs[2])
+    ctx.set_materialize_grads(False)
+
+
+def _additive_backward(ctx, grad_scores, _grad_u):
+    return additive_backward(grad_scores, *ctx.saved_tensors)
+
+
+additive_forward.register_autograd(_additive_backward, setup_context=_additive_setup)
+
+
+def additive_scores(queries: Tensor, keys: Tensor, v: Tensor) -> Tensor:
     """queries W q (B, T_dec, A), keys U h + b (B, T_enc, A), v (A) -> v . tanh(W q_t + U h_i) (B, T_dec, T_enc)."""
-
-    @staticmethod
-    def forward(ctx, queries: Tensor, keys: Tensor, v: Tensor) -> Tensor:
-        scores, u = kernel().additive_forward(queries.contiguous(), keys.contiguous(), v.contiguous())
-        ctx.save_for_backward(u, v)
-        return scores
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_scores: Tensor):
-        u, v = ctx.saved_tensors
-        return tuple(kernel().additive_backward(grad_scores.contiguous(), u, v.contiguous()))
+    return additive_forward(queries, keys, v)[0]
 
 
-additive_scores = _AdditiveScores.apply
-
-
-class _BahdanauRecurrence(torch.autograd.Function):
+@torch.library.custom_op("copytask::bahdanau_forward", mutates_args=())
+def bahdanau_forward(
+    embedded: Tensor, s0: Tensor, keys: Tensor, values: Tensor, mask: Tensor, w_q: Tensor, v: Tensor,
+    w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Time first: embedded (T_dec, B, E), s0 (B, H), keys (B, T_enc, A), values (B, T_enc, H),
-    mask (B, T_enc) float or empty, then the parameters -> states s_1..s_T, contexts (T_dec, B, H),
-    weights (T_dec, B, T_enc)."""
+    mask (B, T_enc) float or empty, then the attention's w_q (A, H) and v (A) and the GRU cell's
+    parameters -> states s_1..s_T, contexts (T_dec, B, H), weights (T_dec, B, T_enc), and, saved
+    for the backward pass (no gradient flows back through them), the score's tanh
+    (T_dec, B, T_enc, A), GRU inputs (T_dec, B, E + H), gates (T_dec, B, 4H) and the state before
+    each step (T_dec, B, H)."""
+    tensors = (embedded, s0, keys, values, mask, w_q, v, w_ih, b_ih, w_hh, b_hh)
+    return tuple(_library().bahdanau_forward(*(t.contiguous() for t in tensors)))
 
-    @staticmethod
-    def forward(ctx, embedded, s0, keys, values, mask, w_q, v, w_ih, b_ih, w_hh, b_hh):
-        states, contexts, weights, u, inputs, gates, before = kernel().bahdanau_forward(
-            embedded, s0, keys, values, mask, w_q, v, w_ih, b_ih, w_hh, b_hh
-        )
-        ctx.save_for_backward(weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh)
-        return states, contexts, weights
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_states, grad_contexts, grad_weights):
-        weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh = ctx.saved_tensors
-        grad_states = torch.zeros_like(before) if grad_states is None else grad_states.contiguous()
-        grad_contexts = torch.zeros_like(before) if grad_contexts is None else grad_contexts.contiguous()
-        grad_weights = weights.new_empty(0) if grad_weights is None else grad_weights.contiguous()
-        grads = kernel().bahdanau_backward(grad_states, grad_contexts, grad_weights, weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh)
-        grad_embedded, grad_s0, grad_keys, grad_values, grad_w_q, grad_v, *grad_cell = grads
-        return (grad_embedded, grad_s0, grad_keys, grad_values, None, grad_w_q, grad_v, *grad_cell)
+@bahdanau_forward.register_fake
+def _(embedded, s0, keys, values, mask, w_q, v, w_ih, b_ih, w_hh, b_hh):
+    (steps, batch, embedding), (_, source, attention), hidden = embedded.shape, keys.shape, s0.size(1)
+    new = embedded.new_empty
+    return (new(steps, batch, hidden), new(steps, batch, hidden), new(steps, batch, source), new(steps, batch, source, attention),
+            new(steps, batch, embedding + hidden), new(steps, batch, 4 * hidden), new(steps, batch, hidden))
+
+
+@torch.library.custom_op("copytask::bahdanau_backward", mutates_args=())
+def bahdanau_backward(
+    grad_states: Tensor, grad_contexts: Tensor, grad_weights: Tensor, weights: Tensor, u: Tensor,
+    inputs: Tensor, gates: Tensor, before: Tensor, values: Tensor, w_q: Tensor, v: Tensor, w_ih: Tensor, w_hh: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """grad_weights may be empty (no gradient reaches the weights) -> gradients of embedded, s0,
+    keys, values, w_q, v, w_ih, b_ih, w_hh, b_hh."""
+    tensors = (grad_states, grad_contexts, grad_weights, weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh)
+    return tuple(_library().bahdanau_backward(*(t.contiguous() for t in tensors)))
+
+
+@bahdanau_backward.register_fake
+def _(grad_states, grad_contexts, grad_weights, weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh):
+    (steps, batch, source, attention), embedding = u.shape, w_ih.size(1) - before.size(2)
+    keys = u.new_empty(batch, source, attention)
+    like = [inputs[..., :embedding], before[0], keys, values, w_q, v, w_ih, w_ih[:, 0], w_hh, w_hh[:, 0]]
+    return tuple(t.new_empty(t.shape) for t in like)
+
+
+def _bahdanau_setup(ctx, inputs, output):
+    _, _, _, values, _, w_q, v, w_ih, _, w_hh, _ = inputs
+    weights, u, gru_inputs, gates, before = output[2:]
+    ctx.save_for_backward(weights, u, gru_inputs, gates, before, values, w_q, v, w_ih, w_hh)
+    ctx.set_materialize_grads(False)
+
+
+def _bahdanau_backward(ctx, grad_states, grad_contexts, grad_weights, *_grad_saved):
+    weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh = ctx.saved_tensors
+    grad_states = torch.zeros_like(before) if grad_states is None else grad_states
+    grad_contexts = torch.zeros_like(before) if grad_contexts is None else grad_contexts
+    grad_weights = weights.new_empty(0) if grad_weights is None else grad_weights
+    grads = bahdanau_backward(grad_states, grad_contexts, grad_weights, weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh)
+    grad_embedded, grad_s0, grad_keys, grad_values, *grad_parameters = grads
+    return grad_embedded, grad_s0, grad_keys, grad_values, None, *grad_parameters
+
+
+bahdanau_forward.register_autograd(_bahdanau_backward, setup_context=_bahdanau_setup)
+
+for _op in (gru_backward, additive_backward, bahdanau_backward):
+    _op.register_autograd(_no_double_backward)
+for _op in (gru_forward, additive_forward, bahdanau_forward):
+    torch.library.register_autocast(_op, "cpu", torch.float32)  # like torch's float32 ops: inputs cast up
 
 
 def bahdanau_decode(
@@ -236,9 +385,8 @@ def bahdanau_decode(
     """Bahdanau's teacher-forced decoder loop in the kernel, batch first: embedded (B, T_dec, E),
     s0 (B, H), keys U h + b (B, T_enc, A), values (B, T_enc, H), mask (B, T_enc) bool, w_q (A, H),
     v (A,) -> states s_1..s_T (B, T_dec, H), contexts (B, T_dec, H), weights (B, T_dec, T_enc)."""
-    states, contexts, weights = _BahdanauRecurrence.apply(
-        embedded.transpose(0, 1).contiguous(), s0.contiguous(), keys.contiguous(), values.contiguous(), padding(mask),
-        w_q, v, cell.weight_ih, cell.bias_ih, cell.weight_hh, cell.bias_hh,
+    states, contexts, weights, *_ = bahdanau_forward(
+        embedded.transpose(0, 1), s0, keys, values, padding(mask), w_q, v, cell.weight_ih, cell.bias_ih, cell.weight_hh, cell.bias_hh
     )
     return states.transpose(0, 1), contexts.transpose(0, 1), weights.transpose(0, 1)
 

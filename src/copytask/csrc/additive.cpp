@@ -12,10 +12,15 @@ using at::Tensor;
 
 // queries W q (B, T, A), keys U h + b (B, S, A), v (A) -> scores (B, T, S), and u (B, T, S, A).
 std::vector<Tensor> additive_forward(const Tensor& queries, const Tensor& keys, const Tensor& v) {
-  check_inputs("additive_forward", {&queries, &keys, &v});
+  const char* kernel = "additive_forward";
+  check_inputs(kernel, {&queries, &keys, &v});
+  check_dim(kernel, "queries", queries, 3);
+  check_dim(kernel, "keys", keys, 3);
   const int64_t B = queries.size(0), T = queries.size(1), A = queries.size(2), S = keys.size(1);
+  check_shape(kernel, "keys", keys, {B, S, A});
+  check_shape(kernel, "v", v, {A});
   auto scores = at::empty({B, T, S}, queries.options());
-  auto u = at::empty({B, T, S, A}, queries.options());
+  auto u = reusable_empty({B, T, S, A});
   const float* q_p = queries.data_ptr<float>();
   const float* k_p = keys.data_ptr<float>();
   const float* v_p = v.data_ptr<float>();
@@ -31,8 +36,12 @@ std::vector<Tensor> additive_forward(const Tensor& queries, const Tensor& keys, 
 
 // grad_scores (B, T, S), u, v -> gradients of queries (B, T, A), keys (B, S, A), v (A).
 std::vector<Tensor> additive_backward(const Tensor& grad_scores, const Tensor& u, const Tensor& v) {
-  check_inputs("additive_backward", {&grad_scores, &u, &v});
+  const char* kernel = "additive_backward";
+  check_inputs(kernel, {&grad_scores, &u, &v});
+  check_dim(kernel, "u", u, 4);
   const int64_t B = u.size(0), T = u.size(1), S = u.size(2), A = u.size(3);
+  check_shape(kernel, "grad_scores", grad_scores, {B, T, S});
+  check_shape(kernel, "v", v, {A});
   auto grad_q = at::zeros({B, T, A}, u.options());
   auto grad_k = at::zeros({B, S, A}, u.options());
   auto grad_v = at::zeros({A}, u.options());

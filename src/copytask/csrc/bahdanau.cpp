@@ -29,17 +29,31 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
                                      const Tensor& values, const Tensor& mask, const Tensor& w_q,
                                      const Tensor& v, const Tensor& w_ih, const Tensor& b_ih,
                                      const Tensor& w_hh, const Tensor& b_hh) {
-  check_inputs("bahdanau_forward", {&embedded, &s0, &keys, &values, &mask, &w_q, &v, &w_ih, &b_ih, &w_hh, &b_hh});
+  const char* kernel = "bahdanau_forward";
+  check_inputs(kernel, {&embedded, &s0, &keys, &values, &mask, &w_q, &v, &w_ih, &b_ih, &w_hh, &b_hh});
+  check_dim(kernel, "embedded", embedded, 3);
+  check_dim(kernel, "s0", s0, 2);
+  check_dim(kernel, "keys", keys, 3);
   const int64_t T = embedded.size(0), B = embedded.size(1), E = embedded.size(2);
   const int64_t S = keys.size(1), A = keys.size(2), H = s0.size(1);
+  check_shape(kernel, "s0", s0, {B, H});
+  check_shape(kernel, "keys", keys, {B, S, A});
+  check_shape(kernel, "values", values, {B, S, H});
+  check_shape_or_empty(kernel, "mask", mask, {B, S});
+  check_shape(kernel, "w_q", w_q, {A, H});
+  check_shape(kernel, "v", v, {A});
+  check_shape(kernel, "w_ih", w_ih, {3 * H, E + H});
+  check_shape(kernel, "b_ih", b_ih, {3 * H});
+  check_shape(kernel, "w_hh", w_hh, {3 * H, H});
+  check_shape(kernel, "b_hh", b_hh, {3 * H});
   const auto opts = embedded.options();
   auto states = at::empty({T, B, H}, opts);
   auto weights = at::empty({T, B, S}, opts);
-  auto u = at::empty({T, B, S, A}, opts);
+  auto u = reusable_empty({T, B, S, A});
   auto inputs = at::empty({T, B, E + H}, opts);
+  auto q = at::empty({B, A}, opts);
   auto gates = at::empty({T, B, 4 * H}, opts);
   auto before = at::empty({T, B, H}, opts);
-  auto q = at::empty({B, A}, opts);
   auto gi = at::empty({B, 3 * H}, opts);
   auto gh = at::empty({B, 3 * H}, opts);
   auto s = s0.contiguous().clone();
@@ -58,11 +72,10 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
     at::mm_out(q, s, w_q_t);
     float* x_t = inputs.data_ptr<float>() + t * B * (E + H);
     for (int64_t b = 0; b < B; ++b) {
-      const float* __restrict qb = q_p + b * A;
-      float* __restrict ub = u.data_ptr<float>() + (t * B + b) * S * A;
       float* __restrict wb = weights.data_ptr<float>() + (t * B + b) * S;
-      additive_row(qb, keys_p + b * S * A, v_p, S, A, ub, wb);
-      float top = -FLT_MAX;  // finite: the kernel is built with -ffast-math, which assumes no infinities
+      float* __restrict ub = u.data_ptr<float>() + (t * B + b) * S * A;
+      additive_row(q_p + b * A, keys_p + b * S * A, v_p, S, A, ub, wb);
+      float top = -FLT_MAX;  // a NaN score is passed over here and makes its row NaN below, as in torch
       for (int64_t i = 0; i < S; ++i)
         if (!masked || mask_p[b * S + i] != 0.f) top = std::max(top, wb[i]);
       float total = 0.f;
@@ -107,11 +120,27 @@ std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& g
                                       const Tensor& inputs, const Tensor& gates, const Tensor& before,
                                       const Tensor& values, const Tensor& w_q, const Tensor& v,
                                       const Tensor& w_ih, const Tensor& w_hh) {
-  check_inputs("bahdanau_backward", {&grad_states, &grad_contexts, &grad_weights, &weights, &u, &inputs, &gates,
-                                     &before, &values, &w_q, &v, &w_ih, &w_hh});
+  const char* kernel = "bahdanau_backward";
+  check_inputs(kernel, {&grad_states, &grad_contexts, &grad_weights, &weights, &u, &inputs, &gates, &before, &values,
+                        &w_q, &v, &w_ih, &w_hh});
+  check_dim(kernel, "u", u, 4);
+  check_dim(kernel, "before", before, 3);
+  check_dim(kernel, "w_ih", w_ih, 2);
   const int64_t T = u.size(0), B = u.size(1), S = u.size(2), A = u.size(3);
-  const int64_t H = before.size(2), E = inputs.size(2) - H;
-  const auto opts = u.options();
+  const int64_t H = before.size(2), E = w_ih.size(1) - H;
+  check_shape(kernel, "before", before, {T, B, H});
+  check_shape(kernel, "grad_states", grad_states, {T, B, H});
+  check_shape(kernel, "grad_contexts", grad_contexts, {T, B, H});
+  check_shape_or_empty(kernel, "grad_weights", grad_weights, {T, B, S});
+  check_shape(kernel, "weights", weights, {T, B, S});
+  check_shape(kernel, "inputs", inputs, {T, B, E + H});
+  check_shape(kernel, "gates", gates, {T, B, 4 * H});
+  check_shape(kernel, "values", values, {B, S, H});
+  check_shape(kernel, "w_q", w_q, {A, H});
+  check_shape(kernel, "v", v, {A});
+  check_shape(kernel, "w_ih", w_ih, {3 * H, E + H});
+  check_shape(kernel, "w_hh", w_hh, {3 * H, H});
+  const auto opts = before.options();
   auto grad_gi = at::empty({T, B, 3 * H}, opts);
   auto grad_gh = at::empty({T, B, 3 * H}, opts);
   auto grad_q = at::empty({T, B, A}, opts);

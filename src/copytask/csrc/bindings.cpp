@@ -2,9 +2,6 @@
 #include <torch/extension.h>
 
 #include <vector>
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
 
 using at::Tensor;
 
@@ -25,13 +22,6 @@ std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& g
                                       const Tensor& w_ih, const Tensor& w_hh);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-#ifdef __GLIBC__
-  // glibc hands every block over 32 MB straight back to the kernel and maps a fresh one on the
-  // next request, so the 53 MB of Bahdanau's saved scores at length 80 page-faulted in anew at
-  // every training step: 25 of the forward pass's 67 ms. Keep freed blocks up to 1 GB for reuse.
-  mallopt(M_MMAP_THRESHOLD, 1 << 30);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-#endif
   m.def("gru_forward", &gru_forward, "one GRU layer's recurrence, forward (csrc/gru.cpp)");
   m.def("gru_backward", &gru_backward, "one GRU layer's recurrence, backward");
   m.def("additive_forward", &additive_forward, "the additive score of every (query, key) pair, forward (csrc/additive.cpp)");

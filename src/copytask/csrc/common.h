@@ -7,7 +7,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
+#include <mutex>
+#include <utility>
 
 // The kernels read raw float pointers: every tensor they take must be contiguous float32 on CPU
 // (copytask/kernels.py sees to it; this guards against a caller that does not).
@@ -18,11 +21,27 @@ static inline void check_inputs(const char* kernel, std::initializer_list<const 
                 t->scalar_type(), ", on ", t->device());
 }
 
+// ...and they index those pointers by sizes taken from a few of the tensors, so every other
+// tensor must have the shape those sizes imply, or it would be read out of bounds.
+static inline void check_dim(const char* kernel, const char* name, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim, kernel, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
+}
+static inline void check_shape(const char* kernel, const char* name, const at::Tensor& t, at::IntArrayRef shape) {
+  TORCH_CHECK(t.sizes() == shape, kernel, ": ", name, " must have shape ", shape, ", got ", t.sizes());
+}
+// A mask (or an optional gradient) may also be empty: nothing padded (nothing to add).
+static inline void check_shape_or_empty(const char* kernel, const char* name, const at::Tensor& t, at::IntArrayRef shape) {
+  if (t.numel() > 0) check_shape(kernel, name, t, shape);
+}
+
 // tanh as a rational function of x (odd degree 13 over even degree 6) on [-7.9, 7.9], where it
 // reaches +-1 in float: Eigen's float tanh (generic_fast_tanh_float), within a few ulp. No exp,
-// so it vectorises into multiplies and adds wherever the compiler vectorises the loop.
+// so it vectorises into multiplies and adds wherever the compiler vectorises the loop. The clamp
+// is written with comparisons, false for NaN, so that NaN passes through as in torch (fmin and
+// fmax would return the bound); inf is clamped to the bound, giving +-1 as torch does.
 static inline float tanh_(float x) {
-  x = std::fmin(std::fmax(x, -7.90531110763549805f), 7.90531110763549805f);
+  constexpr float bound = 7.90531110763549805f;
+  x = x < -bound ? -bound : (x > bound ? bound : x);
   const float x2 = x * x;
   float p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
   p = x2 * p + -8.60467152213735e-11f;
@@ -69,6 +88,40 @@ static inline void gru_cell_backward(const float* __restrict saved, const float*
     grad_gh[2 * H + j] = d_n * r;
     grad_h[j] = grad_next[j] * z;
   }
+}
+
+// The additive score's tanh, (T_dec, T_enc, A) per sequence, kept for the backward pass: 53 MB at
+// length 80, freed after every backward pass and asked for again by the next forward pass. glibc
+// maps a block that large afresh at every request and page-faults it in (25 of a Bahdanau forward
+// pass's 67 ms), so the kernels keep the largest freed one for the next request: memory held by
+// the kernels, where a process-wide setting of the allocator's thresholds would serve everyone.
+namespace spare {
+inline std::mutex mutex;
+inline void* block = nullptr;
+inline size_t bytes = 0;
+}  // namespace spare
+
+static inline void keep_or_free(void* data, size_t bytes) {
+  std::lock_guard<std::mutex> lock(spare::mutex);
+  if (bytes > spare::bytes) std::swap(data, spare::block), std::swap(bytes, spare::bytes);
+  std::free(data);
+}
+
+// An uninitialised float32 CPU tensor, in the spare block where it is large enough.
+static inline at::Tensor reusable_empty(at::IntArrayRef sizes) {
+  size_t bytes = sizeof(float);
+  for (int64_t size : sizes) bytes *= static_cast<size_t>(size);
+  void* data = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(spare::mutex);
+    if (spare::block != nullptr && spare::bytes >= bytes) {
+      data = spare::block, bytes = spare::bytes;
+      spare::block = nullptr, spare::bytes = 0;
+    }
+  }
+  if (data == nullptr) data = std::malloc(bytes > 0 ? bytes : 1);
+  TORCH_CHECK(data != nullptr, "out of memory allocating ", bytes, " bytes");
+  return at::from_blob(data, sizes, [data, bytes](void*) { keep_or_free(data, bytes); }, at::kFloat);
 }
 
 // The additive score of one query against S keys: scores[i] = v . tanh(q + keys[i]), q and v

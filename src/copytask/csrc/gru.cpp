@@ -24,8 +24,16 @@ using at::Tensor;
 //    (T, B, 4H: r, z, n, gh_n) and the state before each step (T, B, H).
 std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor& w_hh, const Tensor& b_hh,
                             const Tensor& mask, bool reverse) {
-  check_inputs("gru_forward", {&gi, &h0, &w_hh, &b_hh, &mask});
+  const char* kernel = "gru_forward";
+  check_inputs(kernel, {&gi, &h0, &w_hh, &b_hh, &mask});
+  check_dim(kernel, "gi", gi, 3);
+  check_dim(kernel, "h0", h0, 2);
   const int64_t T = gi.size(0), B = gi.size(1), H = h0.size(1);
+  check_shape(kernel, "gi", gi, {T, B, 3 * H});
+  check_shape(kernel, "h0", h0, {B, H});
+  check_shape(kernel, "w_hh", w_hh, {3 * H, H});
+  check_shape(kernel, "b_hh", b_hh, {3 * H});
+  check_shape_or_empty(kernel, "mask", mask, {T, B});
   auto states = at::empty({T, B, H}, gi.options());
   auto gates = at::empty({T, B, 4 * H}, gi.options());
   auto before = at::empty({T, B, H}, gi.options());
@@ -54,9 +62,13 @@ std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor
       const float m = masked ? mask_p[bt] : 1.f;
       std::memcpy(before_p + bt * H, hb, sizeof(float) * H);
       gru_cell(x, g, hb, H, saved, next.data());
-      for (int64_t j = 0; j < H; ++j) {
-        out[j] = m * next[j];
-        hb[j] = m * next[j] + (1.f - m) * hb[j];  // padding leaves the state alone, as packing does
+      // padding leaves the state alone and outputs zero, as packing does; chosen, not multiplied
+      // by the mask, so that a NaN computed at a padded position stays out as in torch
+      if (m != 0.f) {
+        std::memcpy(out, next.data(), sizeof(float) * H);
+        std::memcpy(hb, next.data(), sizeof(float) * H);
+      } else {
+        std::memset(out, 0, sizeof(float) * H);
       }
     }
   }
@@ -67,12 +79,19 @@ std::vector<Tensor> gru_forward(const Tensor& gi, const Tensor& h0, const Tensor
 // -> gradients of gi (T, B, 3H), h0 (B, H), w_hh (3H, H), b_hh (3H).
 std::vector<Tensor> gru_backward(const Tensor& grad_states, const Tensor& grad_final, const Tensor& gates,
                              const Tensor& before, const Tensor& w_hh, const Tensor& mask, bool reverse) {
-  check_inputs("gru_backward", {&grad_states, &grad_final, &gates, &before, &w_hh, &mask});
-  const int64_t T = gates.size(0), B = gates.size(1), H = before.size(2);
+  const char* kernel = "gru_backward";
+  check_inputs(kernel, {&grad_states, &grad_final, &gates, &before, &w_hh, &mask});
+  check_dim(kernel, "before", before, 3);
+  const int64_t T = before.size(0), B = before.size(1), H = before.size(2);
+  check_shape(kernel, "grad_states", grad_states, {T, B, H});
+  check_shape(kernel, "grad_final", grad_final, {B, H});
+  check_shape(kernel, "gates", gates, {T, B, 4 * H});
+  check_shape(kernel, "w_hh", w_hh, {3 * H, H});
+  check_shape_or_empty(kernel, "mask", mask, {T, B});
   auto grad_gi = at::empty({T, B, 3 * H}, gates.options());
   auto grad_gh = at::empty({T, B, 3 * H}, gates.options());
   auto grad_h = grad_final.contiguous().clone();  // gradient reaching the state after step t
-  std::vector<float> grad_next(H), direct(H);
+  std::vector<float> grad_next(H);
   const bool masked = mask.numel() > 0;
   const float* mask_p = masked ? mask.data_ptr<float>() : nullptr;
   const float* grad_states_p = grad_states.data_ptr<float>();
@@ -91,10 +110,13 @@ std::vector<Tensor> gru_backward(const Tensor& grad_states, const Tensor& grad_f
       float* __restrict gi_b = grad_gi_p + bt * 3 * H;
       float* __restrict gh_b = grad_gh_p + bt * 3 * H;
       float* __restrict d = grad_h_p + b * H;
-      const float m = masked ? mask_p[bt] : 1.f;
-      for (int64_t j = 0; j < H; ++j) grad_next[j] = m * (d[j] + go[j]);
-      gru_cell_backward(saved, hb, grad_next.data(), H, gi_b, gh_b, direct.data());
-      for (int64_t j = 0; j < H; ++j) d[j] = direct[j] + (1.f - m) * d[j];  // padding passes the gradient through
+      if (masked && mask_p[bt] == 0.f) {  // padding passes the gradient through, untouched by its gates
+        std::memset(gi_b, 0, sizeof(float) * 3 * H);
+        std::memset(gh_b, 0, sizeof(float) * 3 * H);
+        continue;
+      }
+      for (int64_t j = 0; j < H; ++j) grad_next[j] = d[j] + go[j];
+      gru_cell_backward(saved, hb, grad_next.data(), H, gi_b, gh_b, d);
     }
     grad_h.addmm_(grad_gh[t], w_hh);  // the path through gh = W_hh h
   }

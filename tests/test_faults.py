@@ -29,24 +29,28 @@ SWEEP = [
 
 @pytest.mark.slow
 def test_a_sweep_killed_mid_run_resumes_without_retraining_or_duplicating(tmp_path):
-    args = [*SWEEP, f"runs_dir={tmp_path}"]
+    runs_dir = tmp_path / "runs"
+    args = [*SWEEP, f"runs_dir={runs_dir}"]
     _, grid = compose_grid(args)
-    sweep = subprocess.Popen(
-        [sys.executable, "-m", "copytask", "sweep", *args],
-        env={**os.environ, "PYTHONPATH": str(SRC)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:  # until two runs are finished and a third is being trained
-            complete = [run for run in grid if store.is_complete(run.folder)]
-            if len(complete) >= 2 and any(run.folder.is_dir() for run in grid if run not in complete):
-                break
-            assert sweep.poll() is None, sweep.communicate()[1]
-            assert time.monotonic() < deadline, "timed out"
-            time.sleep(0.02)
-    finally:
-        sweep.kill()  # SIGKILL
-        sweep.communicate()
+    with open(tmp_path / "stderr.txt", "w+") as stderr:
+        sweep = subprocess.Popen(
+            [sys.executable, "-m", "copytask", "sweep", *args],
+            env={**os.environ, "PYTHONPATH": str(SRC)}, stdout=subprocess.DEVNULL, stderr=stderr,
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while True:  # until two runs are finished and a third is being trained
+                complete = [run for run in grid if store.is_complete(run.folder)]
+                if len(complete) >= 2 and any(run.folder.is_dir() for run in grid if run not in complete):
+                    break
+                if sweep.poll() is not None:
+                    stderr.seek(0)
+                    pytest.fail(f"the sweep ended before it was killed: {stderr.read()}")
+                assert time.monotonic() < deadline, "timed out"
+                time.sleep(0.02)
+        finally:
+            sweep.kill()  # SIGKILL
+            sweep.wait()
     finished = {run.folder: (run.folder / store.METRICS).read_bytes() for run in grid if store.is_complete(run.folder)}
     interrupted = [run.folder for run in grid if run.folder.is_dir() and run.folder not in finished]
     assert len(finished) >= 2 and interrupted
@@ -60,6 +64,6 @@ def test_a_sweep_killed_mid_run_resumes_without_retraining_or_duplicating(tmp_pa
     trained = [line.split(":")[0] for line in again.stdout.splitlines() if "greedy token acc" in line]
     assert sorted(trained) == sorted(run.folder.name for run in grid if run.folder not in finished)
     assert set(folder.name for folder in interrupted) <= set(trained)
-    table = pd.read_csv(tmp_path / "results.csv")
+    table = pd.read_csv(runs_dir / "results.csv")
     assert sorted(table["run"]) == sorted(run.folder.name for run in grid)  # one row per run, none twice
     assert table[["token_acc", "seq_acc", "params"]].notna().all().all() and (table["steps"] == 100).all()

@@ -125,3 +125,36 @@ def test_a_run_in_training_is_left_alone_and_a_killed_ones_lock_is_taken_over(ma
     third = run_cli("train", *TINY, f"runs_dir={runs_dir}")
     assert third.returncode == 0, third.stderr
     assert f"{folder.name}: greedy token acc" in third.stdout and store.is_complete(folder)
+
+
+# A run's identity: the computation, in one spelling.
+
+
+def test_one_computation_is_one_run_however_it_is_spelled(make_config):
+    name = store.run_name(make_config())
+    assert store.run_name(make_config("train.clip=1")) == name  # the default is 1.0
+    assert store.run_name(make_config("train.lr=0.006")) == name  # 6.0e-3
+    assert store.run_name(make_config("attention.heads=1")) == name  # the default, given explicitly
+    assert store.run_name(make_config("attention=none", "+attention.heads=1")) == store.run_name(make_config("attention=none"))
+    assert store.run_name(make_config("task.min_length=3")) == name  # used only with task.variable_length
+    assert store.run_name(make_config("train.schedule=constant", "train.warmup=0.1")) == store.run_name(make_config("train.schedule=constant"))
+    # what is saved, where and how fast: not what is computed
+    for extra in ("train.attention_samples=0", "train.threads=1", "train.progress=false", "train.fused=false", "runs_dir=elsewhere"):
+        assert store.run_name(make_config(extra)).split("-")[-1] == name.split("-")[-1], extra
+
+
+def test_what_changes_the_computation_changes_the_run(make_config):
+    names = {store.run_name(make_config(*extra)) for extra in (
+        [], ["train.clip=2"], ["attention.heads=2"], ["task.variable_length=true"],
+        ["task.variable_length=true", "task.min_length=3"], ["train.warmup=0.1"], ["train.eval_seed=1"],
+    )}
+    assert len(names) == 7
+
+
+def test_a_key_added_at_its_neutral_value_renames_no_existing_run(make_config, monkeypatch):
+    """A later version adds a key whose default is what the code computed before: the runs made
+    before it keep their names."""
+    before = store.run_name(make_config())
+    monkeypatch.setitem(store.NEUTRAL, "train.label_smoothing", 0.0)
+    assert store.run_name(make_config("+train.label_smoothing=0.0")) == before
+    assert store.run_name(make_config("+train.label_smoothing=0.1")) != before

@@ -108,6 +108,24 @@ def test_greedy_evaluation_in_pieces_equals_one_piece(make_config, attention):
         torch.testing.assert_close(whole["weights"], pieces["weights"])
 
 
+@pytest.mark.parametrize("seed", [0, 1234], ids=["seed0", "seed=eval_seed"])
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # train_step is replaced
+def test_no_heldout_sequence_is_ever_trained_on(make_config, monkeypatch, seed):
+    """Length 2 has 81 sequences and the held-out set holds 32 of them: without the exclusion
+    about 40% of training rows would be held-out ones. With seed == train.eval_seed the training
+    generator starts where the held-out set's did, so its first batch would be the held-out set."""
+    cfg = make_config(*TINY, "task.length=2", "train.eval_size=32", "train.patience=null", f"seed={seed}", "train.eval_seed=1234")
+    heldout = {tuple(row) for row in eval_batch(cfg).src.tolist()}
+    trained = []
+    monkeypatch.setattr("copytask.train.train_step", lambda model, optimizer, batch, clip: trained.append(batch) or torch.tensor(1.0))
+    train(cfg)
+    rows = [tuple(row) for batch in trained for row in batch.src.tolist()]
+    assert len(trained) == 10 and len(rows) == 80
+    assert not heldout & set(rows)
+    first = trained[0]  # the redrawn rows are whole sequences: target = source, then EOS
+    assert torch.equal(first.tgt_out[:, :2], first.src) and torch.equal(first.tgt_in[:, 1:], first.src)
+
+
 def test_interrupted_run_never_looks_complete_and_is_trained_again(make_config, monkeypatch):
     cfg = make_config(*TINY)
 

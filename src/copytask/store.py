@@ -27,9 +27,19 @@ FAILED = "failed.json"
 ANALYSIS = "analysis.json"  # derived by `copytask analyze`, the one file added after training
 
 
-# Keys that change where or how fast a run computes, not what (results agree to float rounding);
-# `analysis` and `report` only set how finished runs are analysed and drawn.
-NOT_IDENTITY = ("runs_dir", "retrain", "train.device", "train.threads", "train.fused", "train.progress", "analysis", "report")
+# Keys that change where or how fast a run computes, or what it saves, not what it computes (results
+# agree to float rounding); `analysis` and `report` only set how finished runs are analysed and drawn.
+NOT_IDENTITY = ("runs_dir", "retrain", "train.device", "train.threads", "train.fused", "train.progress",
+                "train.attention_samples", "analysis", "report")
+# Keys whose value here is what the code computed before the key existed: at that value a key is left
+# out of the identity, so that adding a key (with such a default) renames no existing run, and giving
+# it explicitly (`+attention.heads=1` for an attention type without heads) is the same run.
+NEUTRAL = {"attention.heads": 1}
+# Keys that change nothing unless another key has a value: (key, condition on the config).
+UNUSED_UNLESS = {
+    "task.min_length": lambda config: config["task"].get("variable_length"),
+    "train.warmup": lambda config: config["train"].get("schedule") == "onecycle",
+}
 
 
 def warn(message: str) -> None:
@@ -37,16 +47,44 @@ def warn(message: str) -> None:
     print(f"copytask: warning: {message}", file=sys.stderr)
 
 
+def _pop(config: dict, dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        config = config.get(key, {})
+    config.pop(leaf, None)
+
+
+def _get(config: dict, dotted: str) -> Any:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        config = config.get(key, {})
+    return config.get(leaf)
+
+
+def _normalised(value: Any) -> Any:
+    """One spelling per value: a whole float is an int (`train.clip=1` and `=1.0` are one computation)."""
+    if isinstance(value, dict):
+        return {key: _normalised(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_normalised(item) for item in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def identity(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config without the keys in NOT_IDENTITY."""
+    """What a run computes: its resolved config without the keys in NOT_IDENTITY, those at their
+    NEUTRAL value and those UNUSED_UNLESS another key says so, with numbers in one spelling."""
     config = OmegaConf.to_container(cfg, resolve=True)
+    for dotted, condition in UNUSED_UNLESS.items():
+        if not condition(config):
+            _pop(config, dotted)
+    for dotted, value in NEUTRAL.items():
+        if _get(config, dotted) == value:
+            _pop(config, dotted)
     for dotted in NOT_IDENTITY:
-        *parents, leaf = dotted.split(".")
-        node = config
-        for key in parents:
-            node = node.get(key, {})
-        node.pop(leaf, None)
-    return config
+        _pop(config, dotted)
+    return _normalised(config)
 
 
 def attention_label(name: str, heads: int = 1) -> str:

@@ -355,13 +355,14 @@ def summary(analyses: list[dict], settings: pd.DataFrame | None = None) -> str:
     parts = []
     if not table.empty:
         columns = ["own", *COUNTERFACTUALS, *(f"drop_{n}" for n in COUNTERFACTUALS), *(f"align_{key}" for key in ALIGNMENT)]
-        counterfactual = table.groupby(keys)[columns].mean().join(table.groupby(keys).size().rename("seeds"))
+        grouped = table.groupby(keys, dropna=False)  # a setting a run does not use (NaN) is a value of its own
+        counterfactual = grouped[columns].mean().join(grouped.size().rename("seeds"))
         counterfactual = counterfactual.sort_index(key=_by_length)
         parts.append(
             "greedy token accuracy with the model's own attention and under each counterfactual (mean over seeds)\n"
             + counterfactual.to_string(float_format=number)
         )
-    matrix = generalisation.pivot_table(index=keys, columns="test_length", values="token_acc", aggfunc="mean")
+    matrix = generalisation.groupby([*keys, "test_length"], dropna=False)["token_acc"].mean().unstack("test_length")
     matrix = matrix.sort_index(key=_by_length)
     parts.append(
         "length generalisation: greedy token accuracy, train length (rows) x test length (columns)\n"

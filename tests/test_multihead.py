@@ -64,7 +64,7 @@ def test_multi_head_model_shares_the_single_head_parameters_and_exposes_each_hea
 
 
 def test_heads_are_refused_where_undefined_or_indivisible():
-    with pytest.raises(ValueError, match="heads=2 needs a dot or general score, got 'additive'"):
+    with pytest.raises(ValueError, match="heads=2 needs a dot, scaled_dot, general, multihead score, got 'additive'"):
         Attention("additive", H, H, attention_size=4, heads=2)
     with pytest.raises(ValueError, match="heads=3 must divide"):
         Attention("general", H, H, heads=3)
@@ -76,6 +76,12 @@ def test_heads_are_refused_where_undefined_or_indivisible():
         (["attention=bahdanau", "+attention.heads=2"], "attention.heads=2 needs Luong attention"),
         (["attention=luong_general", "attention.heads=3"], r"model.hidden_size \(64\) must be divisible by attention.heads \(3\)"),
         (["attention=luong_general", "attention.heads=0"], "attention.heads must be an integer >= 1, got 0"),
+        (["attention=multihead", "attention.heads=16"], "attention.heads must be at most 8, got 16"),
+        (["attention=luong_local", "attention.window=0"], "attention.window must be an integer >= 1, got 0"),
+        (["attention=luong_local", "attention.local=sideways"], "attention.local must be one of None, predictive, monotonic, got 'sideways'"),
+        (["attention=luong_local", "+attention.heads=2"], "attention.local=predictive needs single-head Luong attention, got attention=luong_local with 2 heads"),
+        (["attention=bahdanau", "+attention.local=monotonic", "+attention.window=3"], "attention.local=monotonic needs single-head Luong attention"),
+        (["attention=luong_general", "attention.score=scaled"], "attention.score must be one of null, additive, dot, scaled_dot"),
     ],
 )
 def test_config_validation_names_the_bad_value(overrides, message):

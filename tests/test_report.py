@@ -3,6 +3,7 @@ numbers against results.csv."""
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 
@@ -11,7 +12,7 @@ import pytest
 
 from copytask import analysis, store
 from copytask.cli import main
-from copytask.results import interval
+from copytask.results import TARGET_STEP, comparison_table, interval, summarise, target_step
 from copytask.sweep import compose_grid, variable_length_runs
 
 from .conftest import TINY, overrides
@@ -208,3 +209,25 @@ def test_multi_head_runs_are_labelled_apart(tmp_path):
     assert "| 3 | luong_general-2heads | 1 |" in markdown  # its own row in the accuracy table
     assert "![heads of luong_general-2heads, length 3](heads_luong_general-2heads_length3.png)" in markdown
     assert (runs_dir / "report" / "heads_luong_general-2heads_length3.png").stat().st_size > 1000
+
+
+def test_steps_to_target_is_the_first_evaluation_at_target_over_the_seeds_that_reached_it(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / store.HISTORY).write_text("step,loss,token_acc,seq_acc,seconds\n50,1.0,0.5,0.0,1\n100,0.1,0.995,0.9,2\n150,0.1,0.98,0.8,3\n")
+    assert target_step(folder, 0.99) == 100  # the first hit, though accuracy fell again after it
+    assert math.isnan(target_step(folder, 0.999)) and math.isnan(target_step(tmp_path / "nowhere", 0.99))
+
+    runs = [
+        {"length": 5, "attention": "none", "seed": seed, "token_acc": 0.5, "seq_acc": 0.0, "chance": 1 / 9, "params": 10, TARGET_STEP: math.nan}
+        for seed in range(3)
+    ] + [
+        {"length": 5, "attention": "luong_general", "seed": seed, "token_acc": 0.99, "seq_acc": 0.9, "chance": 1 / 9, "params": 12, TARGET_STEP: step}
+        for seed, step in enumerate([100, 200, math.nan])
+    ]
+    summary = summarise(pd.DataFrame(runs))
+    attended = summary.set_index("attention").loc["luong_general"]
+    assert attended[TARGET_STEP] == 150 and attended["reached"] == 2 and attended[f"{TARGET_STEP}_lo"] < 150
+    shown = comparison_table(summary).set_index("attention")["steps to target [95% CI]"]
+    assert shown["none"] == "never"
+    assert re.fullmatch(r"150 \[0, \d[\d,]*\] \(2/3\)", shown["luong_general"])  # t-interval with 1 df: wide, clipped at 0

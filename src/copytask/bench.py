@@ -8,7 +8,9 @@ The key=value overrides are the training configs' (`train.threads=1`, `train.dev
 
 - ms per training step (forward, backward, clipping, Adam) and target tokens per second:
   both models share weights and batch; every round times each (attention, implementation)
-  once, interleaved, and the median over the rounds after warm-up is reported;
+  once, interleaved, and the median over the rounds after warm-up is reported. The reference
+  implements the CLASSICAL attention types; the others (scaled dot, multi-head, local) are the
+  project's only, and `vs_luong_general` compares every type's step with Luong general's;
 - FLOPs of one step (matrix products only, `FlopCounterMode`) and the fraction of this
   machine's matmul rate (a large `torch.mm`) the step reaches;
 - at the longest length, peak memory of a short training run in a fresh process;
@@ -49,8 +51,14 @@ from .reference import ReferenceSeq2Seq
 from .sweep import cpu_model
 from .train import build_model, resolve_device, sample_batch, train, train_step
 
-ATTENTIONS = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")
+CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # what the reference implements
+ATTENTIONS = (*CLASSICAL, "scaled_dot", "multihead", "luong_local", "luong_local_m")
 IMPLEMENTATIONS = {"project": Seq2Seq, "reference": ReferenceSeq2Seq}
+
+
+def implementations(attention: str) -> list[str]:
+    """The implementations of an attention type: the project's, and the reference's for CLASSICAL ones."""
+    return list(IMPLEMENTATIONS) if attention in CLASSICAL else ["project"]
 TARGET_ATTENTIONS = ("bahdanau", "luong_general")
 # Time to target, each implementation with its usual optimiser settings (config overrides). The
 # reference's are those of the classical tutorials (e.g. bentrevett/pytorch-seq2seq, PyTorch's
@@ -85,11 +93,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def setups(cfg: DictConfig, device: torch.device) -> dict[str, Setup]:
-    """Project and reference model with the same weights, each with its Adam, on one batch."""
+    """Project and (for CLASSICAL attention) reference model with the same weights, each with its
+    Adam, on one batch."""
     batch = sample_batch(cfg, cfg.train.batch_size, torch.Generator().manual_seed(cfg.seed)).to(device)
     torch.manual_seed(cfg.seed)
-    models = {name: build_model(cfg, cls).to(device) for name, cls in IMPLEMENTATIONS.items()}
-    models["reference"].load_state_dict(models["project"].state_dict())
+    models = {name: build_model(cfg, IMPLEMENTATIONS[name]).to(device) for name in implementations(cfg.attention.name)}
+    if "reference" in models:
+        models["reference"].load_state_dict(models["project"].state_dict())
     return {name: (m, torch.optim.Adam(m.parameters(), lr=cfg.train.lr), batch, cfg.train.clip) for name, m in models.items()}
 
 
@@ -133,7 +143,8 @@ def matmul_rate(device: torch.device, size: int, repeats: int = 5) -> float:
 def speed(lengths: list[int], overrides: list[str], repeats: int, warmup: int, device: torch.device) -> pd.DataFrame:
     """ms/step, tokens/s and FLOPs for every (attention, length, implementation)."""
     rows = []
-    bar = tqdm(total=len(lengths) * len(ATTENTIONS) * len(IMPLEMENTATIONS) * (warmup + repeats), desc="step times", unit="step")
+    setups_per_length = sum(len(implementations(attention)) for attention in ATTENTIONS)
+    bar = tqdm(total=len(lengths) * setups_per_length * (warmup + repeats), desc="step times", unit="step")
     for length in lengths:
         cfgs = {attention: bench_config(attention, length, overrides) for attention in ATTENTIONS}
         runs = {(attention, name): setup for attention, cfg in cfgs.items() for name, setup in setups(cfg, device).items()}
@@ -196,7 +207,7 @@ def memory(attentions: list[str], length: int, overrides: list[str], steps: int)
     """training_memory for every (attention, implementation), each in its own process."""
     package_root = str(Path(__file__).resolve().parents[1])  # this checkout's copytask, not another install
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
-    keys = [(attention, name) for attention in attentions for name in IMPLEMENTATIONS]
+    keys = [(attention, name) for attention in attentions for name in implementations(attention)]
 
     def measure(key: tuple[str, str]) -> dict:
         args = json.dumps([*key, length, overrides, steps])
@@ -215,8 +226,8 @@ def time_to_target(attentions: list[str], length: int, overrides: list[str], set
     never reached within the budget) and the seconds trained in all."""
     rows = []
     for attention in attentions:
-        for name, cls in IMPLEMENTATIONS.items():
-            own = TARGET_SETTINGS[settings][name]
+        for name in implementations(attention):
+            cls, own = IMPLEMENTATIONS[name], TARGET_SETTINGS[settings][name]
             cfg = bench_config(attention, length, [*own, *overrides, f"runs_dir={runs_dir / name}", "train.patience=1"])
             folder = store.run_dir(cfg)
             shutil.rmtree(folder, ignore_errors=True)  # measure afresh, never reuse a finished run
@@ -244,13 +255,18 @@ def machine(device: torch.device) -> str:
 
 
 def wide(long: pd.DataFrame) -> pd.DataFrame:
-    """One row per (attention, length): each measure for project and reference, and the speedup."""
+    """One row per (attention, length): each measure for project and reference, the speedup, and the
+    project's step time against Luong general's at the same length."""
     table = long.pivot_table(index=["attention", "length", "batch_size"], columns="implementation", aggfunc="first", sort=False, dropna=False)
     table.columns = [f"{measure}_{name}" for measure, name in table.columns]
-    table.insert(0, "speedup", table.ms_per_step_reference / table.ms_per_step_project)
+    table = table.reset_index()
+    table.insert(3, "speedup", table.ms_per_step_reference / table.ms_per_step_project)
+    if "luong_general" in set(table.attention):
+        general = table[table.attention == "luong_general"].set_index("length").ms_per_step_project
+        table.insert(4, "vs_luong_general", table.ms_per_step_project / table.length.map(general))
     if "target_s_project" in table:
-        table.insert(1, "target_speedup", table.target_s_reference / table.target_s_project)
-    return table.reset_index()
+        table.insert(4, "target_speedup", table.target_s_reference / table.target_s_project)
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     store.atomic_write(args.csv, table.to_csv(index=False))
-    shown = ["attention", "length", "speedup", "ms_per_step_project", "ms_per_step_reference", "tokens_per_s_project", "tokens_per_s_reference",
+    shown = ["attention", "length", "speedup", "vs_luong_general", "ms_per_step_project", "ms_per_step_reference", "tokens_per_s_project", "tokens_per_s_reference",
              "peak_mb_project", "peak_mb_reference", "train_mb_project", "train_mb_reference", "matmul_peak_fraction_project", "matmul_peak_fraction_reference"]
     if args.time_to_target:
         shown += ["target_speedup", "target_s_project", "target_s_reference", "target_steps_project", "target_steps_reference"]

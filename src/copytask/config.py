@@ -25,7 +25,10 @@ class ConfigError(ValueError):
 
 TASKS = ("copy", "reverse")
 DECODERS = ("plain", "bahdanau", "luong")
-MULTI_HEAD_SCORES = ("dot", "general")  # a dot product splits into per-head dot products; additive does not
+SCORES = ("additive", "dot", "scaled_dot", "general", "multihead")  # how a decoder state scores an encoder state
+MULTI_HEAD_SCORES = ("dot", "scaled_dot", "general", "multihead")  # a dot product splits into per-head ones; additive does not
+LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
+MAX_HEADS = 8
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("onecycle", "constant")
 
@@ -52,15 +55,27 @@ def validate(cfg: DictConfig) -> None:
     at_least("model.hidden_size", model.hidden_size, 2 if model.bidirectional else 1)
     if model.bidirectional and model.hidden_size % 2:
         raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
-    if cfg.attention.score == "additive":
-        at_least("attention.size", cfg.attention.size, 1)
-    heads = cfg.attention.get("heads", 1)
+    attention = cfg.attention
+    if attention.score not in (None, *SCORES):
+        raise ConfigError(f"attention.score must be one of null, {', '.join(SCORES)}, got {attention.score!r}")
+    if attention.score == "additive":
+        at_least("attention.size", attention.size, 1)
+    heads = attention.get("heads", 1)
     at_least("attention.heads", heads, 1)
-    if heads > 1 and (cfg.attention.decoder != "luong" or cfg.attention.score not in MULTI_HEAD_SCORES):
+    if heads > MAX_HEADS:
+        raise ConfigError(f"attention.heads must be at most {MAX_HEADS}, got {heads}")
+    if heads > 1 and (attention.decoder != "luong" or attention.score not in MULTI_HEAD_SCORES):
         raise ConfigError(
-            f"attention.heads={heads} needs Luong attention with a {' or '.join(MULTI_HEAD_SCORES)} score, "
-            f"got attention={cfg.attention.name}"
+            f"attention.heads={heads} needs Luong attention with a {', '.join(MULTI_HEAD_SCORES)} score, "
+            f"got attention={attention.name}"
         )
+    local = attention.get("local")
+    if local not in LOCAL:
+        raise ConfigError(f"attention.local must be one of {', '.join(map(str, LOCAL))}, got {local!r}")
+    if local is not None:
+        if attention.decoder != "luong" or heads > 1 or attention.score == "multihead":
+            raise ConfigError(f"attention.local={local} needs single-head Luong attention, got attention={attention.name} with {heads} heads")
+        at_least("attention.window", attention.get("window"), 1)
     if model.hidden_size % heads:
         raise ConfigError(f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({heads})")
     for key in ("steps", "batch_size", "eval_every", "eval_size"):

@@ -1,4 +1,5 @@
-"""GRU encoder-decoders: no attention, Bahdanau (additive) and Luong (dot / general / concat).
+"""GRU encoder-decoders: no attention, Bahdanau (additive) and Luong (dot / scaled dot / general /
+concat / torch's multi-head; global or local).
 
 Shapes: B batch, T_enc source length, T_dec target length, E embedding size, H hidden size,
 V total vocabulary (content symbols + PAD, BOS, EOS). The encoder's states and final state
@@ -54,7 +55,7 @@ class PlainDecoder(nn.Module):
         states, _ = self.rnn(self.embedding(tgt_in), final[None])  # (B, T_dec, H)
         return self.out(states), None
 
-    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor):
+    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, t: int):
         state, _ = self.rnn(self.embedding(tokens)[:, None], hidden[None])  # (B, 1, H)
         return self.out(state[:, 0]), None, state[:, 0]
 
@@ -97,7 +98,7 @@ class BahdanauDecoder(nn.Module):
             states, contexts, weights = torch.stack(states, 1), torch.stack(contexts, 1), torch.stack(weights, 1)
         return self.out(torch.cat([states, contexts], dim=-1)), weights  # readout from (B, T_dec, 2H)
 
-    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor):
+    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, t: int):
         hidden, context, weights = self._advance(self.embedding(tokens), hidden, memory, src_mask)
         return self.out(torch.cat([hidden, context], dim=-1)), weights, hidden
 
@@ -116,31 +117,34 @@ class LuongDecoder(nn.Module):
         attention_size: int | None,
         heads: int = 1,
         fused: bool = True,
+        local: str | None = None,
+        window: int | None = None,
     ):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
         self.rnn = kernels.GRU(embedding_size, hidden_size, fused=fused)
-        self.attention = Attention(score, hidden_size, hidden_size, attention_size, heads, fused)
+        self.attention = Attention(score, hidden_size, hidden_size, attention_size, heads, fused, local, window)
         self.combine = nn.Linear(2 * hidden_size, hidden_size)  # W_c
         self.out = nn.Linear(hidden_size, vocab)
 
     def memory(self, encoder_states: Tensor) -> Memory:
         return self.attention.project_keys(encoder_states), encoder_states
 
-    def _readout(self, states: Tensor, memory: Memory, src_mask: Tensor):
-        """states s_t (B, T_dec, H) -> logits (B, T_dec, V), weights (B, T_dec, T_enc)."""
+    def _readout(self, states: Tensor, memory: Memory, src_mask: Tensor, positions: Tensor):
+        """states s_t (B, T_dec, H) at output steps `positions` (T_dec,) -> logits (B, T_dec, V), weights (B, T_dec, T_enc)."""
         keys, values = memory
-        context, weights = self.attention(states, keys, values, src_mask)
+        context, weights = self.attention(states, keys, values, src_mask, positions)
         attentional = torch.tanh(self.combine(torch.cat([states, context], dim=-1)))
         return self.out(attentional), weights
 
     def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
         states, _ = self.rnn(self.embedding(tgt_in), final[None])  # (B, T_dec, H), all steps at once
-        return self._readout(states, self.memory(encoder_states), src_mask)
+        positions = torch.arange(tgt_in.size(1), device=tgt_in.device)
+        return self._readout(states, self.memory(encoder_states), src_mask, positions)
 
-    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor):
+    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, t: int):
         state, _ = self.rnn(self.embedding(tokens)[:, None], hidden[None])  # (B, 1, H)
-        logits, weights = self._readout(state, memory, src_mask)
+        logits, weights = self._readout(state, memory, src_mask, torch.tensor([t], device=tokens.device))
         return logits[:, 0], weights[:, 0], state[:, 0]
 
 
@@ -154,8 +158,10 @@ class Seq2Seq(nn.Module):
         hidden_size: int = 64,
         attention_size: int | None = None,
         bidirectional: bool = True,
-        heads: int = 1,  # Luong dot / general only
+        heads: int = 1,  # Luong dot / scaled_dot / general / multihead only
         fused: bool = True,  # recurrences in copytask.kernels on CPU where they build; False: torch's ops
+        local: str | None = None,  # Luong only: None (global), "predictive" (local-p) or "monotonic" (local-m)
+        window: int | None = None,  # local: the window's half-width D
     ):
         super().__init__()
         self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused)
@@ -164,7 +170,7 @@ class Seq2Seq(nn.Module):
         elif decoder == "bahdanau":
             self.decoder = BahdanauDecoder(vocab, embedding_size, hidden_size, attention_size, fused)
         elif decoder == "luong":
-            self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size, heads, fused)
+            self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size, heads, fused, local, window)
         else:
             raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
 
@@ -187,8 +193,8 @@ class Seq2Seq(nn.Module):
         memory = self.decoder.memory(encoder_states)
         tokens = torch.full((src.size(0),), BOS, dtype=torch.long, device=src.device)
         outputs, weights = [], []
-        for _ in range(steps):
-            logits, step_weights, hidden = self.decoder.step(tokens, hidden, memory, src_mask)
+        for t in range(steps):
+            logits, step_weights, hidden = self.decoder.step(tokens, hidden, memory, src_mask, t)
             tokens = logits.argmax(-1)
             outputs.append(tokens)
             weights.append(step_weights)

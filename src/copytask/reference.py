@@ -98,10 +98,14 @@ class ReferenceSeq2Seq(nn.Module):
         bidirectional: bool = True,
         heads: int = 1,
         fused: bool = False,  # taken for Seq2Seq's signature; the classical form always runs torch's ops
+        local: str | None = None,
+        window: int | None = None,
     ):
         super().__init__()
         if heads != 1:
             raise ValueError(f"the reference implementation is single-head, got heads={heads}")
+        if local is not None or score in ("scaled_dot", "multihead"):
+            raise ValueError(f"the reference implementation has global additive, dot and general scores only, got {score!r} local={local!r}")
         self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused=False)
         self.decoder = ReferenceDecoder(decoder, vocab, embedding_size, hidden_size, score, attention_size)
 

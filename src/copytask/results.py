@@ -28,6 +28,7 @@ from .sweep import GridRun, Selection, SweepFailed, nothing_done, select_runs, s
 RESULTS_CSV = "results.csv"
 COLUMNS = ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "run")
 ALIGNMENT_COLUMNS = ("align_hit", "align_mass", "align_adjacent")  # from analysis.json, empty for runs without attention or analysis
+TARGET_STEP = "target_step"  # from history.csv: the first evaluation step at train.target_acc, empty if never reached
 BASELINE = "none"
 CONFIDENCE = 0.95
 # Identity keys that are columns of their own (`seed`, `length`), never settings.
@@ -55,6 +56,17 @@ def read_analysis(folder: Path) -> dict | None:
     except (OSError, ValueError) as error:
         store.warn(f"skipping {store.ANALYSIS} of {folder}: {type(error).__name__}: {error}")
         return None
+
+
+def target_step(folder: Path, target: float) -> float:
+    """The first evaluation step whose greedy token accuracy reached `target` (the run's
+    train.target_acc), from its history.csv; NaN if none did (or the history cannot be read)."""
+    try:
+        history = pd.read_csv(folder / store.HISTORY)
+        hit = history["step"][history["token_acc"] >= target]
+    except (OSError, ValueError, KeyError):  # pandas' parser and empty-data errors are ValueErrors
+        return math.nan
+    return float(hit.iloc[0]) if len(hit) else math.nan
 
 
 def flat_identity(run: GridRun) -> dict:
@@ -95,6 +107,7 @@ def load(grid: list[GridRun]) -> Loaded:
                 missing.append((run, reason))
                 continue
             metrics["attention"] = store.attention_label(metrics["attention"], metrics.get("heads", 1))
+            metrics[TARGET_STEP] = target_step(run.folder, run.config.train.target_acc)
             analysis = read_analysis(run.folder)
             if analysis is not None:
                 analyses[metrics["run"]] = analysis
@@ -111,7 +124,7 @@ def load(grid: list[GridRun]) -> Loaded:
         configs = pd.DataFrame(configs)
         settings = setting_keys(configs, table["attention"])
         table = pd.concat([table, configs[settings]], axis=1)
-        first = [*COLUMNS, *ALIGNMENT_COLUMNS, *settings]
+        first = [*COLUMNS, TARGET_STEP, *ALIGNMENT_COLUMNS, *settings]
         table = table.reindex(columns=[*first, *(c for c in table.columns if c not in first)])
     return Loaded(table, runs, missing, analyses, settings)
 
@@ -120,7 +133,7 @@ def save(loaded: Loaded, runs_dir: Path) -> Path:
     """runs_dir/results.csv, written atomically: one row per run, its settings, and `config`, the
     path of its resolved config.yaml relative to runs_dir."""
     path = Path(runs_dir) / RESULTS_CSV
-    table = loaded.table[[*COLUMNS, *ALIGNMENT_COLUMNS, *loaded.settings]].copy()
+    table = loaded.table[[*COLUMNS, TARGET_STEP, *ALIGNMENT_COLUMNS, *loaded.settings]].copy()
     table["config"] = [f"{run}/{store.CONFIG}" for run in table["run"]]
     store.atomic_write(path, table.to_csv(index=False))
     return path
@@ -137,7 +150,8 @@ def interval(values: pd.Series) -> tuple[float, float, float]:
 
 def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
     """One row per (settings..., length, attention), baseline first within each: seeds, mean and
-    interval of token and sequence accuracy, chance, params, and the gap of each mean to the mean
+    interval of token and sequence accuracy and of the steps to the target accuracy (over the
+    `reached` runs that got there), chance, params, and the gap of each mean to the mean
     of the baseline with the same settings and length (empty where there is no such baseline;
     `attention.*` settings are not matched, as the baseline has no attention)."""
     keys = [*settings, "length", "attention"]
@@ -146,6 +160,9 @@ def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
         row = dict(zip(keys, values)) | {"seeds": group["seed"].nunique()}
         for metric in ("token_acc", "seq_acc"):
             row[metric], row[f"{metric}_lo"], row[f"{metric}_hi"] = interval(group[metric])
+        reached = group[TARGET_STEP].dropna()  # the step's mean is over the seeds that got there
+        row[TARGET_STEP], row[f"{TARGET_STEP}_lo"], row[f"{TARGET_STEP}_hi"] = interval(reached)
+        row["reached"] = len(reached)
         row["chance"] = group["chance"].iloc[0]
         row["params"] = group["params"].iloc[0]
         rows.append(row)
@@ -187,6 +204,15 @@ def comparison_table(summary: pd.DataFrame, settings: list[str] = ()) -> pd.Data
     def gap(value: float) -> str:
         return "" if math.isnan(value) else f"{100 * value:+.1f}"
 
+    def steps(row) -> str:
+        """`650 [520, 780]`, with `(2/3)` where only some runs reached the target; `never` where none did."""
+        if row.reached == 0:
+            return "never"
+        text = f"{row.target_step:,.0f}"
+        if not math.isnan(row.target_step_lo):
+            text += f" [{max(row.target_step_lo, 0):,.0f}, {row.target_step_hi:,.0f}]"
+        return text + (f" ({row.reached}/{row.seeds})" if row.reached < row.seeds else "")
+
     return pd.DataFrame(
         {
             **{key: summary[key].map(setting_value) for key in settings},
@@ -195,6 +221,7 @@ def comparison_table(summary: pd.DataFrame, settings: list[str] = ()) -> pd.Data
             "seeds": summary["seeds"],
             "token acc % [95% CI]": [with_interval(r.token_acc, r.token_acc_lo, r.token_acc_hi) for r in summary.itertuples()],
             "seq acc % [95% CI]": [with_interval(r.seq_acc, r.seq_acc_lo, r.seq_acc_hi) for r in summary.itertuples()],
+            "steps to target [95% CI]": [steps(r) for r in summary.itertuples()],
             "chance %": summary["chance"].map(percent),
             "params": summary["params"].map("{:,}".format),
             f"token gap vs {BASELINE}": summary["token_acc_gap"].map(gap),
@@ -237,6 +264,7 @@ def compare(selection: Selection, missing_only: bool, train_missing: bool, run_s
         print(describe_missing(loaded.missing, len(selection.runs)))
         print(f"train them with: {sweep_command(selection.master)}  (or compare --train-missing)")
     tasks = "/".join(dict.fromkeys(loaded.table["task"]))
-    print(f"{tasks} task, mean over seeds with 95% t-interval (none with one seed), accuracies in %; gap = mean - {BASELINE}'s mean")
+    print(f"{tasks} task, mean over seeds with 95% t-interval (none with one seed), accuracies in %; gap = mean - {BASELINE}'s mean;\n"
+          "steps to target: the first evaluation at train.target_acc greedy token accuracy, over the seeds that reached it (k/n where not all did)")
     print(comparison_table(summarise(loaded.table, loaded.settings), loaded.settings).to_string(index=False))
     return status

@@ -46,6 +46,8 @@ def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.M
         attention_size=cfg.attention.size,
         bidirectional=cfg.model.bidirectional,
         heads=cfg.attention.get("heads", 1),  # absent from configs without multi-head and from older runs
+        local=cfg.attention.get("local"),  # Luong's local attention: absent from global ones
+        window=cfg.attention.get("window"),
         fused=cfg.train.get("fused", True),  # absent from older runs
     )
 

@@ -160,7 +160,8 @@ def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
         row = dict(zip(keys, values)) | {"seeds": group["seed"].nunique()}
         for metric in ("token_acc", "seq_acc"):
             row[metric], row[f"{metric}_lo"], row[f"{metric}_hi"] = interval(group[metric])
-        reached = group[TARGET_STEP].dropna()  # the step's mean is over the seeds that got there
+        # the step's mean is over the seeds that got there; a table from before it was recorded has none
+        reached = group.get(TARGET_STEP, pd.Series(dtype=float)).dropna()
         row[TARGET_STEP], row[f"{TARGET_STEP}_lo"], row[f"{TARGET_STEP}_hi"] = interval(reached)
         row["reached"] = len(reached)
         row["chance"] = group["chance"].iloc[0]

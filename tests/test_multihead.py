@@ -73,14 +73,14 @@ def test_heads_are_refused_where_undefined_or_indivisible():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["attention=bahdanau", "+attention.heads=2"], "attention.heads=2 needs Luong attention"),
+        (["attention=bahdanau", "attention.heads=2"], "attention.heads=2 needs Luong attention"),
         (["attention=luong_general", "attention.heads=3"], r"model.hidden_size \(64\) must be divisible by attention.heads \(3\)"),
         (["attention=luong_general", "attention.heads=0"], "attention.heads must be an integer >= 1, got 0"),
         (["attention=multihead", "attention.heads=16"], "attention.heads must be at most 8, got 16"),
         (["attention=luong_local", "attention.window=0"], "attention.window must be an integer >= 1, got 0"),
         (["attention=luong_local", "attention.local=sideways"], "attention.local must be one of None, predictive, monotonic, got 'sideways'"),
-        (["attention=luong_local", "+attention.heads=2"], "attention.local=predictive needs single-head Luong attention, got attention=luong_local with 2 heads"),
-        (["attention=bahdanau", "+attention.local=monotonic", "+attention.window=3"], "attention.local=monotonic needs single-head Luong attention"),
+        (["attention=luong_local", "attention.heads=2"], "attention.local=predictive needs single-head Luong attention, got attention=luong_local with 2 heads"),
+        (["attention=bahdanau", "attention.local=monotonic", "attention.window=3"], "attention.local=monotonic needs single-head Luong attention"),
         (["attention=luong_general", "attention.score=scaled"], "attention.score must be one of null, additive, dot, scaled_dot"),
     ],
 )

@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 import pytest
+from omegaconf import OmegaConf
 
 from copytask import cli, store
 from copytask.sweep import GridRun
@@ -135,7 +136,8 @@ def test_one_computation_is_one_run_however_it_is_spelled(make_config):
     assert store.run_name(make_config("train.clip=1")) == name  # the default is 1.0
     assert store.run_name(make_config("train.lr=0.006")) == name  # 6.0e-3
     assert store.run_name(make_config("attention.heads=1")) == name  # the default, given explicitly
-    assert store.run_name(make_config("attention=none", "+attention.heads=1")) == store.run_name(make_config("attention=none"))
+    assert store.run_name(make_config("attention=none", "attention.heads=1")) == store.run_name(make_config("attention=none"))
+    assert store.run_name(make_config("attention.window=4")) == name  # used only with attention.local
     assert store.run_name(make_config("task.min_length=3")) == name  # used only with task.variable_length
     assert store.run_name(make_config("train.schedule=constant", "train.warmup=0.1")) == store.run_name(make_config("train.schedule=constant"))
     # what is saved, where and how fast: not what is computed
@@ -154,7 +156,12 @@ def test_what_changes_the_computation_changes_the_run(make_config):
 def test_a_key_added_at_its_neutral_value_renames_no_existing_run(make_config, monkeypatch):
     """A later version adds a key whose default is what the code computed before: the runs made
     before it keep their names."""
+    def with_label_smoothing(value: float):
+        cfg = OmegaConf.create(OmegaConf.to_container(make_config()))  # untyped, as a later schema's would be
+        cfg.train.label_smoothing = value
+        return cfg
+
     before = store.run_name(make_config())
     monkeypatch.setitem(store.NEUTRAL, "train.label_smoothing", 0.0)
-    assert store.run_name(make_config("+train.label_smoothing=0.0")) == before
-    assert store.run_name(make_config("+train.label_smoothing=0.1")) != before
+    assert store.run_name(with_label_smoothing(0.0)) == before
+    assert store.run_name(with_label_smoothing(0.1)) != before

@@ -43,7 +43,6 @@ def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
         ("task.name=sort", "'sort'"),
         ("attention.decoder=transformer", "'transformer'"),
         ("train.schedule=cosine", "'cosine'"),
-        ("train.fused=maybe", "train.fused must be true or false, got 'maybe'"),
         ("train.warmup=2", "train.warmup must be a fraction between 0 and 1, got 2"),
         ("train.clip=0", "train.clip must be a positive number, got 0"),
         ("train.target_acc=99", r"train.target_acc must be a number in \[0, 1\], got 99"),
@@ -57,6 +56,22 @@ def test_bad_values_are_refused_before_training(make_config, override, named):
     with pytest.raises(ConfigError):
         train(cfg)
     assert not (tmp := store.run_dir(cfg)).exists(), tmp
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("task.length=oops", "task.length must be an integer >= 1, got 'oops'"),
+        ("task.length=2.5", "task.length must be an integer >= 1, got 2.5"),
+        ("train.lr=fast", "train.lr must be a number, got 'fast'"),
+        ("train.fused=maybe", "train.fused must be true or false, got 'maybe'"),
+        ("attention.window=wide", "attention.window must be an integer >= 1, got 'wide'"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_by_the_schema_in_one_line(override, message):
+    with pytest.raises(ConfigError) as refused:
+        compose_grid([override], multirun=False)  # Hydra refuses it while composing, before validate
+    assert str(refused.value) == message
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

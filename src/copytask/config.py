@@ -12,11 +12,13 @@ import difflib
 import itertools
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
+from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
 
 class ConfigError(ValueError):
@@ -33,71 +35,143 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("onecycle", "constant")
 
 
+# The schema: every key's type, which Hydra checks as it composes (configs/config.yaml names it
+# first in its defaults), so a value of the wrong type is refused before `validate` sees it; the
+# values and meanings are in configs/. A key an option leaves out gets the default here.
+@dataclass
+class TaskConfig:
+    name: str = MISSING
+    length: int = MISSING
+    vocab_size: int = MISSING
+    variable_length: bool = False
+    min_length: int = 1
+
+
+@dataclass
+class ModelConfig:
+    embedding_size: int = MISSING
+    hidden_size: int = MISSING
+    bidirectional: bool = True
+
+
+@dataclass
+class AttentionConfig:
+    name: str = MISSING
+    decoder: str = MISSING
+    score: Optional[str] = None
+    size: Optional[int] = None
+    heads: int = 1
+    local: Optional[str] = None
+    window: Optional[int] = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = MISSING
+    batch_size: int = MISSING
+    lr: float = MISSING
+    schedule: str = MISSING
+    warmup: float = MISSING
+    clip: float = MISSING
+    eval_every: int = MISSING
+    eval_size: int = MISSING
+    eval_seed: int = MISSING
+    target_acc: float = MISSING
+    patience: Optional[int] = None
+    device: str = "auto"
+    threads: Optional[int] = None
+    fused: bool = True
+    progress: bool = True
+    attention_samples: int = 0
+
+
+@dataclass
+class AnalysisConfig:
+    eval_size: Optional[int] = None
+    threads: Optional[int] = None
+
+
+@dataclass
+class ReportConfig:
+    x: str = "task.length"
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    runs_dir: str = "runs"
+    retrain: bool = False
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+
+
+SCHEMA = "copytask_schema"
+ConfigStore.instance().store(name=SCHEMA, node=Config)
+
+# The smallest value of each integer key (a key left null where the schema allows it is not checked).
+MINIMUM = {
+    "seed": 0, "task.length": 1, "task.vocab_size": 2,  # one symbol would make copying trivial
+    "task.min_length": 1, "model.embedding_size": 1, "model.hidden_size": 1, "attention.size": 1,
+    "attention.heads": 1, "attention.window": 1, "train.steps": 1, "train.batch_size": 1,
+    "train.eval_every": 1, "train.eval_size": 1, "train.eval_seed": 0, "train.patience": 1,
+    "train.threads": 1, "train.attention_samples": 0, "analysis.eval_size": 1, "analysis.threads": 1,
+}
+TYPES = {"Integer": "an integer", "Float": "a number", "bool": "true or false"}  # as OmegaConf names them
+
+
 def validate(cfg: DictConfig) -> None:
-    """Refuse bad values before anything is trained or written: ConfigError naming the key, the value and what is allowed."""
-    task, train, model = cfg.task, cfg.train, cfg.model
-
-    def at_least(name: str, value, low: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-
+    """Refuse bad values before anything is trained or written: ConfigError naming the key, the
+    value and what is allowed. Types are the schema's (checked by Hydra); this checks ranges."""
+    task, train, model, attention = cfg.task, cfg.train, cfg.model, cfg.attention
+    for key, low in MINIMUM.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < low:
+            raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
     if task.name not in TASKS:
         raise ConfigError(f"task.name must be one of {', '.join(TASKS)}, got {task.name!r}")
-    at_least("task.length", task.length, 1)
-    at_least("task.vocab_size", task.vocab_size, 2)  # one symbol would make copying trivial
-    if task.variable_length:
-        at_least("task.min_length", task.min_length, 1)
-        if task.min_length > task.length:
-            raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")
-    if cfg.attention.decoder not in DECODERS:
-        raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {cfg.attention.decoder!r}")
-    at_least("model.embedding_size", model.embedding_size, 1)
-    at_least("model.hidden_size", model.hidden_size, 2 if model.bidirectional else 1)
+    if task.variable_length and task.min_length > task.length:
+        raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")
+    if attention.decoder not in DECODERS:
+        raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
     if model.bidirectional and model.hidden_size % 2:
         raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
-    attention = cfg.attention
     if attention.score not in (None, *SCORES):
         raise ConfigError(f"attention.score must be one of null, {', '.join(SCORES)}, got {attention.score!r}")
-    if attention.score == "additive":
-        at_least("attention.size", attention.size, 1)
-    heads = attention.get("heads", 1)
-    at_least("attention.heads", heads, 1)
-    if heads > MAX_HEADS:
-        raise ConfigError(f"attention.heads must be at most {MAX_HEADS}, got {heads}")
-    if heads > 1 and (attention.decoder != "luong" or attention.score not in MULTI_HEAD_SCORES):
+    if attention.score == "additive" and attention.size is None:
+        raise ConfigError("attention.size must be an integer >= 1 with the additive score, got null")
+    if attention.heads > MAX_HEADS:
+        raise ConfigError(f"attention.heads must be at most {MAX_HEADS}, got {attention.heads}")
+    if attention.heads > 1 and (attention.decoder != "luong" or attention.score not in MULTI_HEAD_SCORES):
         raise ConfigError(
-            f"attention.heads={heads} needs Luong attention with a {', '.join(MULTI_HEAD_SCORES)} score, "
+            f"attention.heads={attention.heads} needs Luong attention with a {', '.join(MULTI_HEAD_SCORES)} score, "
             f"got attention={attention.name}"
         )
-    local = attention.get("local")
-    if local not in LOCAL:
-        raise ConfigError(f"attention.local must be one of {', '.join(map(str, LOCAL))}, got {local!r}")
-    if local is not None:
-        if attention.decoder != "luong" or heads > 1 or attention.score == "multihead":
-            raise ConfigError(f"attention.local={local} needs single-head Luong attention, got attention={attention.name} with {heads} heads")
-        at_least("attention.window", attention.get("window"), 1)
-    if model.hidden_size % heads:
-        raise ConfigError(f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({heads})")
-    for key in ("steps", "batch_size", "eval_every", "eval_size"):
-        at_least(f"train.{key}", train[key], 1)
-    if not (isinstance(train.lr, (int, float)) and train.lr > 0):
+    if attention.local not in LOCAL:
+        raise ConfigError(f"attention.local must be one of {', '.join(map(str, LOCAL))}, got {attention.local!r}")
+    if attention.local is not None:
+        if attention.decoder != "luong" or attention.heads > 1 or attention.score == "multihead":
+            raise ConfigError(
+                f"attention.local={attention.local} needs single-head Luong attention, "
+                f"got attention={attention.name} with {attention.heads} heads"
+            )
+        if attention.window is None:
+            raise ConfigError(f"attention.window must be an integer >= 1 with attention.local={attention.local}, got null")
+    if model.hidden_size % attention.heads:
+        raise ConfigError(f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})")
+    if train.lr <= 0:
         raise ConfigError(f"train.lr must be a positive number, got {train.lr!r}")
     if train.schedule not in SCHEDULES:
         raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {train.schedule!r}")
-    if train.patience is not None:
-        at_least("train.patience", train.patience, 1)
-    if train.threads is not None:
-        at_least("train.threads", train.threads, 1)
-    if not isinstance(train.get("fused", True), bool):
-        raise ConfigError(f"train.fused must be true or false, got {train.fused!r}")
-    if not (isinstance(train.clip, (int, float)) and train.clip > 0):
+    if train.clip <= 0:
         raise ConfigError(f"train.clip must be a positive number, got {train.clip!r}")
-    if train.schedule == "onecycle" and not (isinstance(train.warmup, (int, float)) and 0 < train.warmup < 1):
+    if train.schedule == "onecycle" and not 0 < train.warmup < 1:
         raise ConfigError(f"train.warmup must be a fraction between 0 and 1, got {train.warmup!r}")
-    if not (isinstance(train.target_acc, (int, float)) and 0 <= train.target_acc <= 1):
+    if not 0 <= train.target_acc <= 1:
         raise ConfigError(f"train.target_acc must be a number in [0, 1], got {train.target_acc!r}")
-    at_least("train.eval_seed", train.eval_seed, 0)
-    at_least("train.attention_samples", train.attention_samples, 0)
     check_device(train.device)
 
 
@@ -146,10 +220,22 @@ def hydra_errors(known_keys: list[str]) -> Iterator[None]:
     except OverrideParseException as error:
         raise ConfigError(str(error).strip().splitlines()[0]) from None
     except ConfigCompositionException as error:
+        if isinstance(error.__cause__, ValidationError):  # a value the schema's type refuses
+            raise ConfigError(type_error(error.__cause__)) from None
         unknown = re.match(r"Could not override '([^']+)'", str(error))
         if unknown is None:
             raise ConfigError(str(error).strip().splitlines()[0]) from None
         raise ConfigError(unknown_key(unknown[1], known_keys)) from None
+
+
+def type_error(error: ValidationError) -> str:
+    """`task.length must be an integer >= 1, got 'oops'` for OmegaConf's `Value 'oops' of type 'str'
+    could not be converted to Integer` (`full_key: task.length`), or its `is not a valid bool`."""
+    wanted = re.search(r"converted to (\w+)|is not a valid (\w+)", str(error))
+    wanted = TYPES.get(wanted[1] or wanted[2], f"a {wanted[1] or wanted[2]}") if wanted else "of its schema's type"
+    if error.full_key in MINIMUM:
+        wanted += f" >= {MINIMUM[error.full_key]}"
+    return f"{error.full_key} must be {wanted}, got {error.value!r}"
 
 
 def unknown_key(key: str, known_keys: list[str]) -> str:

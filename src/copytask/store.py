@@ -33,12 +33,13 @@ NOT_IDENTITY = ("runs_dir", "retrain", "train.device", "train.threads", "train.f
                 "train.attention_samples", "analysis", "report")
 # Keys whose value here is what the code computed before the key existed: at that value a key is left
 # out of the identity, so that adding a key (with such a default) renames no existing run, and giving
-# it explicitly (`+attention.heads=1` for an attention type without heads) is the same run.
-NEUTRAL = {"attention.heads": 1}
+# it explicitly (`attention.heads=1`) is the same run.
+NEUTRAL = {"attention.heads": 1, "attention.local": None}
 # Keys that change nothing unless another key has a value: (key, condition on the config).
 UNUSED_UNLESS = {
     "task.min_length": lambda config: config["task"].get("variable_length"),
     "train.warmup": lambda config: config["train"].get("schedule") == "onecycle",
+    "attention.window": lambda config: config["attention"].get("local") is not None,
 }
 
 

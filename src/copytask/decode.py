@@ -86,7 +86,7 @@ def text_heatmap(weights: list[list[float]], source: list[str], rows: list[str],
         for position, weight in enumerate(row):
             mark = COPIED if step < len(copied) and copied[step] == position else " "
             cells.append(SHADES[round(weight * (len(SHADES) - 1))] * (width - 1) + mark)
-        lines.append(f"{name:>{label}} " + "".join(cells).rstrip())
+        lines.append(f"{name:>{label}} {''.join(cells)}".rstrip())
     return lines
 
 

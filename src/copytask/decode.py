@@ -68,7 +68,7 @@ def alignment_lines(source: list[str], output: list[str], target: list[str]) -> 
     widths = [max(len(cells[i]) for cells in (source, output, target) if i < len(cells)) for i in range(len(target))]
 
     def line(name: str, cells: list[str]) -> str:
-        return f"{name:<8}" + " ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
+        return (f"{name:<8}" + " ".join(cell.ljust(width) for cell, width in zip(cells, widths))).rstrip()
 
     marks = [(WRONG if out != want else " ") for out, want in zip(output, target)]
     return [line("input", source), line("output", output), line("target", target), line("", marks)]
@@ -177,7 +177,7 @@ def decode(options: argparse.Namespace, cfg: DictConfig, sequences: list[list[in
 
         sample = {"source": batch.src[0].tolist(), "target": batch.tgt_out[0].tolist(), "output": tokens[0].tolist(),
                   "weights": (maps[0] if heads > 1 else maps[0, 0]).tolist()}  # fmt: skip
-        title = f"{options.run_dir.name}, greedy decoding (token acc {100 * hits[0] / symbols[0]:.1f}%)"
+        title = f"{store.attention_label(cfg.attention.name, heads)}, greedy (token acc {100 * hits[0] / symbols[0]:.1f}%)"
         print(f"attention map: {plot_attention(sample, vocab_size, task, title, options.png)}")
     elif options.png is not None:
         print("no attention map to draw: the model has no attention")

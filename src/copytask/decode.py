@@ -102,16 +102,16 @@ def main(args: list[str]) -> int:
         cfg = read_run(options.run_dir)
         text = " ".join(options.symbols)
         if text.strip() and options.random is not None:
-            raise DecodeError("decode: give symbols or --random N, not both")
+            raise DecodeError("give symbols or --random N, not both")
         if options.random is None:
             if options.length is not None:
-                raise DecodeError("decode: --length goes with --random; the length of given symbols is their number")
+                raise DecodeError("--length goes with --random; the length of given symbols is their number")
             sequences = [parse_symbols(text, cfg.task.vocab_size)]
         else:
             sequences = None
             for name, value in (("--random", options.random), ("--length", options.length)):
                 if value is not None and value < 1:
-                    raise DecodeError(f"decode: {name} must be at least 1, got {value}")
+                    raise DecodeError(f"{name} must be at least 1, got {value}")
     except ValueError as error:  # DecodeError, and parse_symbols' refusals
         return _refuse(error)
     return decode(options, cfg, sequences)

@@ -25,6 +25,8 @@ COMMANDS = [
     ["sweep", "task.length=5,oops"],
     ["report", "runs_dir=/nonexistent"],
     ["compare", "runs_dir=/nonexistent"],
+    ["decode", "--help"],
+    ["decode", "/nonexistent", "abc"],
 ]
 
 

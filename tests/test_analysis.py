@@ -4,6 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -184,13 +185,55 @@ def test_figures_are_drawn_from_the_analysis_files(analysed_runs, tmp_path):
 
     analyses = [store.read_json(folder / store.ANALYSIS) for folder in store.complete_runs(analysed_runs)]
     paths = [
-        analysis_figures.plot_counterfactual(analysis.analysis_table(analyses), tmp_path / "counterfactual.png"),
+        analysis_figures.plot_counterfactual(analysis.analysis_table(analyses).assign(chance=1 / 9), tmp_path / "counterfactual.png"),
         analysis_figures.plot_length_generalisation(analysis.length_generalisation_table(analyses), tmp_path / "generalisation.png"),
     ]
     attended = next(f for f in store.complete_runs(analysed_runs) if f.name.startswith("luong_general"))
-    paths.append(analysis_figures.plot_head_weights(json.loads((attended / store.ANALYSIS).read_text()), tmp_path / "heads.png"))
+    paths.append(analysis_figures.plot_head_weights(json.loads((attended / store.ANALYSIS).read_text()), 9, tmp_path / "heads.png"))
     figure, ax = plt.subplots()
     analysis_figures.plot_per_length(ax, analysis.per_length_table(analyses))
     assert len(ax.lines) == 1
     plt.close(figure)
     assert all(path.stat().st_size > 1000 for path in paths)
+
+
+@pytest.mark.parametrize("task, expected", [("copy", [0, 1, 2, 3]), ("reverse", [3, 2, 1, 0])])
+def test_copied_source_positions_are_the_alignment_targets(task, expected):
+    assert analysis.copied_source_positions(task, 4) == expected
+    lengths = torch.tensor([4, 2])
+    assert analysis.copied_positions(task, lengths, 4)[0].tolist() == expected  # what alignment scores
+
+
+@pytest.mark.parametrize("task", ["copy", "reverse"])
+def test_attention_maps_outline_the_copied_cell_of_every_content_step(task):
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    length = 5
+    sample = {"source": [3, 4, 5, 6, 7], "target": [3, 4, 5, 6, 7, EOS], "output": [3, 4, 4, 6, 7, EOS]}
+    figure, ax = plt.subplots()
+    analysis_figures.draw_attention(ax, torch.rand(length + 1, length).numpy(), sample, 9, task)
+    boxes = [patch for patch in ax.patches if isinstance(patch, Rectangle)]
+    cells = {(round(box.get_y() + 0.5), round(box.get_x() + 0.5)) for box in boxes}  # (output step, source position)
+    plt.close(figure)
+    assert len(boxes) == length  # the EOS row copies nothing
+    assert cells == {(step, step if task == "copy" else length - 1 - step) for step in range(length)}
+
+
+def test_counterfactual_figure_is_in_percent_with_a_chance_line(monkeypatch, tmp_path):
+    figures = []
+    monkeypatch.setattr(analysis_figures, "_save", lambda figure, path, dpi=120: figures.append(figure) or path)
+    rows = [
+        {"run": f"r{length}", "attention": "bahdanau", "task": "copy", "length": length, "train_length": str(length),
+         "seed": 0, "own": 0.9, "uniform": 0.3, "permuted": 0.2, "fixed": 0.15, "chance": 0.25}
+        for length in (5, 10)
+    ]  # fmt: skip
+    analysis_figures.plot_counterfactual(pd.DataFrame(rows), tmp_path / "counterfactual.png")
+
+    (ax,) = [ax for ax in figures[0].axes if ax.get_visible()]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["own"].get_ydata()) == pytest.approx([90, 90])
+    assert ax.get_ylim()[1] > 100 and "%" in ax.get_ylabel()
+    chance = lines["chance (25.0%)"]
+    assert chance.get_linestyle() == "--" and list(chance.get_ydata()) == [25, 25]
+    assert "chance (25.0%)" in [text.get_text() for text in ax.get_legend().get_texts()]

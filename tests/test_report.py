@@ -231,3 +231,21 @@ def test_steps_to_target_is_the_first_evaluation_at_target_over_the_seeds_that_r
     shown = comparison_table(summary).set_index("attention")["steps to target [95% CI]"]
     assert shown["none"] == "never"
     assert re.fullmatch(r"150 \[0, \d[\d,]*\] \(2/3\)", shown["luong_general"])  # t-interval with 1 df: wide, clipped at 0
+
+
+def test_report_heatmaps_outline_the_copied_positions_and_say_so(runs_copy, monkeypatch):
+    from matplotlib.patches import Rectangle
+
+    from copytask import analysis_figures
+
+    outlined, save = {}, analysis_figures._save
+
+    def keep(figure, path, dpi=120):  # count the outlines before the figure is closed
+        outlined[path.name] = sum(isinstance(patch, Rectangle) for patch in figure.axes[0].patches)
+        return save(figure, path, dpi)
+
+    monkeypatch.setattr(analysis_figures, "_save", keep)
+    assert main(["report", *overrides(runs_copy)]) == 0
+    assert outlined["attention_luong_general_length3.png"] == 3  # one per content output step
+    assert outlined["attention_luong_general_length6.png"] == 6
+    assert "red outline marks the source position" in (runs_copy / "report" / "report.md").read_text()

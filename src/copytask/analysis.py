@@ -116,6 +116,12 @@ def copied_positions(task: str, lengths: Tensor, steps: int) -> Tensor:
     return positions.clamp(min=0, max=int(lengths.max()) - 1)
 
 
+def copied_source_positions(task: str, length: int) -> list[int]:
+    """The copied source position of each content output step of one sequence of `length` symbols
+    (`copied_positions`): what the heatmaps mark."""
+    return copied_positions(task, torch.tensor([length]), length)[0].tolist()
+
+
 def alignment(weights: Tensor, batch: Batch, task: str) -> dict[str, float]:
     """weights (B, T_dec, T_enc) from greedy decoding on `batch` -> over all content output steps,
     `hit`: the fraction whose attention argmax is the copied position, `mass`: the mean weight on it,

@@ -47,6 +47,10 @@ commands:
            in runs_dir (writes analysis.json into each run folder; analysed runs are skipped);
            a sweep does this for its own runs before writing the report
              python -m copytask analyze runs_dir=runs analysis.eval_size=512
+  decode   a trained run's greedy output on symbols given by hand or drawn at random (any length),
+           input, output and target aligned with wrong symbols marked, and its attention as text
+             python -m copytask decode runs/<run folder> "g d d c i h"
+             python -m copytask decode runs/<run folder> --random 3 --length 40 [--png map.png]
   build    compile the fused CPU kernels now (else the first CPU run does) and say where
   bench    training speed, memory and time to target against the classical reference
              python -m copytask bench [--quick] [--time-to-target] [train.threads=1]
@@ -56,7 +60,7 @@ task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_
 Hydra's own flags work too (--cfg job, --help)."""
 
 
-COMMANDS = ("train", "sweep", "compare", "report", "analyze", "bench", "build")
+COMMANDS = ("train", "sweep", "compare", "report", "analyze", "decode", "bench", "build")
 COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report": ("--all",)}
 
 
@@ -181,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as error:
             print(f"copytask: error: {error}", file=sys.stderr)
             return 2
+    if command == "decode":
+        from .decode import main as decode  # light: torch only once the request is checked
+
+        return decode(rest)
     if command == "build":
         from . import kernels
 

@@ -1,8 +1,8 @@
 """The copy (and reverse) task: vocabulary, on-the-fly batches, masks.
 
-Token ids: PAD=0, BOS=1, EOS=2, then `vocab_size` content symbols 3 .. 3 + vocab_size - 1.
-A source is `L` content symbols (PAD after its length); the target is the same symbols
-(reversed for `reverse`) followed by EOS. The decoder reads `BOS + target` and predicts
+Token ids: PAD=0, BOS=1, EOS=2, then `vocab_size` content symbols 3 .. 3 + vocab_size - 1 (they
+live in `copytask.vocab`, which also writes them as symbols). A source is `L` content symbols (PAD
+after its length); the target is the same symbols (reversed for `reverse`) followed by EOS. The decoder reads `BOS + target` and predicts
 `target + EOS`, so `T_dec = T_enc + 1`.
 """
 
@@ -14,14 +14,7 @@ import torch
 from torch import Tensor
 
 from .config import TASKS
-
-PAD, BOS, EOS = 0, 1, 2
-NUM_SPECIAL = 3
-
-
-def total_vocab(vocab_size: int) -> int:
-    """Embedding / output size: content symbols plus PAD, BOS, EOS."""
-    return vocab_size + NUM_SPECIAL
+from .vocab import BOS, EOS, NUM_SPECIAL, PAD, total_vocab  # noqa: F401 - the task's tokens, imported from here too
 
 
 def length_mask(lengths: Tensor, max_length: int) -> Tensor:
@@ -84,7 +77,13 @@ def make_batch(
     else:
         lengths = torch.randint(min_length, length + 1, (batch_size,), generator=generator)
     symbols = torch.randint(NUM_SPECIAL, total_vocab(vocab_size), (batch_size, length), generator=generator)
-    positions = torch.arange(length)
+    return task_batch(task, symbols, lengths)
+
+
+def task_batch(task: str, symbols: Tensor, lengths: Tensor) -> Batch:
+    """The batch of the given sources: `symbols` (B, L) content ids (anything past each row's length
+    is ignored), `lengths` (B,) -> sources padded with PAD, and their `task`'s targets."""
+    positions = torch.arange(symbols.size(1))
     valid = positions[None, :] < lengths[:, None]  # (B, L)
     src = symbols.masked_fill(~valid, PAD)
     if task == "reverse":
@@ -92,7 +91,7 @@ def make_batch(
         target = src.gather(1, source_index).masked_fill(~valid, PAD)
     else:
         target = src
-    pad_column = torch.full((batch_size, 1), PAD, dtype=torch.long)
+    pad_column = torch.full((len(src), 1), PAD, dtype=torch.long)
     tgt_out = torch.cat([target, pad_column], dim=1).scatter(1, lengths[:, None], EOS)
-    tgt_in = torch.cat([torch.full((batch_size, 1), BOS, dtype=torch.long), target], dim=1)
+    tgt_in = torch.cat([torch.full((len(src), 1), BOS, dtype=torch.long), target], dim=1)
     return Batch(src, lengths, tgt_in, tgt_out)

@@ -26,8 +26,15 @@ import pandas as pd  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from . import analysis, results, store  # noqa: E402
-from .analysis_figures import draw_matrix, plot_counterfactual, plot_head_weights, plot_length_generalisation, plot_per_length  # noqa: E402
-from .data import BOS, EOS, NUM_SPECIAL, PAD  # noqa: E402
+from .analysis_figures import (  # noqa: E402
+    draw_chance,
+    draw_matrix,
+    plot_attention,
+    plot_counterfactual,
+    plot_head_weights,
+    plot_length_generalisation,
+    plot_per_length,
+)
 from .sweep import SWEEP_RECORD, GridRun, Selection, nothing_done, variable_length_runs  # noqa: E402
 from .config import ConfigError  # noqa: E402
 
@@ -39,15 +46,6 @@ LONGEST_THRESHOLDS = (0.99, 0.5)
 LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]  # one per value of a styled setting
 COUNTERFACTUAL_FIGURE = "counterfactual.png"
 GENERALISATION_FIGURE = "length_generalisation.png"
-SPECIAL_SYMBOLS = {PAD: "·", BOS: "<s>", EOS: "</s>"}
-
-
-def symbol(token: int, vocab_size: int) -> str:
-    """Content symbols as letters a, b, c, ... (numbers past 26 symbols), specials by name."""
-    if token in SPECIAL_SYMBOLS:
-        return SPECIAL_SYMBOLS[token]
-    index = token - NUM_SPECIAL
-    return chr(ord("a") + index) if vocab_size <= 26 else str(index)
 
 
 def colours(attentions: list[str]) -> dict[str, str]:
@@ -125,7 +123,7 @@ def plot_accuracy(summary: pd.DataFrame, settings: list[str], x: str, stem: Path
                 plot_per_length(axis, per_length, metric, colour)
             if metric == "token_acc":
                 for chance in rows["chance"].unique():
-                    axis.axhline(100 * chance, color="grey", linestyle="--", label=f"chance ({100 * chance:.1f}%)")
+                    draw_chance(axis, chance)
             set_numeric_axis(axis, list(summary[x].unique()))
             axis.set(title=f"{title}, {facet}" if facet else title, ylabel="% (held-out set, greedy decoding)", ylim=(-2, 102))
             axis.grid(alpha=0.3)
@@ -192,28 +190,6 @@ def plot_setting_grid(summary: pd.DataFrame, key: str, out: Path) -> list[Path]:
     figure.savefig(longest_path, dpi=120)
     plt.close(figure)
     return [grid_path, longest_path]
-
-
-def plot_heatmap(sample: dict, vocab_size: int, title: str, path: Path) -> None:
-    """Attention weights of one held-out example: output steps (rows) against source positions
-    (columns), symbols on both axes, one colour scale from 0 to 1 for every map. Output symbols
-    that differ from the target are red."""
-    weights = sample["weights"]  # (T_dec, T_enc)
-    rows, columns = len(weights), len(weights[0])
-    size = max(4.0, 0.13 * max(rows, columns))  # about 9 pt per cell keeps a length-80 map readable
-    figure, axis = plt.subplots(figsize=(size + 1.5, size))
-    image = axis.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
-    font = 7 if max(rows, columns) > 30 else 9
-    axis.set_xticks(range(columns), [symbol(t, vocab_size) for t in sample["source"]], fontsize=font)
-    axis.set_yticks(range(rows), [symbol(t, vocab_size) for t in sample["output"][:rows]], fontsize=font)
-    for label, output, target in zip(axis.get_yticklabels(), sample["output"], sample["target"]):
-        if output != target:
-            label.set_color("red")
-    axis.set(xlabel="source symbol", ylabel="output symbol (greedy; red: wrong)", title=title)
-    figure.colorbar(image, ax=axis, fraction=0.04, label="attention weight")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
 
 
 def read_part(run: GridRun, name: str, reader) -> object | None:
@@ -286,7 +262,7 @@ def plot_heatmaps(loaded: results.Loaded, out: Path) -> list[tuple[str, Path]]:
         heading, suffix = run_heading(row, loaded.settings)
         path = out / f"attention_{row['attention']}_length{row['length']}{suffix}.png"
         title = f"{heading}, seed {row['seed']} (run token acc {100 * row['token_acc']:.1f}%)"
-        plot_heatmap(samples["samples"][0], int(row["vocab_size"]), title, path)
+        plot_attention(samples["samples"][0], int(row["vocab_size"]), row["task"], title, path)
         made.append((heading, path))
     return made
 
@@ -301,7 +277,7 @@ def plot_head_heatmaps(loaded: results.Loaded, out: Path) -> list[tuple[str, Pat
         if analysed is None or "head_weights" not in analysed or heading in seen:
             continue
         seen.add(heading)
-        made.append((heading, plot_head_weights(analysed, out / f"heads_{row['attention']}_length{row['length']}{suffix}.png")))
+        made.append((heading, plot_head_weights(analysed, int(row["vocab_size"]), out / f"heads_{row['attention']}_length{row['length']}{suffix}.png")))
     return made
 
 
@@ -474,7 +450,8 @@ def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path, x:
     analysed = with_settings(analysis.analysis_table(analyses), loaded)
     evidence = evidence_tables(analysed, settings)
     if evidence:
-        figures.append(plot_counterfactual(analysed, out / COUNTERFACTUAL_FIGURE, settings))
+        with_chance = analysed.merge(loaded.table[["run", "chance"]], on="run", how="left")
+        figures.append(plot_counterfactual(with_chance, out / COUNTERFACTUAL_FIGURE, settings))
     generalisation = analysis.length_generalisation_table(analyses + variable_analyses)
     if not generalisation.empty:
         generalisation = with_settings(generalisation, loaded)
@@ -543,6 +520,12 @@ def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path, x:
         ]
     if heatmaps or evidence:
         lines += ["## Attention: the evidence, then the maps", "", CAUTION, "", *evidence]
+    if heatmaps or head_heatmaps:
+        lines += [
+            "In each map a red outline marks the source position the output step copies (the diagonal for copy, the "
+            "anti-diagonal for reverse), so attention that lands next to it shows; red output symbols are wrong.",
+            "",
+        ]
     for heading, path in heatmaps:
         lines += [f"### {heading}", "", f"![attention of {heading}]({path.name})", ""]
     for heading, path in head_heatmaps:

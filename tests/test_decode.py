@@ -1,0 +1,153 @@
+"""`python -m copytask decode` on tiny runs of every attention type trained through the real configs:
+the aligned lines and their marks, the text heatmap, --random at another length, --png, the
+reverse task, multi-head maps, and the one-line refusals."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from copytask import cli, decode, store
+from copytask.config import config_dir
+from copytask.vocab import parse_symbols
+
+from .conftest import run_cli
+
+ATTENTION_TYPES = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))  # every one there is
+TRAINED_LENGTH = 4
+HEADS = 4  # configs/attention/multihead.yaml
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny run per attention type on copy, and Luong general on reverse: {"<attention>-<task>": folder}.
+    The models are barely trained: the tests are about what decode shows, not about its accuracy."""
+    runs_dir = tmp_path_factory.mktemp("decode-runs")
+    tiny = ["experiment=quick", "model.hidden_size=8", "model.embedding_size=8", "train.steps=2", "train.eval_every=2",
+            "train.eval_size=8", "train.batch_size=8", "train.threads=1", "train.progress=false",
+            f"task.length={TRAINED_LENGTH}", f"runs_dir={runs_dir}"]  # fmt: skip
+    for attention in ATTENTION_TYPES:
+        assert cli.main(["train", *tiny, f"attention={attention}"]) == 0
+    assert cli.main(["train", *tiny, "attention=luong_general", "task=reverse"]) == 0
+    return {"-".join(folder.name.split("-")[:2]).removesuffix(str(TRAINED_LENGTH)): folder for folder in store.complete_runs(runs_dir)}
+
+
+def decoded(capsys, *args: str) -> list[str]:
+    assert decode.main([str(arg) for arg in args]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def cells(line: str, name: str) -> list[str]:
+    """The symbols of an `input`, `output` or `target` line."""
+    assert line.startswith(name)
+    return line[len(name) :].split()
+
+
+def first_cell(header: str) -> int:
+    """Where a text heatmap's first cell begins: under the first source symbol of its header."""
+    return len(header) - len(header.lstrip())
+
+
+def test_alignment_marks_exactly_the_wrong_output_symbols():
+    source, target = ["a", "10", "c"], ["a", "10", "c", "</s>"]
+    output = ["b", "10", "c", "c"]
+    lines = decode.alignment_lines(source, output, target)
+    assert [line.split()[0] for line in lines[:3]] == ["input", "output", "target"]
+    starts = [match.start() for match in re.finditer(r"\S+", lines[1])][1:]  # where each output symbol begins
+    marks = [match.start() for match in re.finditer(r"\^", lines[3])]
+    assert marks == [starts[0], starts[3]]  # under `b` and under the `c` where </s> belongs
+    assert [match.start() for match in re.finditer(r"\S+", lines[2])][1:] == starts  # target aligned with output
+
+
+def test_text_heatmap_shades_the_weights_and_marks_the_copied_cell():
+    weights = [[1.0, 0.0], [0.5, 0.25], [0.0, 0.0]]
+    lines = decode.text_heatmap(weights, ["a", "b"], ["a", "b", "</s>"], copied=[0, 1])
+    assert lines == ["     a b", "   a █◂", "   b ▒ ░◂", "</s>"]
+
+
+def test_symbols_parse_spaced_or_together_and_refuse_unknown_ones():
+    assert parse_symbols("g d d c", 9) == parse_symbols("gddc", 9) == [9, 6, 6, 5]
+    assert parse_symbols("0 12 3", 30) == [3, 15, 6]
+    with pytest.raises(ValueError, match=r"unknown symbol 'z'.* a b c d e f g h i$"):
+        parse_symbols("a b z", 9)
+    with pytest.raises(ValueError, match="no symbols"):
+        parse_symbols("  ", 9)
+
+
+@pytest.mark.parametrize("attention", ATTENTION_TYPES)
+def test_every_attention_type_decodes_with_one_heatmap_row_per_output_step(runs, capsys, attention):
+    lines = decoded(capsys, runs[f"{attention}-copy"], "g d d c i h")  # longer than trained
+    start = next(i for i, line in enumerate(lines) if line.startswith("input"))
+    assert cells(lines[start], "input") == list("gddcih")
+    assert len(cells(lines[start + 1], "output")) == 7 and cells(lines[start + 2], "target") == [*"gddcih", "</s>"]
+    assert re.fullmatch(r"token accuracy \d/6 \(\d+\.\d%\), sequence (right|wrong)", lines[start + 4])
+    maps = lines[start + 5 :]
+    if attention == "none":
+        assert maps == [] and "no attention (attention=none): no heatmap" in lines
+        return
+    heads = HEADS if attention == "multihead" else 1
+    assert len(maps) == heads * (1 + 7) + (heads if heads > 1 else 0)  # per map: the source header and one row per output step
+    rows = [line for line in maps if decode.COPIED in line]
+    assert len(rows) == heads * 6  # every content step marks its copied position; EOS copies none
+    for step, row in enumerate(rows[:6]):
+        assert row.index(decode.COPIED) == first_cell(maps[1 if heads > 1 else 0]) + 2 * step + 1  # after the cell of source position `step`
+
+
+def test_reverse_target_is_the_reversed_input(runs, capsys):
+    lines = decoded(capsys, runs["luong_general-reverse"], "abcde")
+    assert cells(next(line for line in lines if line.startswith("target")), "target") == [*"edcba", "</s>"]
+    start = lines.index(next(line for line in lines if line.startswith("token accuracy"))) + 1
+    header, rows = lines[start], lines[start + 1 :]
+    assert rows[0].index(decode.COPIED) == first_cell(header) + 2 * 4 + 1  # output step 0 copies the last symbol
+
+
+def test_multihead_shows_one_map_per_head(runs, capsys):
+    lines = decoded(capsys, runs["multihead-copy"], "abc")
+    assert [line for line in lines if line.startswith("head ")] == [f"head {head}" for head in range(HEADS)]
+    assert "one map per head (4 heads)" in lines[1]
+
+
+def test_random_sequences_at_another_length_and_a_png_through_the_cli(runs, tmp_path):
+    png = tmp_path / "map.png"
+    done = run_cli("decode", str(runs["luong_general-copy"]), "--random", "3", "--length", "12", "--png", str(png))
+    assert done.returncode == 0, done.stderr
+    inputs = [line for line in done.stdout.splitlines() if line.startswith("input")]
+    assert len(inputs) == 3 and all(len(cells(line, "input")) == 12 for line in inputs)
+    assert "over the 3 sequences: token accuracy" in done.stdout
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_help_lists_decode(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "decode" in capsys.readouterr().out
+    assert cli.main(["decode", "--help"]) == 0
+    assert "--random" in capsys.readouterr().out
+
+
+def no_checkpoint(runs: dict[str, Path], tmp_path: Path) -> Path:
+    folder = tmp_path / "unfinished"
+    folder.mkdir()
+    (folder / store.CONFIG).write_text((runs["luong_general-copy"] / store.CONFIG).read_text())
+    return folder
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (lambda runs, tmp: [runs["luong_general-copy"], "a b z"], r"unknown symbol 'z'.*a b c d e f g h i"),
+        (lambda runs, tmp: [runs["luong_general-copy"], ""], r"no symbols given"),
+        (lambda runs, tmp: [runs["luong_general-copy"]], r"no symbols given"),
+        (lambda runs, tmp: [no_checkpoint(runs, tmp), "abc"], r"has no checkpoint\.pt"),
+        (lambda runs, tmp: [tmp, "abc"], r"is not a run folder \(no config\.yaml\)"),
+        (lambda runs, tmp: [tmp / "nowhere", "abc"], r"is not a run folder: it does not exist"),
+        (lambda runs, tmp: [runs["luong_general-copy"], "abc", "--random", "2"], r"not both"),
+        (lambda runs, tmp: [runs["luong_general-copy"], "--random", "0"], r"--random must be at least 1"),
+        (lambda runs, tmp: [runs["luong_general-copy"], "--random", "two"], r"--random: invalid int value"),
+    ],
+)
+def test_refusals_are_one_line_and_exit_status_2(runs, tmp_path, args, says):
+    done = run_cli("decode", *map(str, args(runs, tmp_path)))
+    assert done.returncode == 2 and done.stdout == ""
+    assert re.fullmatch(rf"copytask: error: .*{says}.*\n", done.stderr), done.stderr

@@ -9,6 +9,7 @@ input the same way: one line, `copytask: error: ...`, exit status 2.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import itertools
 import re
 from contextlib import contextmanager
@@ -31,6 +32,8 @@ LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m
 MAX_HEADS = 8
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("onecycle", "constant")
+# logger=<name> -> (the tracker, the modules its extra `copytask[<name>]` installs); looked for, not imported, here
+LOGGERS = {"none": None, "tensorboard": ("TensorBoard", ("tensorboard",)), "mlflow": ("MLflow", ("mlflow", "sqlalchemy", "alembic"))}
 
 
 def validate(cfg: DictConfig) -> None:
@@ -99,6 +102,19 @@ def validate(cfg: DictConfig) -> None:
     at_least("train.eval_seed", train.eval_seed, 0)
     at_least("train.attention_samples", train.attention_samples, 0)
     check_device(train.device)
+    check_logger(cfg.get("logger"))
+
+
+def check_logger(logger: DictConfig | None) -> None:
+    """ConfigError unless `logger` (the config's `logger` node; None in older runs: none) names a
+    tracker whose modules are installed. find_spec only looks for them: no slow import here."""
+    name = "none" if logger is None else logger.name
+    if name not in LOGGERS:
+        raise ConfigError(f"logger must be one of {', '.join(LOGGERS)}, got {name!r}")
+    if LOGGERS[name] is not None:
+        tracker, modules = LOGGERS[name]
+        if not all(importlib.util.find_spec(module) for module in modules):
+            raise ConfigError(f"logger={name} needs {tracker}: pip install 'copytask[{name}]'")
 
 
 def check_device(name: str) -> None:
@@ -118,19 +134,20 @@ def config_dir() -> str:
     return str(packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "configs")
 
 
+def flatten(node: dict, prefix: str = "") -> dict[str, object]:
+    """A nested dict's leaves with dotted keys: {"train": {"lr": 0.1}} -> {"train.lr": 0.1}."""
+    flat = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def dotted_keys(cfg: DictConfig) -> list[str]:
     """Every leaf key of `cfg` as `group.key` (hydra's own node left out)."""
-    keys = []
-
-    def walk(node: dict, prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            else:
-                keys.append(f"{prefix}{key}")
-
-    walk(OmegaConf.to_container(cfg, resolve=False), "")
-    return [key for key in keys if not key.startswith("hydra.")]
+    return [key for key in flatten(OmegaConf.to_container(cfg, resolve=False)) if not key.startswith("hydra.")]
 
 
 @contextmanager
@@ -160,7 +177,7 @@ def unknown_key(key: str, known_keys: list[str]) -> str:
 
 # `key: value  # comment` in the simple YAML of configs/ (two-space indents)
 YAML_LINE = re.compile(r"^(?P<indent> *)(?P<key>[\w.]+):(?P<value>[^#]*?)\s*(?:#\s*(?P<comment>.*))?$")
-GROUPS = ("task", "attention", "train", "experiment", "hydra/launcher")
+GROUPS = ("task", "attention", "train", "logger", "experiment", "hydra/launcher")
 
 
 def yaml_comments(path: Path, prefix: str = "") -> dict[str, str]:
@@ -207,7 +224,7 @@ def config_help(command: str, cfg: DictConfig, choices: dict[str, str]) -> str:
         mark = "*" if choices.get(group) == path.stem else " "
         lines.append(f"  {mark} {f'{group}={path.stem}':<{width}}  {option_summary(path)}")
     comments = yaml_comments(root / "config.yaml")
-    for group in ("task", "attention", "train"):
+    for group in ("task", "attention", "train", "logger"):
         comments |= yaml_comments(root / group / f"{choices[group]}.yaml", prefix=f"{group}.")
     lines += ["", "keys (key=default: what it means):"]
     for key in dotted_keys(cfg):

@@ -9,6 +9,7 @@ input the same way: one line, `copytask: error: ...`, exit status 2.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import itertools
 import re
 from contextlib import contextmanager
@@ -33,6 +34,8 @@ LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m
 MAX_HEADS = 8
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("onecycle", "constant")
+# logger=<name> -> (the tracker, the modules its extra `copytask[<name>]` installs); looked for, not imported, here
+LOGGERS = {"none": None, "tensorboard": ("TensorBoard", ("tensorboard",)), "mlflow": ("MLflow", ("mlflow", "sqlalchemy", "alembic"))}
 
 
 # The schema: every key's type, which Hydra checks as it composes (configs/config.yaml names it
@@ -97,6 +100,14 @@ class ReportConfig:
 
 
 @dataclass
+class LoggerConfig:
+    name: str = "none"
+    tracking_uri: Optional[str] = None  # mlflow
+    experiment: Optional[str] = None  # mlflow
+    log_dir: Optional[str] = None  # tensorboard
+
+
+@dataclass
 class Config:
     seed: int = 0
     runs_dir: str = "runs"
@@ -107,6 +118,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
 SCHEMA = "copytask_schema"
@@ -173,6 +185,19 @@ def validate(cfg: DictConfig) -> None:
     if not 0 <= train.target_acc <= 1:
         raise ConfigError(f"train.target_acc must be a number in [0, 1], got {train.target_acc!r}")
     check_device(train.device)
+    check_logger(cfg.get("logger"))
+
+
+def check_logger(logger: DictConfig | None) -> None:
+    """ConfigError unless `logger` (the config's `logger` node; None in older runs: none) names a
+    tracker whose modules are installed. find_spec only looks for them: no slow import here."""
+    name = "none" if logger is None else logger.name
+    if name not in LOGGERS:
+        raise ConfigError(f"logger must be one of {', '.join(LOGGERS)}, got {name!r}")
+    if LOGGERS[name] is not None:
+        tracker, modules = LOGGERS[name]
+        if not all(importlib.util.find_spec(module) for module in modules):
+            raise ConfigError(f"logger={name} needs {tracker}: pip install 'copytask[{name}]'")
 
 
 def check_device(name: str) -> None:
@@ -192,19 +217,20 @@ def config_dir() -> str:
     return str(packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "configs")
 
 
+def flatten(node: dict, prefix: str = "") -> dict[str, object]:
+    """A nested dict's leaves with dotted keys: {"train": {"lr": 0.1}} -> {"train.lr": 0.1}."""
+    flat = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def dotted_keys(cfg: DictConfig) -> list[str]:
     """Every leaf key of `cfg` as `group.key` (hydra's own node left out)."""
-    keys = []
-
-    def walk(node: dict, prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            else:
-                keys.append(f"{prefix}{key}")
-
-    walk(OmegaConf.to_container(cfg, resolve=False), "")
-    return [key for key in keys if not key.startswith("hydra.")]
+    return [key for key in flatten(OmegaConf.to_container(cfg, resolve=False)) if not key.startswith("hydra.")]
 
 
 @contextmanager
@@ -246,7 +272,7 @@ def unknown_key(key: str, known_keys: list[str]) -> str:
 
 # `key: value  # comment` in the simple YAML of configs/ (two-space indents)
 YAML_LINE = re.compile(r"^(?P<indent> *)(?P<key>[\w.]+):(?P<value>[^#]*?)\s*(?:#\s*(?P<comment>.*))?$")
-GROUPS = ("task", "attention", "train", "experiment", "hydra/launcher")
+GROUPS = ("task", "attention", "train", "logger", "experiment", "hydra/launcher")
 
 
 def yaml_comments(path: Path, prefix: str = "") -> dict[str, str]:
@@ -293,7 +319,7 @@ def config_help(command: str, cfg: DictConfig, choices: dict[str, str]) -> str:
         mark = "*" if choices.get(group) == path.stem else " "
         lines.append(f"  {mark} {f'{group}={path.stem}':<{width}}  {option_summary(path)}")
     comments = yaml_comments(root / "config.yaml")
-    for group in ("task", "attention", "train"):
+    for group in ("task", "attention", "train", "logger"):
         comments |= yaml_comments(root / group / f"{choices[group]}.yaml", prefix=f"{group}.")
     lines += ["", "keys (key=default: what it means):"]
     for key in dotted_keys(cfg):

@@ -418,9 +418,9 @@ def missing_analysis(folders: list[Path], total: int, what: str, runs_dir: Path)
     ]
 
 
-def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path, x: str = "task.length") -> Path:
+def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path, x: str = "task.length") -> list[Path]:
     """Write runs_dir/report/ (figures and report.md) from `loaded`, which must not be empty, with
-    `x` (`report.x`, checked by `x_column`) on the accuracy figure's x axis."""
+    `x` (`report.x`, checked by `x_column`) on the accuracy figure's x axis. -> the figure files drawn."""
     started = time.perf_counter()
     runs_dir = Path(runs_dir)
     out = runs_dir / REPORT_DIR
@@ -533,7 +533,7 @@ def write_report(grid: list[GridRun], loaded: results.Loaded, runs_dir: Path, x:
     store.atomic_write(out / "report.md", "\n".join(lines))
     figures += [path for _, path in curves + heatmaps + head_heatmaps]
     print(f"report: {out / 'report.md'} and {len(figures)} figures in {time.perf_counter() - started:.1f} s")
-    return out / "report.md"
+    return figures
 
 
 def report_command(selection: Selection) -> int:

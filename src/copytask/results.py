@@ -69,12 +69,6 @@ def target_step(folder: Path, target: float) -> float:
     return float(hit.iloc[0]) if len(hit) else math.nan
 
 
-def flat_identity(run: GridRun) -> dict:
-    """A run's identity config with dotted keys (`model.hidden_size`); lists as text, so that every value compares."""
-    flat = pd.json_normalize(store.identity(run.config), sep=".").iloc[0].to_dict()
-    return {key: str(value) if isinstance(value, list) else value for key, value in flat.items()}
-
-
 def setting_keys(configs: pd.DataFrame, attention: pd.Series) -> list[str]:
     """The columns of `configs` (one row per run, dotted keys) whose values differ between runs,
     besides OWN_COLUMNS. An `attention.*` key is a setting only where it varies among runs of one
@@ -113,7 +107,7 @@ def load(grid: list[GridRun]) -> Loaded:
                 analyses[metrics["run"]] = analysis
                 metrics |= {f"align_{key}": value for key, value in analysis.get("alignment", {}).items()}
             rows.append(metrics)
-            configs.append(flat_identity(run))
+            configs.append(store.flat_identity(run.config))
             runs[metrics["run"]] = run
         else:
             if status == "incomplete":  # a half-written folder; failed runs are named by their sweep

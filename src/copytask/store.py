@@ -18,6 +18,8 @@ from typing import Any
 from filelock import AcquireReturnProxy, FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
+from .config import flatten
+
 METRICS = "metrics.json"
 CONFIG = "config.yaml"
 HISTORY = "history.csv"
@@ -28,9 +30,10 @@ ANALYSIS = "analysis.json"  # derived by `copytask analyze`, the one file added 
 
 
 # Keys that change where or how fast a run computes, or what it saves, not what it computes (results
-# agree to float rounding); `analysis` and `report` only set how finished runs are analysed and drawn.
+# agree to float rounding); `analysis` and `report` only set how finished runs are analysed and drawn,
+# `logger` which experiment tracker also sees them.
 NOT_IDENTITY = ("runs_dir", "retrain", "train.device", "train.threads", "train.fused", "train.progress",
-                "train.attention_samples", "analysis", "report")
+                "train.attention_samples", "analysis", "report", "logger")
 # Keys whose value here is what the code computed before the key existed: at that value a key is left
 # out of the identity, so that adding a key (with such a default) renames no existing run, and giving
 # it explicitly (`attention.heads=1`) is the same run.
@@ -86,6 +89,12 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
     for dotted in NOT_IDENTITY:
         _pop(config, dotted)
     return _normalised(config)
+
+
+def flat_identity(cfg: DictConfig) -> dict[str, Any]:
+    """`identity` with dotted keys (`model.hidden_size`) and lists as text, so that every value
+    compares: the results table's setting columns and the trackers' hyperparameters."""
+    return {key: str(value) if isinstance(value, list) else value for key, value in flatten(identity(cfg)).items()}
 
 
 def attention_label(name: str, heads: int = 1) -> str:

@@ -26,7 +26,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from . import store
+from . import loggers, store
 from .config import ConfigError, config_dir, dotted_keys, hydra_errors, validate
 from .hydra_internals import compose, sweep_jobs
 
@@ -313,14 +313,16 @@ class SweepProgress:
 
 class SweepSummary(Callback):
     """At the end of a sweep: name the failed jobs, analyse the grid's complete runs (the report
-    reads analysis.json, it never evaluates a model), write results.csv and the report, print the
-    wall time, and exit non-zero if any job of this sweep has no results."""
+    reads analysis.json, it never evaluates a model), write results.csv and the report (and give
+    its figures to the experiment tracker), print the wall time, and exit non-zero if any job of
+    this sweep has no results. At its start: record the sweep, and prepare the tracker's store."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.perf_counter()
         self.started_at = time.time()
         # Recorded now, so that `compare` and `report` find this grid even while it runs or if it is cut off.
         store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | {"started": time.strftime("%Y-%m-%d %H:%M:%S")})
+        loggers.prepare(config)
         self.progress = SweepProgress(expand(config), enabled=config.train.progress)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -400,7 +402,7 @@ class SweepSummary(Callback):
             except ConfigError as error:
                 store.warn(f"{error}; the report puts task.length on the x axis")
                 x = "task.length"
-            report.write_report(runs, loaded, runs_dir, x)
+            loggers.log_report(config, report.write_report(runs, loaded, runs_dir, x))
         print(
             f"sweep: {len(runs) - len(unfinished) - len(elsewhere)}/{len(runs)} runs complete ({trained} trained now), "
             f"{len(unfinished)} failed" + (f", {len(elsewhere)} being trained by another process" if elsewhere else "")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from torch import nn
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from . import store
+from . import loggers, store
 from .config import check_device, validate
 from .data import PAD, Batch, make_batch, total_vocab
 from .kernels import runs_fused
@@ -172,7 +173,9 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict | Non
         elif folder.exists():  # leftovers of an interrupted or failed run: no one else writes here while we hold the lock
             shutil.rmtree(folder)
         try:
-            metrics = _train_locked(cfg, folder, model_class)
+            with loggers.open_run(cfg, folder.name) as tracker:  # closed before the run is marked complete
+                metrics = _train_locked(cfg, folder, model_class, tracker)
+            store.write_json(folder / store.METRICS, metrics)  # last: marks the run complete
         except BaseException:
             if previous is not None:  # the finished run comes back: a failed retrain loses nothing
                 shutil.rmtree(folder, ignore_errors=True)
@@ -180,11 +183,17 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict | Non
             raise
         if previous is not None:
             shutil.rmtree(previous)
+        print(
+            f"{folder.name}: greedy token acc {metrics['token_acc']:.2%}, seq acc {metrics['seq_acc']:.2%} "
+            f"(chance {metrics['chance']:.1%}), {metrics['steps']} steps, {metrics['train_seconds']:.1f} s, "
+            f"{metrics['params']:,} params -> {folder}"
+        )
         return metrics
 
 
-def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module]) -> dict:
-    """`train`'s work, in a fresh `folder`, under the run's lock."""
+def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], tracker: loggers.RunLogger) -> dict:
+    """`train`'s work, in a fresh `folder`, under the run's lock: every file but metrics.json, whose
+    content it returns. `tracker` gets what the folder gets."""
     folder.mkdir(parents=True)
     store.atomic_write(folder / store.CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
 
@@ -194,6 +203,7 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module]) -
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     model = build_model(cfg, model_class).to(device)
+    tracker.log_params(store.flat_identity(cfg))
     fused = runs_fused(model)  # loads the kernels (builds them on first use) before the clock starts
     heldout = eval_batch(cfg)
     excluded = sequence_keys(heldout)
@@ -237,6 +247,7 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module]) -
                     "seconds": time.perf_counter() - started,
                 }
             )
+            tracker.log_metrics(step, {key: value for key, value in history[-1].items() if key != "step"})
             loss_sum.zero_()
             loss_count = 0
             bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", acc=f"{result['token_acc']:.3f}")
@@ -250,7 +261,8 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module]) -
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "config": OmegaConf.to_container(cfg, resolve=True)}, buffer)
     store.atomic_write(folder / store.CHECKPOINT, buffer.getvalue())
-    store.write_json(folder / store.ATTENTION, attention_samples(cfg, heldout, result))
+    samples = attention_samples(cfg, heldout, result)
+    store.write_json(folder / store.ATTENTION, samples)
     final = history[-1]
     metrics = {
         "attention": cfg.attention.name,
@@ -273,13 +285,21 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module]) -
         "fused": fused,
         "run": folder.name,
     }
-    store.write_json(folder / store.METRICS, metrics)  # last: marks the run complete
-    print(
-        f"{folder.name}: greedy token acc {metrics['token_acc']:.2%}, seq acc {metrics['seq_acc']:.2%} "
-        f"(chance {metrics['chance']:.1%}), {metrics['steps']} steps, {train_seconds:.1f} s, "
-        f"{metrics['params']:,} params -> {folder}"
-    )
+    tracker.log_metrics(final["step"], {name: metrics[key] for name, key in loggers.FINAL_METRICS.items()})
+    if tracker.active and samples["samples"] and samples["samples"][0]["weights"] is not None:
+        log_heatmap(tracker, samples["samples"][0], cfg, metrics)
     return metrics
+
+
+def log_heatmap(tracker: loggers.RunLogger, sample: dict, cfg: DictConfig, metrics: dict) -> None:
+    """The attention map of the first held-out example, drawn as the report draws it, as the image `attention`."""
+    from .analysis_figures import plot_attention  # matplotlib: only for a tracker
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "attention.png"
+        title = f"{store.attention_label(cfg.attention.name, metrics['heads'])}, length {cfg.task.length}, seed {cfg.seed} (token acc {100 * metrics['token_acc']:.1f}%)"
+        plot_attention(sample, cfg.task.vocab_size, cfg.task.name, title, path)
+        tracker.log_image(path)
 
 
 def attention_samples(cfg: DictConfig, heldout: Batch, result: dict) -> dict:

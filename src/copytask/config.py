@@ -40,29 +40,30 @@ LOGGERS = {"none": None, "tensorboard": ("TensorBoard", ("tensorboard",)), "mlfl
 
 # The schema: every key's type, which Hydra checks as it composes (configs/config.yaml names it
 # first in its defaults), so a value of the wrong type is refused before `validate` sees it; the
-# values and meanings are in configs/. A key an option leaves out gets the default here.
+# values and meanings are in configs/ (MISSING here: one place for each default). Only a key that
+# some option leaves out (attention's heads, local, window; the trackers' settings) has its default here.
 @dataclass
 class TaskConfig:
     name: str = MISSING
     length: int = MISSING
     vocab_size: int = MISSING
-    variable_length: bool = False
-    min_length: int = 1
+    variable_length: bool = MISSING
+    min_length: int = MISSING
 
 
 @dataclass
 class ModelConfig:
     embedding_size: int = MISSING
     hidden_size: int = MISSING
-    bidirectional: bool = True
+    bidirectional: bool = MISSING
 
 
 @dataclass
 class AttentionConfig:
     name: str = MISSING
     decoder: str = MISSING
-    score: Optional[str] = None
-    size: Optional[int] = None
+    score: Optional[str] = MISSING
+    size: Optional[int] = MISSING
     heads: int = 1
     local: Optional[str] = None
     window: Optional[int] = None
@@ -80,23 +81,23 @@ class TrainConfig:
     eval_size: int = MISSING
     eval_seed: int = MISSING
     target_acc: float = MISSING
-    patience: Optional[int] = None
-    device: str = "auto"
-    threads: Optional[int] = None
-    fused: bool = True
-    progress: bool = True
-    attention_samples: int = 0
+    patience: Optional[int] = MISSING
+    device: str = MISSING
+    threads: Optional[int] = MISSING
+    fused: bool = MISSING
+    progress: bool = MISSING
+    attention_samples: int = MISSING
 
 
 @dataclass
 class AnalysisConfig:
-    eval_size: Optional[int] = None
-    threads: Optional[int] = None
+    eval_size: Optional[int] = MISSING
+    threads: Optional[int] = MISSING
 
 
 @dataclass
 class ReportConfig:
-    x: str = "task.length"
+    x: str = MISSING
 
 
 @dataclass
@@ -109,9 +110,9 @@ class LoggerConfig:
 
 @dataclass
 class Config:
-    seed: int = 0
-    runs_dir: str = "runs"
-    retrain: bool = False
+    seed: int = MISSING
+    runs_dir: str = MISSING
+    retrain: bool = MISSING
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)

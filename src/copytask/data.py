@@ -1,8 +1,8 @@
 """The copy (and reverse) task: vocabulary, on-the-fly batches, masks.
 
-Token ids: PAD=0, BOS=1, EOS=2, then `vocab_size` content symbols 3 .. 3 + vocab_size - 1 (they
-live in `copytask.vocab`, which also writes them as symbols). A source is `L` content symbols (PAD
-after its length); the target is the same symbols (reversed for `reverse`) followed by EOS. The decoder reads `BOS + target` and predicts
+Token ids (PAD, BOS, EOS, then the content symbols) are `copytask.vocab`'s. A source is `L` content
+symbols (PAD after its length); the target is the same symbols (reversed for `reverse`) followed by
+EOS. The decoder reads `BOS + target` and predicts
 `target + EOS`, so `T_dec = T_enc + 1`.
 """
 

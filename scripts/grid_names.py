@@ -8,10 +8,7 @@ from pathlib import Path
 
 from copytask.config import config_dir
 
-try:  # after the library refactor
-    from copytask.grid import compose_grid
-except ImportError:
-    from copytask.sweep import compose_grid
+from copytask.grid import compose_grid
 
 
 def presets() -> list[list[str]]:

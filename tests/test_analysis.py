@@ -9,10 +9,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from copytask import analysis, analysis_figures, cli, config, store
+from copytask import analysis, analysis_figures, cli, config, data, figures, store
 from copytask.data import EOS, Batch, make_batch, total_vocab
 from copytask.model import Seq2Seq
-from copytask.train import evaluate
+from copytask.evaluation import evaluate
 
 LENGTHS = torch.tensor([5, 3, 1])
 T_ENC = 5
@@ -199,9 +199,9 @@ def test_figures_are_drawn_from_the_analysis_files(analysed_runs, tmp_path):
 
 @pytest.mark.parametrize("task, expected", [("copy", [0, 1, 2, 3]), ("reverse", [3, 2, 1, 0])])
 def test_copied_source_positions_are_the_alignment_targets(task, expected):
-    assert analysis.copied_source_positions(task, 4) == expected
+    assert data.copied_source_positions(task, 4) == expected
     lengths = torch.tensor([4, 2])
-    assert analysis.copied_positions(task, lengths, 4)[0].tolist() == expected  # what alignment scores
+    assert data.copied_positions(task, lengths, 4)[0].tolist() == expected  # what alignment scores
 
 
 @pytest.mark.parametrize("task", ["copy", "reverse"])
@@ -212,7 +212,7 @@ def test_attention_maps_outline_the_copied_cell_of_every_content_step(task):
     length = 5
     sample = {"source": [3, 4, 5, 6, 7], "target": [3, 4, 5, 6, 7, EOS], "output": [3, 4, 4, 6, 7, EOS]}
     figure, ax = plt.subplots()
-    analysis_figures.draw_attention(ax, torch.rand(length + 1, length).numpy(), sample, 9, task)
+    figures.draw_attention(ax, torch.rand(length + 1, length).numpy(), sample, 9, task)
     boxes = [patch for patch in ax.patches if isinstance(patch, Rectangle)]
     cells = {(round(box.get_y() + 0.5), round(box.get_x() + 0.5)) for box in boxes}  # (output step, source position)
     plt.close(figure)
@@ -221,8 +221,8 @@ def test_attention_maps_outline_the_copied_cell_of_every_content_step(task):
 
 
 def test_counterfactual_figure_is_in_percent_with_a_chance_line(monkeypatch, tmp_path):
-    figures = []
-    monkeypatch.setattr(analysis_figures, "_save", lambda figure, path, dpi=120: figures.append(figure) or path)
+    drawn = []
+    monkeypatch.setattr(analysis_figures, "save", lambda figure, path, dpi=120: drawn.append(figure) or path)
     rows = [
         {"run": f"r{length}", "attention": "bahdanau", "task": "copy", "length": length, "train_length": str(length),
          "seed": 0, "own": 0.9, "uniform": 0.3, "permuted": 0.2, "fixed": 0.15, "chance": 0.25}
@@ -230,7 +230,7 @@ def test_counterfactual_figure_is_in_percent_with_a_chance_line(monkeypatch, tmp
     ]  # fmt: skip
     analysis_figures.plot_counterfactual(pd.DataFrame(rows), tmp_path / "counterfactual.png")
 
-    (ax,) = [ax for ax in figures[0].axes if ax.get_visible()]
+    (ax,) = [ax for ax in drawn[0].axes if ax.get_visible()]
     lines = {line.get_label(): line for line in ax.get_lines()}
     assert list(lines["own"].get_ydata()) == pytest.approx([90, 90])
     assert ax.get_ylim()[1] > 100 and "%" in ax.get_ylabel()

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from copytask import cli, loggers, store
-from copytask.train import train
+from copytask.training import train
 
 from .conftest import SRC, TINY, run_cli
 

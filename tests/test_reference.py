@@ -11,7 +11,7 @@ from copytask.attention import SigmoidTanh
 from copytask.config import config_dir
 from copytask.data import make_batch
 from copytask.reference import ReferenceSeq2Seq
-from copytask.train import build_model
+from copytask.evaluation import build_model
 
 ATTENTIONS = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")
 LENGTH, VOCAB, BATCH = 12, 9, 16

@@ -12,8 +12,8 @@ import pytest
 
 from copytask import analysis, store
 from copytask.cli import main
-from copytask.results import TARGET_STEP, comparison_table, interval, summarise, target_step
-from copytask.sweep import compose_grid, variable_length_runs
+from copytask.tables import TARGET_STEP, comparison_table, interval, summarise, target_step
+from copytask.grid import compose_grid, variable_length_runs
 
 from .conftest import TINY, overrides
 
@@ -54,10 +54,10 @@ def test_report_on_an_empty_folder_says_so(tmp_path, capsys, exists):
     if exists:
         runs_dir.mkdir()
 
-    assert main(["report", *overrides(runs_dir)]) == 1
+    assert main(["report", *overrides(runs_dir)]) == 2  # bad input, as for every command
 
     err = capsys.readouterr().err
-    assert "nothing to report" in err and str(runs_dir) in err
+    assert err.count("\n") == 1 and "nothing to report" in err and str(runs_dir) in err
     assert ("0 of 8 runs complete" in err) if exists else ("does not exist" in err)
     assert not (runs_dir / "report").exists()
 
@@ -236,15 +236,15 @@ def test_steps_to_target_is_the_first_evaluation_at_target_over_the_seeds_that_r
 def test_report_heatmaps_outline_the_copied_positions_and_say_so(runs_copy, monkeypatch):
     from matplotlib.patches import Rectangle
 
-    from copytask import analysis_figures
+    from copytask import figures
 
-    outlined, save = {}, analysis_figures._save
+    outlined, save = {}, figures.save
 
     def keep(figure, path, dpi=120):  # count the outlines before the figure is closed
         outlined[path.name] = sum(isinstance(patch, Rectangle) for patch in figure.axes[0].patches)
         return save(figure, path, dpi)
 
-    monkeypatch.setattr(analysis_figures, "_save", keep)
+    monkeypatch.setattr(figures, "save", keep)
     assert main(["report", *overrides(runs_copy)]) == 0
     assert outlined["attention_luong_general_length3.png"] == 3  # one per content output step
     assert outlined["attention_luong_general_length6.png"] == 6

@@ -12,7 +12,7 @@ import pytest
 
 from copytask import store
 from copytask.cli import main
-from copytask.results import summarise
+from copytask.tables import summarise
 
 from .conftest import TINY, run_cli
 
@@ -152,7 +152,7 @@ def test_gap_is_empty_where_no_baseline_has_the_same_settings():
 
 
 def test_two_settings_give_panels_for_one_and_line_styles_for_the_other(tmp_path):
-    from copytask.report import plot_accuracy
+    from copytask.result_figures import plot_accuracy
 
     rows = [
         {"attention": attention, "length": length, "model.hidden_size": size, "train.lr": lr, "seed": seed,

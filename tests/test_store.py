@@ -14,8 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from copytask import cli, store
-from copytask.sweep import GridRun
-from copytask.train import train
+from copytask.grid import GridRun
+from copytask.training import train
 
 from .conftest import SRC, TINY, run_cli
 
@@ -73,8 +73,8 @@ def test_cut_short_metrics_is_unfinished_and_the_run_is_trained_again(make_confi
 # in training, holding its lock, for as long as the test needs.
 HANGS_IN_TRAINING = """
 import sys, time
-import copytask.train
-copytask.train.evaluate = lambda *args, **kwargs: time.sleep(600)
+import copytask.training
+copytask.training.evaluate = lambda *args, **kwargs: time.sleep(600)
 from copytask.cli import main
 sys.exit(main(sys.argv[1:]))
 """

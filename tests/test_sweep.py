@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from copytask import cli, store
-from copytask import train as training
-from copytask.sweep import compose_grid
+from copytask import training
+from copytask.grid import compose_grid
 
 from .conftest import TINY, overrides, run_cli
 

@@ -8,8 +8,9 @@ import torch
 from copytask import cli, kernels, store
 from copytask.config import ConfigError, validate
 from copytask.data import Batch
-from copytask.sweep import compose_grid
-from copytask.train import NonFiniteLoss, build_model, eval_batch, evaluate, train, train_step
+from copytask.grid import compose_grid
+from copytask.evaluation import build_model, eval_batch, evaluate
+from copytask.training import NonFiniteLoss, train, train_step
 
 from .conftest import TINY, run_cli
 
@@ -132,7 +133,7 @@ def test_no_heldout_sequence_is_ever_trained_on(make_config, monkeypatch, seed):
     cfg = make_config(*TINY, "task.length=2", "train.eval_size=32", "train.patience=null", f"seed={seed}", "train.eval_seed=1234")
     heldout = {tuple(row) for row in eval_batch(cfg).src.tolist()}
     trained = []
-    monkeypatch.setattr("copytask.train.train_step", lambda model, optimizer, batch, clip: trained.append(batch) or torch.tensor(1.0))
+    monkeypatch.setattr("copytask.training.train_step", lambda model, optimizer, batch, clip: trained.append(batch) or torch.tensor(1.0))
     train(cfg)
     rows = [tuple(row) for batch in trained for row in batch.src.tolist()]
     assert len(trained) == 10 and len(rows) == 80
@@ -148,7 +149,7 @@ def test_interrupted_run_never_looks_complete_and_is_trained_again(make_config, 
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr("copytask.train.evaluate", interrupt)
+        patch.setattr("copytask.training.evaluate", interrupt)
         with pytest.raises(KeyboardInterrupt):
             train(cfg)
     folder = store.run_dir(cfg)
@@ -160,7 +161,7 @@ def test_interrupted_run_never_looks_complete_and_is_trained_again(make_config, 
 def test_complete_run_is_skipped(make_config, monkeypatch):
     cfg = make_config(*TINY)
     first = train(cfg)
-    monkeypatch.setattr("copytask.train.build_model", lambda cfg: pytest.fail("a complete run was trained again"))
+    monkeypatch.setattr("copytask.training.build_model", lambda cfg: pytest.fail("a complete run was trained again"))
     assert train(cfg) == first
 
 
@@ -194,7 +195,7 @@ def diverging(poison: Callable[[Batch], bool]):
 def test_nonfinite_loss_stops_the_run_naming_it_and_the_step(make_config, monkeypatch):
     cfg = make_config(*TINY)  # evaluations at steps 5 and 10
     steps = itertools.count(1)
-    monkeypatch.setattr("copytask.train.train_step", diverging(lambda batch: next(steps) == 7))
+    monkeypatch.setattr("copytask.training.train_step", diverging(lambda batch: next(steps) == 7))
 
     with pytest.raises(NonFiniteLoss, match=rf"^{store.run_name(cfg)}: .* at step 7 .* stopped at step 10, nothing saved"):
         train(cfg)
@@ -202,7 +203,7 @@ def test_nonfinite_loss_stops_the_run_naming_it_and_the_step(make_config, monkey
 
 
 def test_a_diverging_run_is_a_failed_job_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("copytask.train.train_step", diverging(lambda batch: batch.src.size(1) == 6))
+    monkeypatch.setattr("copytask.training.train_step", diverging(lambda batch: batch.src.size(1) == 6))
 
     with pytest.raises(SystemExit) as exit:  # the sweep, in this process: jobs at length 6 diverge
         cli.main(["sweep", *TINY, f"runs_dir={tmp_path}", "attention=none", "task.length=6,3", "seed=0"])
@@ -217,7 +218,7 @@ def test_a_diverging_run_is_a_failed_job_and_the_sweep_goes_on(tmp_path, monkeyp
 
 
 def test_retrain_trains_a_finished_run_again_and_a_failed_retrain_loses_nothing(make_config, monkeypatch):
-    from copytask import train as training
+    from copytask import training
 
     cfg = make_config(*TINY)
     first = train(cfg)

@@ -35,9 +35,9 @@ from tqdm.auto import tqdm
 
 from . import store
 from .attention import Attention, Intervention
-from .data import Batch, make_batch
+from .data import Batch, copied_positions, make_batch
+from .evaluation import eval_batch, evaluate, load_run, rounded, sequence_scores
 from .model import Seq2Seq
-from .train import build_model, eval_batch, evaluate, resolve_device, rounded, sequence_scores
 
 COUNTERFACTUALS = ("uniform", "permuted", "fixed")
 ALIGNMENT = ("hit", "mass", "adjacent")
@@ -106,20 +106,6 @@ def counterfactual_accuracy(model: Seq2Seq, batch: Batch, seed: int = 0) -> dict
 
 
 # --- alignment ---------------------------------------------------------------------------------
-
-
-def copied_positions(task: str, lengths: Tensor, steps: int) -> Tensor:
-    """(B,) lengths -> (B, steps) the source position whose symbol output step t must produce
-    (t for copy, length - 1 - t for reverse); meaningful only for t < length."""
-    t = torch.arange(steps, device=lengths.device)[None, :]  # (1, steps)
-    positions = t.expand(lengths.size(0), -1) if task == "copy" else lengths[:, None] - 1 - t
-    return positions.clamp(min=0, max=int(lengths.max()) - 1)
-
-
-def copied_source_positions(task: str, length: int) -> list[int]:
-    """The copied source position of each content output step of one sequence of `length` symbols
-    (`copied_positions`): what the heatmaps mark."""
-    return copied_positions(task, torch.tensor([length]), length)[0].tolist()
 
 
 def alignment(weights: Tensor, batch: Batch, task: str) -> dict[str, float]:
@@ -207,19 +193,10 @@ def per_length_accuracy(model: Seq2Seq, batch: Batch) -> pd.DataFrame:
 # --- run folders ---------------------------------------------------------------------------------
 
 
-def load_run(folder: Path, device: str = "auto") -> tuple[DictConfig, Seq2Seq]:
-    """A finished run's resolved config and its trained model (in eval mode)."""
-    cfg = OmegaConf.load(folder / store.CONFIG)
-    model = build_model(cfg)
-    checkpoint = torch.load(folder / store.CHECKPOINT, map_location="cpu", weights_only=True)
-    model.load_state_dict(checkpoint["model"])
-    return cfg, model.to(resolve_device(device)).eval()
-
-
 def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None) -> dict:
     """Everything above for one run folder -> the content of its analysis.json. Fixed-length
     evaluations use the first `eval_size` sequences of the run's held-out set (None: all)."""
-    cfg, model = load_run(folder)
+    cfg, model = load_run(folder, device="auto")
     device = next(model.parameters()).device
     task = cfg.task
     analysis = {

@@ -48,8 +48,8 @@ from .config import config_dir
 from .data import Batch
 from .model import Seq2Seq
 from .reference import ReferenceSeq2Seq
-from .sweep import cpu_model
-from .train import build_model, resolve_device, sample_batch, train, train_step
+from .jobs import cpu_model
+from .training import build_model, resolve_device, sample_batch, train, train_step
 
 CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # what the reference implements
 ATTENTIONS = (*CLASSICAL, "scaled_dot", "multihead", "luong_local", "luong_local_m")

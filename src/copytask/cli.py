@@ -1,26 +1,21 @@
-"""`python -m copytask <command> [hydra overrides]` (or the `copytask` script).
+"""`python -m copytask <command> [hydra overrides]` (or the `copytask` script): a thin layer over
+`copytask.api` that prints what the functions return.
 
 train and sweep go through Hydra (so its flags and launchers work); the subcommand word is
-taken off argv before Hydra parses it.
+taken off argv before Hydra parses it. Every refusal of bad input is one line,
+`copytask: error: ...`, and exit status 2.
 """
 
 from __future__ import annotations
 
 import sys
-import traceback
+import time
 import warnings
 from pathlib import Path
 
-import hydra
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
-
-from . import store
-from .config import ConfigError, config_dir, config_help
-from .hydra_internals import override_args
-from .sweep import check_grid, compose_grid, folder_runs, nothing_done, select_runs
+from . import api, store
+from .config import ConfigError, config_help
+from .grid import Selection, check_grid, compose_grid, folder_runs, nothing_done, select_runs
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
 
@@ -64,53 +59,22 @@ COMMANDS = ("train", "sweep", "compare", "report", "analyze", "decode", "bench",
 COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report": ("--all",)}
 
 
-@hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
-def hydra_job(cfg: DictConfig) -> None:
-    """One job. In a sweep a failure is recorded in the run folder and the sweep goes on."""
-    from .train import NonFiniteLoss, train  # torch and the model: only when something is trained
-
-    if HydraConfig.get().mode != RunMode.MULTIRUN:
-        try:
-            train(cfg)
-        except ConfigError as error:
-            print(f"copytask: error: {error}", file=sys.stderr)
-            sys.exit(2)
-        except NonFiniteLoss as error:
-            print(f"copytask: error: {error}", file=sys.stderr)
-            sys.exit(1)
-        return
-    with open_dict(cfg):
-        cfg.train.progress = False  # the sweep has one bar for all its runs (sweep.SweepProgress)
-    try:
-        train(cfg)
-    except Exception as error:  # noqa: BLE001 - recorded for the sweep summary, not swallowed
-        store.write_json(
-            store.run_dir(cfg) / store.FAILED,
-            {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()},
-        )
-        print(f"copytask: job failed: {store.run_name(cfg)}: {error}", file=sys.stderr)
+def refuse(error: Exception) -> int:
+    print(f"copytask: error: {error}", file=sys.stderr)
+    return 2
 
 
-def _hydra(args: list[str], multirun: bool = False) -> int:
+def run_hydra(args: list[str], multirun: bool = False) -> int:
     """`train` or `sweep` through Hydra, after every job's config is composed and validated (unless
     a Hydra flag such as --cfg or --help asks for something else than a run)."""
+    from .jobs import run_hydra
+
     if not any(arg.startswith("-") for arg in args):
         try:
             check_grid(args, multirun)
         except ConfigError as error:
-            print(f"copytask: error: {error}", file=sys.stderr)
-            return 2
-    if multirun:
-        # Hydra's parser accepts overrides before flags but not on both sides of one, so the
-        # mode override goes with the user's overrides, after every flag. (Not `--multirun`:
-        # that clashes with `--cfg`.)
-        overrides = override_args(args)
-        flags = list(args)
-        for override in overrides:
-            flags.remove(override)
-        args = [*flags, *overrides, "hydra.mode=MULTIRUN"]
-    sys.argv = [sys.argv[0], *args]
-    hydra_job()
+            return refuse(error)
+    run_hydra(args, multirun)
     return 0
 
 
@@ -131,29 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             master, [run] = compose_grid([arg for arg in rest if not arg.startswith("-")], multirun=False)
         except ConfigError as error:
-            print(f"copytask: error: {error}", file=sys.stderr)
-            return 2
+            return refuse(error)
         print(config_help(command, run.config, dict(master.hydra.runtime.choices)))
         return 0
     if command == "train":
-        return _hydra(rest)
+        return run_hydra(rest)
     if command == "sweep":
-        return _hydra(rest, multirun=True)
+        return run_hydra(rest, multirun=True)
     if command == "analyze":
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):  # read-only: no Hydra output
-            cfg = compose(config_name="config", overrides=rest)
-        runs_dir = Path(cfg.runs_dir)
-        if not runs_dir.is_dir():
-            print(f"copytask: error: runs_dir {str(runs_dir)!r} does not exist", file=sys.stderr)
-            return 2
-        from .analysis import analyze, summary
-        from .results import load
-
-        folders = store.complete_runs(runs_dir)
-        analyze(folders, eval_size=cfg.analysis.eval_size, threads=cfg.analysis.threads, progress=cfg.train.progress)
-        loaded = load(folder_runs(folders))  # each run's settings: the keys that vary between the runs
-        print(summary(list(loaded.analyses.values()), loaded.table[["run", *loaded.settings]] if loaded.settings else None))
-        return 0
+        return analyze(rest)
     if command in ("compare", "report") and {"-h", "--help"} & set(rest):
         print(USAGE)
         return 0
@@ -161,32 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         flags = COMMAND_FLAGS[command]
         unknown = [arg for arg in rest if arg.startswith("-") and arg not in flags]
         if unknown:
-            print(f"copytask: error: {command} has no option {unknown[0]}; its options: {', '.join(flags)}", file=sys.stderr)
-            return 2
-        overrides = [arg for arg in rest if arg not in flags]
+            return refuse(f"{command} has no option {unknown[0]}; its options: {', '.join(flags)}")
         try:
-            asked_to_train_or_list = {"--missing", "--train-missing"} & set(rest)
-            master, _ = compose_grid(overrides, expand_grid=False)
-            if not asked_to_train_or_list and not Path(master.runs_dir).is_dir():  # answered before any grid is composed
-                print(f"copytask: error: nothing to {command}: {master.runs_dir} does not exist", file=sys.stderr)
-                return 1
-            selection = select_runs(overrides, every_run="--all" in rest)
-            print(f"{command}: {selection.source}")
-            if not asked_to_train_or_list and not any(run.status() == "complete" for run in selection.runs):
-                print(nothing_done(command, selection), file=sys.stderr)  # before pandas, matplotlib and torch are imported
-                return 1
-            if command == "compare":
-                from .results import compare
-
-                return compare(selection, "--missing" in rest, "--train-missing" in rest, run_sweep=lambda grid: _hydra(grid, multirun=True))
-            from .report import report_command
-
-            return report_command(selection)
+            return (compare if command == "compare" else report)([arg for arg in rest if arg not in flags], set(rest) & set(flags))
         except ConfigError as error:
-            print(f"copytask: error: {error}", file=sys.stderr)
-            return 2
+            return refuse(error)
     if command == "decode":
-        from .decode import main as decode  # light: torch only once the request is checked
+        from .decoding import main as decode  # light: torch only once the request is checked
 
         return decode(rest)
     if command == "build":
@@ -205,3 +136,87 @@ def main(argv: list[str] | None = None) -> int:
         return bench(rest)
     print(f"copytask: error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
     return 2
+
+
+def analyze(overrides: list[str]) -> int:
+    """`python -m copytask analyze [overrides]`: analyse every complete run in runs_dir, print the summary."""
+    try:
+        master, _ = compose_grid(overrides, expand_grid=False)  # read-only: no Hydra output
+    except ConfigError as error:
+        return refuse(error)
+    runs_dir = Path(master.runs_dir)
+    if not runs_dir.is_dir():
+        return refuse(f"runs_dir {str(runs_dir)!r} does not exist")
+    from .analysis import analyze, summary
+    from .tables import load
+
+    folders = store.complete_runs(runs_dir)
+    analyze(folders, eval_size=master.analysis.eval_size, threads=master.analysis.threads, progress=master.train.progress)
+    loaded = load(folder_runs(folders))  # each run's settings: the keys that vary between the runs
+    print(summary(list(loaded.analyses.values()), loaded.table[["run", *loaded.settings]] if loaded.settings else None))
+    return 0
+
+
+def selection_for(command: str, overrides: list[str], flags: set[str]) -> Selection:
+    """The runs `compare` or `report` look at (`grid.select_runs`), said in one line. ConfigError
+    where none of them is complete, unless the missing runs are to be listed or trained: answered
+    before pandas, matplotlib and torch are imported."""
+    listing = bool({"--missing", "--train-missing"} & flags)
+    master, _ = compose_grid(overrides, expand_grid=False)
+    if not listing and not Path(master.runs_dir).is_dir():  # before any grid is composed
+        raise ConfigError(f"nothing to {command}: {master.runs_dir} does not exist")
+    selection = select_runs(overrides, every_run="--all" in flags)
+    print(f"{command}: {selection.source}")
+    if not listing and not any(run.status() == "complete" for run in selection.runs):
+        raise ConfigError(nothing_done(command, selection))
+    return selection
+
+
+def compare(overrides: list[str], flags: set[str]) -> int:
+    """`python -m copytask compare [--missing | --train-missing | --all] [overrides]`: per setting
+    and length, the baseline and each attention type side by side. Missing runs are listed with
+    the command that trains them; --train-missing trains them first (the same resumable sweep);
+    --missing lists them and prints no table."""
+    from .grid import sweep_command
+    from .tables import comparison_table, describe_missing, table_note
+
+    selection = selection_for("compare", overrides, flags)
+    unfinished = [(run, run.failure()) for run in selection.runs if run.status() != "complete"]
+    if "--missing" in flags:
+        print(describe_missing(unfinished, len(selection.runs)) if unfinished else f"all {len(selection.runs)} runs complete in {selection.master.runs_dir}")
+        return 0
+    status = 0
+    if unfinished and "--train-missing" in flags:
+        from .jobs import SweepFailed
+
+        print(f"{len(unfinished)} of {len(selection.runs)} runs missing: running the sweep first")
+        try:
+            run_hydra(selection.overrides, multirun=True)
+        except SweepFailed:  # it has named the failed jobs; compare what there is
+            status = 1
+        selection = select_runs(selection.overrides)
+    loaded = api.load(selection, "compare")
+    if loaded.missing:
+        print(describe_missing(loaded.missing, len(selection.runs)))
+        print(f"train them with: {sweep_command(selection.master)}  (or compare --train-missing)")
+    print(table_note(list(dict.fromkeys(loaded.table["task"]))))
+    print(comparison_table(api.summary(loaded), loaded.settings).to_string(index=False))
+    return status
+
+
+def report(overrides: list[str], flags: set[str]) -> int:
+    """`python -m copytask report [--all] [overrides]`: results.csv and report/ for the grid's
+    complete runs; ConfigError, before anything is written, when there are none or `report.x` is
+    not swept."""
+    from .reporting import written_line
+    from .tables import describe_missing
+
+    selection = selection_for("report", overrides, flags)
+    started = time.perf_counter()
+    loaded = api.load(selection, "report")
+    if loaded.missing:
+        print(describe_missing(loaded.missing, len(selection.runs)))
+    results_csv, *written = api.write_report(selection, loaded)
+    print(f"results: {results_csv}")
+    print(written_line(written, time.perf_counter() - started))
+    return 0

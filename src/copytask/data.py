@@ -95,3 +95,22 @@ def task_batch(task: str, symbols: Tensor, lengths: Tensor) -> Batch:
     tgt_out = torch.cat([target, pad_column], dim=1).scatter(1, lengths[:, None], EOS)
     tgt_in = torch.cat([torch.full((len(src), 1), BOS, dtype=torch.long), target], dim=1)
     return Batch(src, lengths, tgt_in, tgt_out)
+
+
+# --- which source position each output step copies ------------------------------------------------
+# Row t of the attention weights (B, T_dec, T_enc) serves output token t (Bahdanau and Luong alike),
+# so the position it should read is t for copy and length - 1 - t for reverse.
+
+
+def copied_positions(task: str, lengths: Tensor, steps: int) -> Tensor:
+    """(B,) lengths -> (B, steps) the source position whose symbol output step t must produce
+    (t for copy, length - 1 - t for reverse); meaningful only for t < length."""
+    t = torch.arange(steps, device=lengths.device)[None, :]  # (1, steps)
+    positions = t.expand(lengths.size(0), -1) if task == "copy" else lengths[:, None] - 1 - t
+    return positions.clamp(min=0, max=int(lengths.max()) - 1)
+
+
+def copied_source_positions(task: str, length: int) -> list[int]:
+    """The copied source position of each content output step of one sequence of `length` symbols
+    (`copied_positions`): what the heatmaps mark."""
+    return copied_positions(task, torch.tensor([length]), length)[0].tolist()

@@ -4,7 +4,8 @@
 - `compose(overrides, multirun)`: a config composed as Hydra composes it for `train` or `sweep`,
   hydra node included (the Compose API leaves the sweeper's params and the run mode out);
 - `sweep_jobs(master)`: the jobs Hydra's basic sweeper launches for a multirun config, each as its
-  overrides and its composed config.
+  overrides and its composed config;
+- `own_global_hydra()`: a block with no GlobalHydra, after which the caller's is back as it was.
 
 All need an initialised GlobalHydra (inside a Hydra app, or `initialize_config_dir`).
 tests/test_hydra_internals.py checks each against a small known case, so a Hydra release that
@@ -13,6 +14,7 @@ changes them fails there, loudly, before anything else does.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterator
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -48,3 +50,16 @@ def sweep_jobs(master: DictConfig) -> tuple[Iterator[tuple[list[str], DictConfig
     [batches] = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     swept = {override.get_key_element() for override in parsed if override.is_sweep_override()}
     return ((list(overrides), loader.load_sweep_config(master, list(overrides))) for overrides in batches), swept
+
+
+@contextmanager
+def own_global_hydra() -> Iterator[None]:
+    """Inside: no GlobalHydra, for copytask to initialise its own (composing, or a sweep); after:
+    the one the caller had initialised, if any, as it was (Hydra keeps one per process)."""
+    callers = GlobalHydra.instance().hydra
+    GlobalHydra.instance().clear()
+    try:
+        yield
+    finally:  # Hydra's own run may have replaced the instance (its launchers restore singletons)
+        GlobalHydra.instance().clear()
+        GlobalHydra.instance().hydra = callers

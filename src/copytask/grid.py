@@ -1,46 +1,29 @@
-"""Sweeps are Hydra multiruns. This module knows which runs a sweep is made of (the grid) and
-reports on a sweep when it ends (`SweepSummary`, a Hydra callback).
+"""Which runs a grid is made of, composed as Hydra composes them, and which runs `compare`,
+`report` and the API look at.
 
 The grid is expanded the way Hydra's basic sweeper does it (sweeper params, then command-line
 overrides, which replace a swept key's list), and each job's config is composed with Hydra's own
 config loader, so `store.run_dir` gives exactly the folders the sweep writes. `compare` and
-`report` use the same expansion through the Compose API: they see the grid's runs and nothing
-else in runs_dir, and can name the ones that are missing.
+`report` use the same expansion: they see the grid's runs and nothing else in runs_dir, and can
+name the ones that are missing. Composing here leaves a Hydra instance the caller initialised as
+it was.
 """
 
 from __future__ import annotations
 
-import os
-import platform
 import shlex
-import sys
-import threading
-import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from hydra import initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from . import loggers, store
+from . import store
 from .config import ConfigError, config_dir, dotted_keys, hydra_errors, validate
-from .hydra_internals import compose, sweep_jobs
+from .hydra_internals import compose, own_global_hydra, sweep_jobs
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
-
-
-class SweepFailed(SystemExit):
-    """Raised at the end of a sweep with failed jobs, after everything else is written. A
-    SystemExit, because Hydra turns other exceptions into its own error report and returns
-    nothing from a multirun: this is how the exit status reaches the shell (and `compare`)."""
-
-    def __init__(self) -> None:
-        super().__init__(1)
-
 
 @dataclass(frozen=True)
 class GridRun:
@@ -131,10 +114,10 @@ def compose_grid(
     """The master config and grid (empty unless `expand_grid`) of `python -m copytask sweep
     <overrides>`, or with `multirun=False` the config of `python -m copytask train <overrides>` and
     its one run, composed without running anything and without writing Hydra output folders;
-    `check` is called on every job's config as it is composed. Raises ConfigError (one line) for what Hydra cannot compose: an unknown key, a group option
-    that does not exist, an override it cannot parse."""
-    GlobalHydra.instance().clear()  # a sweep earlier in this process leaves Hydra initialised
-    try:
+    `check` is called on every job's config as it is composed. Raises ConfigError (one line) for
+    what Hydra cannot compose: an unknown key, a group option that does not exist, an override it
+    cannot parse."""
+    with own_global_hydra():
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="copytask"):
             with hydra_errors(dotted_keys(compose([], multirun=True))):
                 if multirun:
@@ -147,8 +130,6 @@ def compose_grid(
                 if check is not None:
                     check(job)
                 return config, [GridRun(tuple(overrides), "", job, store.run_dir(job))]
-    finally:
-        GlobalHydra.instance().clear()  # a library call leaves no global Hydra behind
 
 
 def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
@@ -217,12 +198,13 @@ class Selection:
     source: str  # one line for the user: which grid this is
 
 
-def select_runs(overrides: list[str], every_run: bool = False) -> Selection:
+def select_runs(overrides: list[str], every_run: bool = False, every_run_unless_recorded: bool = False) -> Selection:
     """The grid of `python -m copytask sweep <overrides>`; with no grid overrides (only `runs_dir`,
-    `report.*` and the like), the grid of the last sweep recorded in runs_dir; with `every_run`,
+    `report.*` and the like), the grid of the last sweep recorded in runs_dir (where none is: the
+    default grid, or with `every_run_unless_recorded` every complete run there); with `every_run`,
     every complete run in runs_dir, whatever grid it came from."""
     grid_given = [override for override in overrides if is_grid_override(override)]
-    if every_run:
+    if every_run or (every_run_unless_recorded and not grid_given and _recorded(overrides) is None):
         if grid_given:
             raise ConfigError(f"--all takes every complete run in runs_dir; give it no grid overrides (got {' '.join(grid_given)})")
         master, _ = compose_grid(overrides, expand_grid=False)
@@ -238,12 +220,17 @@ def select_runs(overrides: list[str], every_run: bool = False) -> Selection:
     return Selection(master, grid, overrides, f"the grid of: {sweep_command(master)}")
 
 
+def _recorded(overrides: list[str]) -> list[str] | None:
+    master, _ = compose_grid(overrides, expand_grid=False)
+    return recorded_overrides(Path(master.runs_dir))
+
+
 def nothing_done(command: str, selection: Selection) -> str:
     """The error for `compare` or `report` on runs none of which is complete (or readable)."""
     runs_dir = Path(selection.master.runs_dir)
     what = "does not exist" if not runs_dir.is_dir() else "has no finished run of this grid"
     return (
-        f"copytask: error: nothing to {command}: {runs_dir} {what} (0 of {len(selection.runs)} runs complete); "
+        f"nothing to {command}: {runs_dir} {what} (0 of {len(selection.runs)} runs complete); "
         f"train them with: {sweep_command(selection.master)}"
     )
 
@@ -252,162 +239,3 @@ def sweep_command(master: DictConfig) -> str:
     """The command line that starts this sweep."""
     hydra_overrides = [o for o in master.hydra.overrides.hydra if o != "hydra.mode=MULTIRUN"]
     return shlex.join(["python", "-m", "copytask", "sweep", *master.hydra.overrides.task, *hydra_overrides])
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux), else what `platform` knows."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def gpu_name() -> str | None:
-    import torch  # by now the jobs have imported it, if they ran in this process
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-
-
-class SweepProgress:
-    """One progress bar for a whole sweep: runs finished (complete, or failed during this sweep)
-    of the grid, with elapsed time and ETA. A thread polls the run folders, so it works the same
-    under every launcher, in-process or not."""
-
-    def __init__(self, runs: list[GridRun], enabled: bool, interval: float = 2.0) -> None:
-        from tqdm.auto import tqdm
-
-        self.runs, self.started_at = runs, time.time()
-        self.bar = tqdm(total=len(runs), initial=self.finished(), desc="sweep", unit="run", disable=not enabled,
-                        dynamic_ncols=True, mininterval=interval)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.poll, args=(interval,), daemon=True)
-        self.thread.start()
-
-    def finished(self) -> int:
-        def done(run: GridRun) -> bool:
-            status = run.status()
-            return status == "complete" or status == "failed" and (run.folder / store.FAILED).stat().st_mtime >= self.started_at
-
-        return sum(map(done, self.runs))
-
-    def poll(self, interval: float, refresh_every: float = 30.0) -> None:
-        """Update on every finished run, and redraw the clock now and then: a sweep's log stays small."""
-        last_refresh = time.monotonic()
-        while not self.stop.wait(interval):
-            if (finished := self.finished()) != self.bar.n:
-                self.bar.update(finished - self.bar.n)
-            elif time.monotonic() - last_refresh > refresh_every:
-                self.bar.refresh()
-            else:
-                continue
-            last_refresh = time.monotonic()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.bar.update(self.finished() - self.bar.n)
-        self.bar.close()
-
-
-class SweepSummary(Callback):
-    """At the end of a sweep: name the failed jobs, analyse the grid's complete runs (the report
-    reads analysis.json, it never evaluates a model), write results.csv and the report (and give
-    its figures to the experiment tracker), print the wall time, and exit non-zero if any job of
-    this sweep has no results. At its start: record the sweep, and prepare the tracker's store."""
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.started = time.perf_counter()
-        self.started_at = time.time()
-        # Recorded now, so that `compare` and `report` find this grid even while it runs or if it is cut off.
-        store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | {"started": time.strftime("%Y-%m-%d %H:%M:%S")})
-        loggers.prepare(config)
-        self.progress = SweepProgress(expand(config), enabled=config.train.progress)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Launchers that run jobs in other processes (joblib, submitit) pickle the callbacks with
-        # the job; the progress bar and its thread live in the launching process only.
-        return {key: value for key, value in self.__dict__.items() if key != "progress"}
-
-    @staticmethod
-    def record(config: DictConfig) -> dict[str, Any]:
-        return {"command": sweep_command(config), "overrides": list(config.hydra.overrides.task)}
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        # Hydra turns a callback's exception into a warning and exits 0: a sweep whose end fails must not look fine.
-        try:
-            self.summarise(config)
-        except SweepFailed:
-            raise
-        except Exception as error:  # noqa: BLE001 - reported, then a non-zero exit
-            traceback.print_exc()
-            print(f"copytask: error: the end of the sweep failed: {type(error).__name__}: {error}", file=sys.stderr)
-            raise SystemExit(1) from error
-
-    def summarise(self, config: DictConfig) -> None:
-        from . import analysis, report, results  # pandas, matplotlib, the model: only once the jobs are done
-
-        self.progress.close()
-
-        runs = expand(config)
-        runs_dir = Path(config.runs_dir)
-        statuses = [run.status() for run in runs]
-        # Runs another process is training are neither failures of this sweep nor results yet.
-        elsewhere = [run for run, status in zip(runs, statuses) if status == "running"]
-        unfinished = [run for run, status in zip(runs, statuses) if status not in ("complete", "running")]
-        for run in unfinished:  # first: nothing after this may hide which jobs failed
-            print(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}", file=sys.stderr)
-        for run in elsewhere:
-            store.warn(f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)")
-        trained = sum(
-            store.is_complete(run.folder) and (run.folder / store.METRICS).stat().st_mtime >= self.started_at
-            for run in runs
-        )
-        analysis_started = time.perf_counter()
-        analysed = analysis.analyze(
-            [run.folder for run in runs],
-            lengths=sorted({run.config.task.length for run in runs}),
-            eval_size=config.analysis.eval_size,
-            threads=config.analysis.threads,
-            progress=config.train.progress,
-        )
-        analysis_seconds = time.perf_counter() - analysis_started
-        print(f"analysis: {analysed} runs analysed in {analysis_seconds:.1f} s (eval_size {config.analysis.eval_size})")
-        wall_seconds = time.perf_counter() - self.started
-        store.write_json(
-            runs_dir / SWEEP_RECORD,
-            self.record(config)
-            | {
-                "jobs": len(runs),
-                "trained": trained,
-                "failed": len(unfinished),
-                "training_elsewhere": len(elsewhere),
-                "wall_seconds": round(wall_seconds, 1),
-                "analysis_seconds": round(analysis_seconds, 1),
-                "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "launcher": config.hydra.runtime.choices.get("hydra/launcher"),
-                "machine": cpu_model(),
-                "cpus": os.cpu_count(),
-                "gpu": gpu_name(),
-                "python": platform.python_version(),
-            },
-        )
-        loaded = results.load(runs)
-        if not loaded.table.empty:
-            results.save(loaded, runs_dir)
-            try:
-                report.x_column(config.report.x, loaded)
-                x = config.report.x
-            except ConfigError as error:
-                store.warn(f"{error}; the report puts task.length on the x axis")
-                x = "task.length"
-            loggers.log_report(config, report.write_report(runs, loaded, runs_dir, x))
-        print(
-            f"sweep: {len(runs) - len(unfinished) - len(elsewhere)}/{len(runs)} runs complete ({trained} trained now), "
-            f"{len(unfinished)} failed" + (f", {len(elsewhere)} being trained by another process" if elsewhere else "")
-            + f"; {wall_seconds:.1f} s wall time"
-            + (f"; results in {runs_dir / results.RESULTS_CSV}" if not loaded.table.empty else "")
-        )
-        if unfinished:
-            raise SweepFailed()

@@ -8,7 +8,9 @@ import io
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pandas as pd
 import torch
@@ -18,8 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import loggers, store
-from .config import check_device, validate
-from .data import PAD, Batch, make_batch, total_vocab
+from .config import validate
+from .data import PAD, Batch
+from .evaluation import build_model, eval_batch, evaluate, resolve_device, rounded, sample_batch
 from .kernels import runs_fused
 from .model import Seq2Seq, count_parameters
 
@@ -28,40 +31,8 @@ class NonFiniteLoss(FloatingPointError):
     """The training loss became NaN or inf: the run diverged; the message names the run and step."""
 
 
-def resolve_device(name: str) -> torch.device:
-    check_device(name)
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.Module:
-    """The configured model; `model_class` may be any class with Seq2Seq's constructor and
-    interface (the benchmark passes `reference.ReferenceSeq2Seq`)."""
-    return model_class(
-        vocab=total_vocab(cfg.task.vocab_size),
-        decoder=cfg.attention.decoder,
-        score=cfg.attention.score,
-        embedding_size=cfg.model.embedding_size,
-        hidden_size=cfg.model.hidden_size,
-        attention_size=cfg.attention.size,
-        bidirectional=cfg.model.bidirectional,
-        heads=cfg.attention.get("heads", 1),  # absent from configs without multi-head and from older runs
-        local=cfg.attention.get("local"),  # Luong's local attention: absent from global ones
-        window=cfg.attention.get("window"),
-        fused=cfg.train.get("fused", True),  # absent from older runs
-    )
-
-
-def sample_batch(cfg: DictConfig, batch_size: int, generator: torch.Generator) -> Batch:
-    task = cfg.task
-    min_length = task.min_length if task.variable_length else None
-    return make_batch(task.name, batch_size, task.length, task.vocab_size, generator, min_length)
-
-
-def eval_batch(cfg: DictConfig) -> Batch:
-    """The fixed held-out set: drawn from its own seed, never seen in training (`training_batch`)."""
-    return sample_batch(cfg, cfg.train.eval_size, torch.Generator().manual_seed(cfg.train.eval_seed))
+class RunInProgress(RuntimeError):
+    """Another process is training this run now (it holds the run's lock); the message names the run."""
 
 
 def sequence_keys(batch: Batch) -> set[bytes]:
@@ -81,62 +52,6 @@ def training_batch(cfg: DictConfig, generator: torch.Generator, heldout: set[byt
     return batch
 
 
-# Sequences greedily decoded at once on CPU. Smaller pieces keep a decoder step's tensors in cache:
-# 512 held-out sequences at length 80 took Bahdanau 0.46 s in one piece and 0.29 s in pieces of 128
-# (Luong general 0.27 -> 0.23 s; the baseline, with no attention tensors, 0.08 -> 0.10 s).
-EVAL_CHUNK = 128
-
-
-@torch.no_grad()
-def evaluate(model: Seq2Seq, batch: Batch, chunk_size: int | None = None) -> dict:
-    """Greedy decoding (no teacher forcing) on `batch`: token accuracy over the content positions,
-    and exact-sequence accuracy (every symbol and the EOS right). Also returns the decoded tokens
-    (B, T_dec) and attention weights (B, T_dec, T_enc) or None. `chunk_size` sequences are decoded
-    at a time: by default EVAL_CHUNK on CPU, all at once on a GPU."""
-    if chunk_size is None:
-        chunk_size = len(batch) if batch.src.is_cuda else EVAL_CHUNK
-    was_training = model.training
-    model.eval()
-    tokens, weights = [], []
-    for start in range(0, len(batch), chunk_size):
-        part = batch.select(slice(start, start + chunk_size))
-        out, w = model.greedy(part.src, part.src_lengths, steps=batch.tgt_out.size(1))
-        tokens.append(_pad_to(out, batch.tgt_out.size(1)))
-        weights.append(None if w is None else _pad_to(w, batch.src.size(1), dim=2))
-    model.train(was_training)
-    tokens = torch.cat(tokens)
-    hits, symbols, exact = sequence_scores(tokens, batch)
-    return {
-        "token_acc": hits.sum().item() / symbols.sum().item(),
-        "seq_acc": exact.float().mean().item(),
-        "tokens": tokens,
-        "weights": None if weights[0] is None else torch.cat(weights),
-    }
-
-
-def sequence_scores(tokens: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy output `tokens` (B, T_dec) against `batch` -> per sequence (B,): content symbols right,
-    content symbols, and whether the whole target (every symbol and the EOS) is right."""
-    correct = tokens == batch.tgt_out
-    content = batch.content_mask
-    return (correct & content).sum(1), content.sum(1), (correct | ~batch.target_mask).all(1)
-
-
-def rounded(weights: torch.Tensor) -> list:
-    """Attention weights as nested lists with four decimals: small enough for a length-80 map in
-    JSON, exact enough for a heatmap."""
-    return weights.double().mul(1e4).round().div(1e4).tolist()
-
-
-def _pad_to(t: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
-    missing = size - t.size(dim)
-    if missing == 0:
-        return t
-    pad_shape = list(t.shape)
-    pad_shape[dim] = missing
-    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
-
-
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, clip: float) -> torch.Tensor:
     """One teacher-forced update: cross-entropy over the real target positions, gradient norm
     clipped to `clip`. -> the loss, detached (no host sync, so a GPU step stays asynchronous)."""
@@ -149,23 +64,22 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     return loss.detach()
 
 
-def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict | None:
+def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
     """Train one run and write its folder; returns metrics.json's content. A run whose complete
-    results already exist is not trained again unless `retrain=true`, and then its old folder is
-    kept until the new results are complete (and put back if training fails); one that another
-    process is training now is skipped with a warning, and None is returned. Raises NonFiniteLoss
-    if the run diverges. `model_class`: see `build_model`."""
+    results already exist is read, not trained again, unless `retrain=true`, and then its old folder
+    is kept until the new results are complete (and put back if training fails). Raises
+    RunInProgress if another process is training the run now, NonFiniteLoss if it diverges.
+    Torch's thread count and random state are as they were when it returns. `model_class`: see
+    `evaluation.build_model`."""
     validate(cfg)
     folder = store.run_dir(cfg)
     lock = store.lock_run(folder)
     if lock is None:
-        store.warn(f"{folder.name}: being trained by another process (it holds {store.lock_path(folder)}); skipped")
-        return None
+        raise RunInProgress(f"{folder.name}: being trained by another process (it holds {store.lock_path(folder)})")
     with lock:
         previous = None
         if store.is_complete(folder):
             if not cfg.get("retrain", False):
-                print(f"{folder.name}: already complete, skipped (retrain=true trains it again)")
                 return store.read_json(folder / store.METRICS)
             previous = folder.with_name(f".{folder.name}.replaced")  # a dot folder: no listing of runs sees it
             shutil.rmtree(previous, ignore_errors=True)
@@ -173,7 +87,7 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict | Non
         elif folder.exists():  # leftovers of an interrupted or failed run: no one else writes here while we hold the lock
             shutil.rmtree(folder)
         try:
-            with loggers.open_run(cfg, folder.name) as tracker:  # closed before the run is marked complete
+            with loggers.open_run(cfg, folder.name) as tracker, torch_state(cfg.train.threads):  # the tracker closes before the run is complete
                 metrics = _train_locked(cfg, folder, model_class, tracker)
             store.write_json(folder / store.METRICS, metrics)  # last: marks the run complete
         except BaseException:
@@ -183,12 +97,30 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict | Non
             raise
         if previous is not None:
             shutil.rmtree(previous)
-        print(
-            f"{folder.name}: greedy token acc {metrics['token_acc']:.2%}, seq acc {metrics['seq_acc']:.2%} "
-            f"(chance {metrics['chance']:.1%}), {metrics['steps']} steps, {metrics['train_seconds']:.1f} s, "
-            f"{metrics['params']:,} params -> {folder}"
-        )
         return metrics
+
+
+def summary_line(metrics: dict, folder: Path) -> str:
+    """The one line the command line prints for a finished run."""
+    return (
+        f"{metrics['run']}: greedy token acc {metrics['token_acc']:.2%}, seq acc {metrics['seq_acc']:.2%} "
+        f"(chance {metrics['chance']:.1%}), {metrics['steps']} steps, {metrics['train_seconds']:.1f} s, "
+        f"{metrics['params']:,} params -> {folder}"
+    )
+
+
+@contextmanager
+def torch_state(threads: int | None) -> Iterator[None]:
+    """Inside: `threads` torch CPU threads (None: as they are) and torch's global random state
+    forked, so that the model's initialisation can draw from it; after: both as they were."""
+    previous_threads = torch.get_num_threads()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+        try:
+            if threads:
+                torch.set_num_threads(threads)
+            yield
+        finally:
+            torch.set_num_threads(previous_threads)
 
 
 def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], tracker: loggers.RunLogger) -> dict:
@@ -198,9 +130,7 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], t
     store.atomic_write(folder / store.CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
 
     device = resolve_device(cfg.train.device)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the model's initialisation; `torch_state` restores the caller's random state
     generator = torch.Generator().manual_seed(cfg.seed)
     model = build_model(cfg, model_class).to(device)
     tracker.log_params(store.flat_identity(cfg))
@@ -293,7 +223,7 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], t
 
 def log_heatmap(tracker: loggers.RunLogger, sample: dict, cfg: DictConfig, metrics: dict) -> None:
     """The attention map of the first held-out example, drawn as the report draws it, as the image `attention`."""
-    from .analysis_figures import plot_attention  # matplotlib: only for a tracker
+    from .figures import plot_attention  # matplotlib: only for a tracker
 
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "attention.png"

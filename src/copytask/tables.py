@@ -14,16 +14,14 @@ nothing is ever averaged but seeds.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 from scipy import stats
 
 from . import store
-from .sweep import GridRun, Selection, SweepFailed, nothing_done, select_runs, sweep_command
+from .grid import GridRun
 
 RESULTS_CSV = "results.csv"
 COLUMNS = ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "run")
@@ -232,34 +230,9 @@ def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
     return "\n".join(lines)
 
 
-def compare(selection: Selection, missing_only: bool, train_missing: bool, run_sweep: Callable[[list[str]], object]) -> int:
-    """`python -m copytask compare [--missing | --train-missing | --all] [overrides]` on the runs
-    `sweep.select_runs` picked: per setting and length, the baseline and each attention type side
-    by side. Missing runs are listed with the command that trains them; `train_missing` trains
-    them first with `run_sweep(overrides)` (the same resumable sweep); `missing_only` lists them
-    and prints no table."""
-    unfinished = [(run, run.failure()) for run in selection.runs if run.status() != "complete"]
-    if missing_only:
-        runs_dir = selection.master.runs_dir
-        print(describe_missing(unfinished, len(selection.runs)) if unfinished else f"all {len(selection.runs)} runs complete in {runs_dir}")
-        return 0
-    status = 0
-    if unfinished and train_missing:
-        print(f"{len(unfinished)} of {len(selection.runs)} runs missing: running the sweep first")
-        try:
-            run_sweep(selection.overrides)
-        except SweepFailed:  # it has named the failed jobs; compare what there is
-            status = 1
-        selection = select_runs(selection.overrides)
-    loaded = load(selection.runs)
-    if loaded.table.empty:
-        print(nothing_done("compare", selection), file=sys.stderr)
-        return 1
-    if loaded.missing:
-        print(describe_missing(loaded.missing, len(selection.runs)))
-        print(f"train them with: {sweep_command(selection.master)}  (or compare --train-missing)")
-    tasks = "/".join(dict.fromkeys(loaded.table["task"]))
-    print(f"{tasks} task, mean over seeds with 95% t-interval (none with one seed), accuracies in %; gap = mean - {BASELINE}'s mean;\n"
-          "steps to target: the first evaluation at train.target_acc greedy token accuracy, over the seeds that reached it (k/n where not all did)")
-    print(comparison_table(summarise(loaded.table, loaded.settings), loaded.settings).to_string(index=False))
-    return status
+def table_note(tasks: list[str]) -> str:
+    """The two lines `compare` prints above `comparison_table`."""
+    return (
+        f"{'/'.join(tasks)} task, mean over seeds with 95% t-interval (none with one seed), accuracies in %; gap = mean - {BASELINE}'s mean;\n"
+        "steps to target: the first evaluation at train.target_acc greedy token accuracy, over the seeds that reached it (k/n where not all did)"
+    )

@@ -1,0 +1,160 @@
+"""copytask's public functions: compose a run's config, train it, sweep a grid, read a sweep's
+results and summary, write its report, load a trained model and decode with it.
+
+    import copytask
+    cfg = copytask.compose(["attention=bahdanau", "task.length=40"])
+    metrics = copytask.train(cfg)
+    copytask.compare("runs")
+
+They return values (dicts, DataFrames, paths, arrays) and print nothing but progress; the command
+line (`copytask.cli`) is a thin layer over the same functions. Calling them changes no process-wide
+state: torch's thread count and random state, matplotlib's backend and a Hydra instance the caller
+initialised are as they were. Bad input raises `ConfigError`, whose message is the command line's
+one line; a run another process is training raises `RunInProgress`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig
+
+from .config import ConfigError
+from .grid import Selection, check_grid, nothing_done, select_runs
+
+if TYPE_CHECKING:  # heavy imports happen where they are needed: `import copytask` stays fast
+    import pandas as pd
+    from torch import nn
+
+    from .decoding import Decoded
+    from .tables import Loaded
+
+
+class SweepError(RuntimeError):
+    """A sweep ended with failed jobs (each named on stderr, with a failed.json in its run folder);
+    `table` holds the results of the runs that did complete."""
+
+    def __init__(self, message: str, table: pd.DataFrame) -> None:
+        super().__init__(message)
+        self.table = table
+
+
+def compose(overrides: Sequence[str] = ()) -> DictConfig:
+    """The config `python -m copytask train <overrides>` trains, composed from configs/ and
+    validated. ConfigError (one line) for what cannot run."""
+    [run] = check_grid(list(overrides), multirun=False)
+    return run.config
+
+
+def train(cfg: DictConfig | Sequence[str]) -> dict:
+    """Train one run (a composed config, or overrides for `compose`) into runs_dir/<run name>/ and
+    return its metrics.json; a run whose complete results exist is read, not trained again
+    (`retrain=true` trains it again). RunInProgress if another process is training it now,
+    NonFiniteLoss if it diverges."""
+    from . import training
+
+    return training.train(cfg if isinstance(cfg, DictConfig) else compose(cfg))
+
+
+def sweep(overrides: Sequence[str] = (), runs_dir: str | Path | None = None) -> pd.DataFrame:
+    """Train the grid of `python -m copytask sweep <overrides>` (in `runs_dir`, if given), through
+    Hydra's launcher as the command does (`hydra/launcher=parallel` for two jobs at a time),
+    skipping complete runs; every job is checked before the first starts. Ends with the sweep's
+    analysis, results.csv and report, and returns the results table (`results`). SweepError if
+    any job failed, after everything else is written."""
+    from .tables import load
+    from .jobs import SweepFailed, run_hydra
+
+    overrides = [*overrides, *([runs_dir_override(runs_dir)] if runs_dir is not None else [])]
+    check_grid(overrides)
+    try:
+        run_hydra(overrides, multirun=True)
+    except SweepFailed:
+        loaded = load(select_runs(overrides).runs)
+        failed = [run.folder.name for run, _ in loaded.missing]
+        raise SweepError(f"{len(failed)} of {len(loaded.runs) + len(failed)} runs failed: {', '.join(failed)}", loaded.table) from None
+    return load(select_runs(overrides).runs).table
+
+
+def select(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False) -> Selection:
+    """The runs that `results`, `compare` and `report` look at: the grid of `sweep <overrides>`;
+    with no grid overrides, the last sweep recorded in runs_dir, or every complete run there
+    where none was recorded (or with `all_runs`)."""
+    overrides = [*overrides, *([runs_dir_override(runs_dir)] if runs_dir is not None else [])]
+    return select_runs(overrides, every_run=all_runs, every_run_unless_recorded=True)
+
+
+def load(selection: Selection, command: str = "read") -> Loaded:
+    """The selection's complete runs as one table, and the rest with why each is missing.
+    ConfigError, saying there is nothing to `command`, when none is complete."""
+    from .tables import load as load_runs
+
+    loaded = load_runs(selection.runs)
+    if loaded.table.empty:
+        raise ConfigError(nothing_done(command, selection))
+    return loaded
+
+
+def results(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False) -> pd.DataFrame:
+    """One row per complete run of the selection (`select`): its metrics, steps to the target
+    accuracy, alignment where analysed, and a column per setting that varies between the runs."""
+    return load(select(runs_dir, overrides, all_runs), "read").table
+
+
+def summary(loaded: Loaded) -> pd.DataFrame:
+    """Per setting, length and attention type: seeds, means and interval bounds of the
+    accuracies and of the steps to target, chance, params and the gaps to the baseline."""
+    from .tables import summarise
+
+    return summarise(loaded.table, loaded.settings)
+
+
+def compare(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False) -> pd.DataFrame:
+    """`python -m copytask compare`'s table as numbers: `summary` of the selection (`select`)."""
+    return summary(load(select(runs_dir, overrides, all_runs), "compare"))
+
+
+def report(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False, x: str | None = None) -> list[Path]:
+    """Write results.csv and runs_dir/report/ (report.md and its figures) for the selection
+    (`select`), with `x` (default: the config's report.x) on the accuracy figure's x axis;
+    -> the paths written, results.csv and report.md first. Never trains."""
+    selection = select(runs_dir, overrides, all_runs)
+    return write_report(selection, load(selection, "report"), x)
+
+
+def write_report(selection: Selection, loaded: Loaded, x: str | None = None) -> list[Path]:
+    """`report`'s work on a selection already loaded."""
+    from . import reporting
+    from .tables import save
+
+    x = x or selection.master.report.x
+    reporting.x_column(x, loaded)  # ConfigError before anything is written
+    runs_dir = Path(selection.master.runs_dir)
+    return [save(loaded, runs_dir), *reporting.write_report(selection.runs, loaded, runs_dir, x)]
+
+
+def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, DictConfig]:
+    """A finished run's trained model on `device`, in eval mode, and its resolved config."""
+    from .evaluation import load_run as load
+
+    cfg, model = load(Path(run_dir), device)
+    return model, cfg
+
+
+def decode(run_dir: str | Path, symbols: str | None = None, random: int | None = None, length: int | None = None, seed: int = 0) -> Decoded:
+    """Greedy-decode `symbols` (`"g d d c"` or `gddc`), or `random` sequences of `length` symbols,
+    with a finished run's model: token ids, scores and attention weights as arrays (`decode.Decoded`)."""
+    from .decoding import decode as decode_run
+
+    return decode_run(run_dir, symbols, random, length, seed)
+
+
+def runs_dir_override(runs_dir: str | Path) -> str:
+    """`runs_dir=<path>` as a Hydra override, quoted where the path has characters Hydra's grammar reads."""
+    path = str(runs_dir)
+    if re.fullmatch(r"[\w./~-]+", path):
+        return f"runs_dir={path}"
+    return "runs_dir='" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"

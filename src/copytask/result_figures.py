@@ -1,4 +1,4 @@
-"""The results figures of a report, drawn from `results.summarise`'s table (and the runs'
+"""The results figures of a report, drawn from `tables.summarise`'s table (and the runs'
 histories): accuracy against the x key (`report.x`) with every other varying key shown, never
 pooled; the (setting, length) grid with the longest length copied; training curves.
 

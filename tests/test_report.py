@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -249,3 +250,46 @@ def test_report_heatmaps_outline_the_copied_positions_and_say_so(runs_copy, monk
     assert outlined["attention_luong_general_length3.png"] == 3  # one per content output step
     assert outlined["attention_luong_general_length6.png"] == 6
     assert "red outline marks the source position" in (runs_copy / "report" / "report.md").read_text()
+
+
+def drawn_figures(monkeypatch) -> dict[str, object]:
+    """Every figure the report saves, by file name (the drawing modules' `save`, recorded)."""
+    from copytask import analysis_figures, figures, result_figures
+
+    drawn, save = {}, figures.save
+
+    def record(figure, path, dpi=120):
+        drawn[Path(path).name] = figure
+        return save(figure, path, dpi)
+
+    for module in (figures, analysis_figures, result_figures):
+        monkeypatch.setattr(module, "save", record)
+    return drawn
+
+
+def test_a_one_length_grid_gives_figures_that_hold_and_a_report_that_states_what_was_swept(tmp_path, monkeypatch):
+    import copytask
+    from matplotlib.container import ErrorbarContainer
+
+    grid = ["attention=none,luong_general", "task.length=5", "seed=0,1", "task.vocab_size=4,16", "train.lr=1e-3,5e-3"]
+    copytask.sweep([*TINY, *grid], runs_dir=tmp_path / "runs")
+    drawn = drawn_figures(monkeypatch)
+    copytask.report(tmp_path / "runs")
+
+    text = (tmp_path / "runs" / "report" / "report.md").read_text()
+    assert "4, 16 (per setting) content symbols (chance token accuracy 25.0%, 6.2%)" in text
+    assert "lr 0.001, 0.005 (per setting)" in text
+    for name, figure in drawn.items():
+        figure.canvas.draw()
+        width = figure.bbox.width
+        titles = [figure._suptitle] if figure._suptitle else []
+        titles += [axis.title for axis in figure.axes if axis.get_visible()]
+        for title in titles:  # titles fit: nothing clipped at either end
+            extent = title.get_window_extent()
+            assert extent.x0 >= 0 and extent.x1 <= width, (name, title.get_text())
+        for axis in figure.axes:  # nothing drawn empty
+            if axis.get_visible() and axis.get_label() != "<colorbar>":
+                assert axis.lines or axis.images or axis.collections or axis.containers, name
+    accuracy = drawn["accuracy_vs_length.png"]
+    assert all(any(isinstance(c, ErrorbarContainer) for c in axis.containers) for axis in accuracy.axes)  # one x: error bars
+    assert "bar = 95% t-interval" in accuracy._suptitle.get_text()

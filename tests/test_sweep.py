@@ -176,3 +176,33 @@ def test_a_sweep_through_the_parallel_launcher(tmp_path):
     assert process.returncode == 0, process.stderr  # the jobs, callbacks included, pickle into joblib's workers
     assert set(pd.read_csv(tmp_path / "results.csv")["attention"]) == {"none", "luong_general"}
     assert store.read_json(tmp_path / "sweep.json")["launcher"] == "parallel"
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["sweep", "train.lr=interval(1e-4,1e-2)"], "train.lr=interval(1e-4,1e-2): the basic sweeper takes lists"),
+        (["train", "--lenght", "20"], "unrecognized arguments: --lenght"),
+        (["sweep", "experiment=quick", "--lenght"], "unrecognized arguments: --lenght"),
+    ],
+)
+def test_what_hydra_cannot_take_is_refused_in_one_line_before_anything_runs(tmp_path, capsys, args, names):
+    assert cli.main([*args, f"runs_dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"copytask: error: {names}") and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_sweep_bar_weighs_each_run_by_its_length_and_budget(runs_copy):
+    from copytask.grid import select_runs
+    from copytask.jobs import SweepProgress, expected_cost
+
+    runs = select_runs(overrides(runs_copy)).runs
+    assert {expected_cost(run) for run in runs} == {10 * 3, 10 * 6}  # train.steps x length
+    for run in runs:
+        if run.config.task.length == 6:
+            (run.folder / store.METRICS).unlink()
+    progress = SweepProgress(runs, enabled=False)
+    progress.close()
+    assert progress.finished() == (4, 4 * 10 * 3)  # the four short runs are a third of the work, not half
+    assert sum(progress.costs) == 4 * 10 * 3 + 4 * 10 * 6

@@ -15,16 +15,19 @@ import pandas as pd
 from matplotlib.axes import Axes
 
 from .analysis import COUNTERFACTUALS
-from .figures import draw_chance, draw_matrix, panels, plot_attention, save
+from .figures import draw_chance, draw_matrix, fitted, panels, plot_attention, save
 
 GROUP = ["attention", "task"]  # one panel per attention type and task (and setting, where a grid has settings)
+PANEL_WIDTH, MATRIX_WIDTH = 4.0, 4.4  # inches per panel
 
 
-def _title(keys: list[str], values: tuple) -> str:
-    """`luong_general (copy)`, then the setting on a second line: `model.hidden_size=16`."""
+def _title(keys: list[str], values: tuple, width: float) -> str:
+    """`luong_general (copy)`, then the setting on a second line: `model.hidden_size=16`, fitted to a
+    panel `width` inches wide."""
     attention, task, *setting = values
     title = f"{attention} ({task})"
-    return title + ("\n" + ", ".join(f"{key}={value}" for key, value in zip(keys[len(GROUP):], setting)) if setting else "")
+    setting_line = ", ".join(f"{key}={value}" for key, value in zip(keys[len(GROUP):], setting))
+    return fitted(f"{title}\n{setting_line}" if setting else title, 0.75 * width)  # the axes: the panel less its labels
 
 
 def plot_counterfactual(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Path:
@@ -35,14 +38,14 @@ def plot_counterfactual(table: pd.DataFrame, path: Path, settings: list[str] = (
     table = table[table.train_length == table.length.astype(str)]
     keys = [*GROUP, *settings]
     groups = list(table.groupby(keys, dropna=False))
-    figure, axes = panels(len(groups))
+    figure, axes = panels(len(groups), width=PANEL_WIDTH)
     for ax, (values, runs) in zip(axes, groups):
         means = runs.groupby("length")[["own", *COUNTERFACTUALS]].mean()
         for name in ("own", *COUNTERFACTUALS):
             ax.plot(means.index, 100 * means[name], marker="o", label=name)
         for chance in runs["chance"].unique():
             draw_chance(ax, chance)
-        ax.set(title=_title(keys, values), xlabel="sequence length", ylabel="greedy token accuracy %", ylim=(-2, 102))
+        ax.set(title=_title(keys, values, PANEL_WIDTH), xlabel="sequence length", ylabel="greedy token accuracy %", ylim=(-2, 102))
         ax.set_xscale("log", base=2)
         ax.set_xticks(means.index, [str(n) for n in means.index])
     axes[0].legend(title="attention weights", fontsize="small")
@@ -54,13 +57,13 @@ def plot_length_generalisation(table: pd.DataFrame, path: Path, settings: list[s
     one panel per attention type, task and value of `settings` (columns of `table`)."""
     keys = [*GROUP, *settings]
     groups = list(table.groupby(keys, dropna=False))
-    figure, axes = panels(len(groups), width=4.4, height=3.8)
+    figure, axes = panels(len(groups), width=MATRIX_WIDTH, height=3.8)
     for ax, (values, runs) in zip(axes, groups):
         matrix = runs.pivot_table(index="train_length", columns="test_length", values="token_acc", aggfunc="mean")
         # numeric order of the rows ("5" < "40" < "5-80"), not string order
         matrix = matrix.loc[sorted(matrix.index, key=lambda label: tuple(map(int, label.split("-")))[::-1])]
         image = draw_matrix(ax, matrix, scale=1, number="{:.2f}", fontsize=7)
-        ax.set(title=_title(keys, values), xlabel="test length", ylabel="train length")
+        ax.set(title=_title(keys, values, MATRIX_WIDTH), xlabel="test length", ylabel="train length")
     figure.colorbar(image, ax=axes, shrink=0.8, label="greedy token accuracy")
     return save(figure, path)
 

@@ -67,13 +67,15 @@ def refuse(error: Exception) -> int:
 def run_hydra(args: list[str], multirun: bool = False) -> int:
     """`train` or `sweep` through Hydra, after every job's config is composed and validated (unless
     a Hydra flag such as --cfg or --help asks for something else than a run)."""
+    from .hydra_internals import override_args
     from .jobs import run_hydra
 
-    if not any(arg.startswith("-") for arg in args):
-        try:
+    try:
+        override_args(args)  # a flag Hydra does not have: one line, not argparse's usage block
+        if not any(arg.startswith("-") for arg in args):
             check_grid(args, multirun)
-        except ConfigError as error:
-            return refuse(error)
+    except ConfigError as error:
+        return refuse(error)
     run_hydra(args, multirun)
     return 0
 

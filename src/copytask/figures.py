@@ -8,6 +8,7 @@ stay on); `save` writes the file.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,14 @@ def save(figure: Figure, path: Path, dpi: int = 120) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=dpi)
     return path
+
+
+def fitted(title: str, width: float, fontsize: float = 10.0) -> str:
+    """`title` broken into lines that fit a figure `width` inches wide (a character of a
+    `fontsize`-point sans-serif font is about 0.6 of its size wide), so a small map's long title is
+    not clipped at both ends."""
+    characters = max(20, int(0.85 * width * 72 / (0.6 * fontsize)))
+    return "\n".join(textwrap.fill(line, width=characters) for line in title.split("\n"))
 
 
 def draw_chance(ax: Axes, chance: float) -> None:
@@ -91,9 +100,6 @@ def plot_attention(sample: dict, vocab_size: int, task: str, title: str, path: P
         image = draw_attention(ax, head_weights, sample, vocab_size, task)
         if len(maps) > 1:
             ax.set_title(f"head {head}")
-    if len(maps) > 1:
-        figure.suptitle(title)
-    else:
-        axes[0].set_title(title)
+    figure.suptitle(fitted(title, figure.get_figwidth()))  # over the whole figure: a small map's axes are narrower than the title
     figure.colorbar(image, ax=axes, fraction=0.04, label="attention weight")
     return save(figure, path, dpi=100)

@@ -105,44 +105,70 @@ def gpu_name() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
+def expected_cost(run: GridRun) -> float:
+    """What a run is expected to cost, in units of one training step at length 1: its step budget
+    times its mean length (a step's recurrences and attention grow with the length). Runs differ
+    by 20x and more in a sweep, so a bar that counts runs gives an ETA that swings."""
+    task = run.config.task
+    mean_length = (task.min_length + task.length) / 2 if task.variable_length else task.length
+    return run.config.train.steps * mean_length
+
+
 class SweepProgress:
-    """One progress bar for a whole sweep: runs finished (complete, or failed during this sweep)
-    of the grid, with elapsed time and ETA. A thread polls the run folders, so it works the same
-    under every launcher, in-process or not."""
+    """One progress bar for a whole sweep: the work done, each finished run (complete, or failed
+    during this sweep) weighted by its `expected_cost`, so that the ETA follows the work left
+    rather than the runs left; the runs finished of the grid beside it. A thread polls the run
+    folders, so it works the same under every launcher, in-process or not."""
 
     def __init__(self, runs: list[GridRun], enabled: bool, interval: float = 2.0) -> None:
         from tqdm.auto import tqdm
 
         self.runs, self.started_at = runs, time.time()
-        self.bar = tqdm(total=len(runs), initial=self.finished(), desc="sweep", unit="run", disable=not enabled,
-                        dynamic_ncols=True, mininterval=interval)
+        self.costs = [expected_cost(run) for run in runs]
+        done, cost = self.finished()
+        self.bar = tqdm(total=sum(self.costs), initial=cost, desc="sweep", disable=not enabled, dynamic_ncols=True,
+                        mininterval=interval, bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]")
+        self.bar.set_postfix_str(self.runs_done(done), refresh=False)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.poll, args=(interval,), daemon=True)
         self.thread.start()
 
-    def finished(self) -> int:
+    def runs_done(self, done: int) -> str:
+        return f"{done}/{len(self.runs)} runs"
+
+    def finished(self) -> tuple[int, float]:
+        """How many runs have finished, and their expected cost together."""
+
         def done(run: GridRun) -> bool:
             status = run.status()
             return status == "complete" or status == "failed" and (run.folder / store.FAILED).stat().st_mtime >= self.started_at
 
-        return sum(map(done, self.runs))
+        finished = [cost for run, cost in zip(self.runs, self.costs) if done(run)]
+        return len(finished), sum(finished)
+
+    def update(self) -> bool:
+        """Move the bar to the runs finished now; whether anything changed."""
+        done, cost = self.finished()
+        if cost == self.bar.n:
+            return False
+        self.bar.set_postfix_str(self.runs_done(done), refresh=False)
+        self.bar.update(cost - self.bar.n)
+        return True
 
     def poll(self, interval: float, refresh_every: float = 30.0) -> None:
         """Update on every finished run, and redraw the clock now and then: a sweep's log stays small."""
         last_refresh = time.monotonic()
         while not self.stop.wait(interval):
-            if (finished := self.finished()) != self.bar.n:
-                self.bar.update(finished - self.bar.n)
-            elif time.monotonic() - last_refresh > refresh_every:
+            if not self.update():
+                if time.monotonic() - last_refresh <= refresh_every:
+                    continue
                 self.bar.refresh()
-            else:
-                continue
             last_refresh = time.monotonic()
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join()
-        self.bar.update(self.finished() - self.bar.n)
+        self.update()
         self.bar.close()
 
 

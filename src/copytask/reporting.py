@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import DictConfig
+from omegaconf import OmegaConf
 
 from . import analysis, store, tables
 from .analysis_figures import plot_counterfactual, plot_head_weights, plot_length_generalisation
@@ -124,31 +124,43 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def setup_section(config: DictConfig, loaded: tables.Loaded, runs_dir: Path) -> list[str]:
-    """The settings every run shares (those of `config`, one run's), what varies, the hardware and the wall time."""
-    task, model, train, table = config.task, config.model, config.train, loaded.table
+def setup_section(loaded: tables.Loaded, runs_dir: Path) -> list[str]:
+    """What the runs were: every sentence states the values of the runs it describes, one value
+    where all share it, the list where they differ; then what varies, the hardware and the wall time."""
+    table = loaded.table
+    configs = [loaded.runs[run].config for run in table["run"]]
+
+    def values(key: str, show=tables.setting_value) -> str:
+        """`64`, or `16, 32, 64 (per setting)` where the runs differ."""
+        found = sorted({OmegaConf.select(cfg, key) for cfg in configs}, key=lambda value: (value is None, str(type(value)), value))
+        return show(found[0]) if len(found) == 1 else f"{', '.join(map(show, found))} (per setting)"
+
     attentions = ", ".join(dict.fromkeys(table["attention"]))
     lengths = ", ".join(map(str, sorted(table["length"].unique())))
     seeds = ", ".join(map(str, sorted(table["seed"].unique())))
     varying = [key for key in ("attention", "length", "seed") if table[key].nunique() > 1] + loaded.settings
     swept = ", ".join(f"`{key}` ({', '.join(map(tables.setting_value, sorted(table[key].unique())))})" for key in varying)
+    chance = ", ".join(f"{100 * value:.1f}%" for value in sorted(table["chance"].unique(), reverse=True))
+    patience = {cfg.train.patience for cfg in configs}
     early_stop = (
-        f"stops early once held-out token accuracy is >= {train.target_acc:.0%} at {train.patience} evaluations in a row"
-        if train.patience
-        else "no early stop"
-    )
+        "no early stop" if patience == {None}
+        else f"stops early once held-out token accuracy is >= {values('train.target_acc', lambda v: f'{v:.0%}')} "
+        f"at {values('train.patience')} evaluations in a row"
+    )  # fmt: skip
+    encoder = values("model.bidirectional", lambda bidirectional: "bidirectional" if bidirectional else "unidirectional")
     lines = [
         "## Setup",
         "",
-        f"- Task: `{task.name}`, {task.vocab_size} content symbols (chance token accuracy {1 / task.vocab_size:.1%}), "
+        f"- Task: `{values('task.name')}`, {values('task.vocab_size')} content symbols (chance token accuracy {chance}), "
         f"lengths {lengths}.",
-        f"- Attention types: {attentions}; seeds: {seeds}. Swept: {swept or 'nothing'}; the settings below are shared by every run "
-        "unless swept.",
-        f"- Model: GRU encoder-decoder, hidden size {model.hidden_size}, embedding size {model.embedding_size}, "
-        f"{'bidirectional' if model.bidirectional else 'unidirectional'} encoder.",
-        f"- Training: budget {train.steps} steps of batch {train.batch_size}, Adam, {train.schedule} schedule peaking at "
-        f"lr {train.lr}, gradient clipping {train.clip}; {early_stop}. The same for every attention type.",
-        f"- Evaluation: greedy decoding (no teacher forcing) on {train.eval_size} held-out sequences (seed {train.eval_seed}).",
+        f"- Attention types: {attentions}; seeds: {seeds}. Swept: {swept or 'nothing'}.",
+        f"- Model: GRU encoder-decoder, hidden size {values('model.hidden_size')}, embedding size {values('model.embedding_size')}, "
+        f"{encoder} encoder.",
+        f"- Training: budget {values('train.steps')} steps of batch {values('train.batch_size')}, Adam, {values('train.schedule')} "
+        f"schedule peaking at lr {values('train.lr')}, gradient clipping {values('train.clip')}; {early_stop}. "
+        "Each attention type gets the same.",
+        f"- Evaluation: greedy decoding (no teacher forcing) on {values('train.eval_size')} held-out sequences "
+        f"(seed {values('train.eval_seed')}).",
         f"- Hardware (from the runs): device {', '.join(map(str, table['device'].unique()))}, "
         f"torch threads {', '.join(map(str, table['threads'].unique()))}.",
         f"- Compute: {table['train_seconds'].sum():.0f} s of training summed over {len(table)} runs.",
@@ -301,7 +313,7 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
         f"({len(loaded.table)} of {len(grid)} runs of the grid complete). Regenerate it with `python -m copytask report runs_dir={runs_dir}` "
         "(the last sweep's grid there) or with the sweep's overrides.",
         "",
-        *setup_section(loaded.runs[loaded.table["run"].iloc[0]].config, loaded, runs_dir),
+        *setup_section(loaded, runs_dir),
         "",
         f"## Accuracy against {label(x)}",
         "",
@@ -321,8 +333,7 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
             "",
             f"![accuracy over {others[0]} and length]({SETTING_GRID_FIGURE})",
             "",
-            f"![longest length copied against {others[0]}]({LONGEST_FIGURE})",
-            "",
+            *([f"![longest length copied against {others[0]}]({LONGEST_FIGURE})", ""] if any(path.name == LONGEST_FIGURE for path in figures) else []),
             "The longest length of the grid at which the mean greedy token accuracy reaches each threshold (`-`: none does):",
             "",
             markdown_table(longest.assign(**{c: longest[c].map(tables.setting_value) for c in longest.columns[1:]})),
@@ -373,5 +384,7 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
 
 
 def written_line(written: list[Path], seconds: float) -> str:
-    """What the command line says once `write_report` has written `written` (report.md first)."""
-    return f"report: {written[0]} and {len(written) - 1} figures in {seconds:.1f} s"
+    """What the command line says once `write_report` has written `written` (report.md first): the
+    figures counted once each (the accuracy figure's SVG is a copy of its PNG)."""
+    figures = [path for path in written[1:] if path.suffix == ".png"]
+    return f"report: {written[0]} and {len(figures)} figures in {seconds:.1f} s"

@@ -82,9 +82,13 @@ def plot_accuracy(summary: pd.DataFrame, settings: list[str], x: str, stem: Path
                 series = series.sort_values(x)
                 linestyle, marker = style[style_value[0] if style_key else None]
                 name = f"{attention}, {style_key}={setting_value(style_value[0])}" if style_key else attention
-                axis.plot(series[x], 100 * series[metric], linestyle=linestyle, marker=marker, color=colour[attention], label=name)
-                low, high = series[f"{metric}_lo"].clip(lower=0), series[f"{metric}_hi"].clip(upper=1)
-                axis.fill_between(series[x], 100 * low, 100 * high, color=colour[attention], alpha=0.2, linewidth=0)
+                mean, low, high = 100 * series[metric], 100 * series[f"{metric}_lo"].clip(lower=0), 100 * series[f"{metric}_hi"].clip(upper=1)
+                if len(series) > 1:
+                    axis.plot(series[x], mean, linestyle=linestyle, marker=marker, color=colour[attention], label=name)
+                    axis.fill_between(series[x], low, high, color=colour[attention], alpha=0.2, linewidth=0)
+                else:  # a band over one point is not drawn at all: an error bar is
+                    spread = None if low.isna().all() else [mean - low, high - mean]
+                    axis.errorbar(series[x], mean, yerr=spread, marker=marker, capsize=4, color=colour[attention], label=name)
             if x == "length" and not others:
                 plot_per_length(axis, per_length, metric, colour)
             if metric == "token_acc":
@@ -98,7 +102,8 @@ def plot_accuracy(summary: pd.DataFrame, settings: list[str], x: str, stem: Path
     handles, names = axes[0][0].get_legend_handles_labels()
     unique = dict(zip(names, handles))
     axes[0][0].legend(unique.values(), unique.keys(), loc="lower left", fontsize="small")
-    figure.suptitle(f"Copy accuracy against {label(x)}: mean over seeds, band = 95% t-interval")
+    interval = "band" if summary[x].nunique() > 1 else "bar"
+    figure.suptitle(f"Copy accuracy against {label(x)}: mean over seeds, {interval} = 95% t-interval")
     figure.tight_layout()
     paths = [stem.parent / f"{stem.name}.{suffix}" for suffix in ("png", "svg")]  # not with_suffix: a stem may hold a dotted key
     for path in paths:
@@ -122,7 +127,8 @@ def longest_lengths(summary: pd.DataFrame, key: str) -> pd.DataFrame:
 def plot_setting_grid(summary: pd.DataFrame, key: str, out: Path) -> list[Path]:
     """For one numeric setting beside the length (say `model.hidden_size`): mean greedy token
     accuracy over (setting, length) as a heatmap per attention type, and the longest length
-    reaching each of LONGEST_THRESHOLDS against the setting."""
+    reaching each of LONGEST_THRESHOLDS against the setting, where the grid has lengths to compare
+    and some length reaches a threshold (no figure is drawn empty). -> the files drawn."""
     attentions = list(dict.fromkeys(summary["attention"]))
     figure = Figure(figsize=(4.2 * len(attentions) + 1, 3.8), layout="constrained")
     axes = figure.subplots(1, len(attentions), squeeze=False)
@@ -135,6 +141,8 @@ def plot_setting_grid(summary: pd.DataFrame, key: str, out: Path) -> list[Path]:
     grid_path = save(figure, out / SETTING_GRID_FIGURE)
 
     longest = longest_lengths(summary, key)
+    if summary["length"].nunique() < 2 or longest.filter(like="longest at").isna().all(axis=None):
+        return [grid_path]
     colour = colours(attentions)
     figure = Figure(figsize=(6.5, 4.2))
     axis = figure.subplots()

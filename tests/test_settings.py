@@ -84,8 +84,11 @@ def test_report_shows_every_value_and_names_the_setting_of_each_figure(settings_
     assert "| model.hidden_size | length | attention | seeds |" in markdown  # the compare table
     assert "| model.hidden_size | length | attention | seeds | own % |" in markdown  # the counterfactual table
     assert "### luong_general, length 6, model.hidden_size=16" in markdown
-    assert (out / "accuracy_grid.png").is_file() and (out / "longest_length.png").is_file()
+    assert (out / "accuracy_grid.png").is_file()
     assert "| attention | model.hidden_size | longest at 99% | longest at 50% |" in markdown
+    longest = markdown.split("| attention | model.hidden_size | longest at 99% | longest at 50% |")[1].split("\n\n")[0]
+    reached = any(cell.strip() not in ("", "-", "---") for line in longest.splitlines()[2:] for cell in line.split("|")[3:5])
+    assert (out / "longest_length.png").is_file() == reached == ("longest_length.png" in markdown)  # never drawn empty
 
 
 def test_report_x_puts_any_swept_numeric_key_on_the_x_axis(settings_swept):
@@ -166,3 +169,14 @@ def test_two_settings_give_panels_for_one_and_line_styles_for_the_other(tmp_path
     text = svg.read_text()
     assert "greedy token accuracy, model.hidden_size=8" in text and "greedy token accuracy, model.hidden_size=16" in text
     assert "bahdanau, train.lr=0.001" in text and "bahdanau, train.lr=0.006" in text  # one line style per value
+
+
+@pytest.mark.parametrize("accuracy, drawn", [(0.995, 2), (0.2, 1)])
+def test_the_longest_length_figure_is_drawn_only_when_a_length_reaches_a_threshold(tmp_path, accuracy, drawn):
+    from copytask.result_figures import LONGEST_FIGURE, plot_setting_grid
+
+    summary = pd.DataFrame(
+        [{"attention": "none", "model.hidden_size": size, "length": length, "token_acc": accuracy} for size in (8, 16) for length in (5, 10)]
+    )
+    paths = plot_setting_grid(summary, "model.hidden_size", tmp_path)
+    assert len(paths) == drawn and (tmp_path / LONGEST_FIGURE).is_file() == (drawn == 2)

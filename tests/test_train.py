@@ -238,3 +238,24 @@ def test_retrain_trains_a_finished_run_again_and_a_failed_retrain_loses_nothing(
     assert (folder / store.METRICS).stat().st_mtime_ns > finished_at  # trained anew ...
     assert again["token_acc"] == first["token_acc"]  # ... the same computation
     assert not list(folder.parent.glob(".*.replaced"))  # the old folder is gone once the new one is complete
+
+
+@pytest.mark.parametrize("vocab_size, chance", [(4, "25.0%"), (16, "6.2%")])
+def test_chance_and_the_summary_follow_the_vocabulary(tmp_path, capsys, vocab_size, chance):
+    """Chance is 1 / task.vocab_size at any vocabulary, in metrics.json, the run's summary line and
+    compare's table; the data use exactly the content symbols of that vocabulary."""
+    from copytask.results import comparison_table, load, summarise
+
+    grid_overrides = [*TINY, f"runs_dir={tmp_path}", f"task.vocab_size={vocab_size}", "attention=none,luong_general", "seed=0,1"]
+    _, grid = compose_grid(grid_overrides)
+    for run in grid:
+        metrics = train(run.config)
+        assert metrics["chance"] == pytest.approx(1 / vocab_size) and metrics["vocab_size"] == vocab_size
+        assert f"(chance {chance})" in capsys.readouterr().out
+    heldout = eval_batch(grid[0].config)
+    assert set(heldout.src.unique().tolist()) == set(range(3, 3 + vocab_size))  # every content symbol, no other
+    assert build_model(grid[0].config).decoder.out.out_features == 3 + vocab_size
+
+    loaded = load(grid)
+    table = comparison_table(summarise(loaded.table, loaded.settings), loaded.settings)
+    assert len(table) == 4 and set(table["chance %"]) == {chance.rstrip("%")}  # 2 attention types x 2 lengths

@@ -66,12 +66,19 @@ def test_bad_values_are_refused_before_training(make_config, override, named):
         ("train.lr=fast", "train.lr must be a number, got 'fast'"),
         ("train.fused=maybe", "train.fused must be true or false, got 'maybe'"),
         ("attention.window=wide", "attention.window must be an integer >= 1, got 'wide'"),
+        ("train.steps=null", "train.steps must not be null"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_refused_by_the_schema_in_one_line(override, message):
     with pytest.raises(ConfigError) as refused:
         compose_grid([override], multirun=False)  # Hydra refuses it while composing, before validate
     assert str(refused.value) == message
+
+
+def test_a_key_added_with_plus_that_nothing_reads_is_refused(make_config):
+    """Hydra adds `+model.depth=2` to the config; nothing reads it, yet it would rename the run."""
+    with pytest.raises(ConfigError, match=r"^unknown key 'model.depth'"):
+        validate(make_config(*TINY, "+model.depth=2"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

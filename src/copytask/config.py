@@ -14,6 +14,7 @@ import itertools
 import math
 import os
 import re
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,9 @@ MINIMUM = {
     "train.eval_every": 1, "train.eval_size": 1, "train.eval_seed": 0, "train.patience": 1,
     "train.threads": 1, "train.attention_samples": 0, "analysis.eval_size": 1, "analysis.threads": 1,
 }
+# The largest value of an integer key where there is one: torch's generators take 64-bit seeds,
+# and OpenMP would start every thread asked for.
+MAXIMUM = {"seed": 2**64 - 1, "train.eval_seed": 2**64 - 1, "train.threads": 1024, "analysis.threads": 1024}
 TYPES = {"Integer": "an integer", "Float": "a number", "bool": "true or false"}  # as OmegaConf names them
 
 
@@ -144,10 +148,15 @@ def validate(cfg: DictConfig) -> None:
     """Refuse bad values before anything is trained or written: ConfigError naming the key, the
     value and what is allowed. Types are the schema's (checked by Hydra); this checks ranges."""
     task, train, model, attention = cfg.task, cfg.train, cfg.model, cfg.attention
+    unknown = sorted(set(dotted_keys(cfg)) - set(SCHEMA_KEYS))
+    if unknown:  # added with `+key=value`: nothing would read it, yet it would rename the run
+        raise ConfigError(unknown_key(unknown[0], SCHEMA_KEYS))
     for key, low in MINIMUM.items():
         value = OmegaConf.select(cfg, key)
         if value is not None and value < low:
             raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
+        if value is not None and value > MAXIMUM.get(key, value):
+            raise ConfigError(f"{key} must be an integer from {low} to {MAXIMUM[key]}, got {value!r}")
     if task.name not in TASKS:
         raise ConfigError(f"task.name must be one of {', '.join(TASKS)}, got {task.name!r}")
     if task.variable_length and task.min_length > task.length:
@@ -180,11 +189,11 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"attention.window must be an integer >= 1 with attention.local={attention.local}, got null")
     if model.hidden_size % attention.heads:
         raise ConfigError(f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})")
-    if train.lr <= 0:
-        raise ConfigError(f"train.lr must be a positive number, got {train.lr!r}")
+    if not 0 < train.lr < math.inf:  # also refuses nan
+        raise ConfigError(f"train.lr must be a positive finite number, got {train.lr!r}")
     if train.schedule not in SCHEDULES:
         raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {train.schedule!r}")
-    if train.clip <= 0:
+    if not train.clip > 0:  # also refuses nan (inf: no clipping)
         raise ConfigError(f"train.clip must be a positive number, got {train.clip!r}")
     if train.schedule == "onecycle" and not 0 < train.warmup < 1:
         raise ConfigError(f"train.warmup must be a fraction between 0 and 1, got {train.warmup!r}")
@@ -394,6 +403,9 @@ def dotted_keys(cfg: DictConfig) -> list[str]:
     return [key for key in flatten(OmegaConf.to_container(cfg, resolve=False)) if not key.startswith("hydra.")]
 
 
+SCHEMA_KEYS = dotted_keys(OmegaConf.structured(Config))  # every key some part of copytask reads
+
+
 @contextmanager
 def hydra_errors(known_keys: list[str]) -> Iterator[None]:
     """Turn Hydra's composition errors inside the block into one-line ConfigErrors; an unknown key
@@ -406,6 +418,8 @@ def hydra_errors(known_keys: list[str]) -> Iterator[None]:
         raise ConfigError(f"{group}={option}: no such option; choose one of {options}") from None
     except OverrideParseException as error:
         raise ConfigError(str(error).strip().splitlines()[0]) from None
+    except ConfigError:  # the block's own check of a composed config: already one line
+        raise
     except ConfigCompositionException as error:
         if isinstance(error.__cause__, ValidationError):  # a value the schema's type refuses
             raise ConfigError(type_error(error.__cause__)) from None
@@ -413,11 +427,20 @@ def hydra_errors(known_keys: list[str]) -> Iterator[None]:
         if unknown is None:
             raise ConfigError(str(error).strip().splitlines()[0]) from None
         raise ConfigError(unknown_key(unknown[1], known_keys)) from None
+    except (ValueError, TypeError) as error:  # Hydra's defaults list on a group given no option name (`=3`, `attention=[1,2]`)
+        if f"{os.sep}hydra{os.sep}" not in traceback.extract_tb(error.__traceback__)[-1].filename:
+            raise  # not Hydra's: a bug to see whole
+        raise ConfigError(
+            f"a config group ({', '.join(GROUPS)}) takes the name of one of its options "
+            f"({type(error).__name__} from Hydra: {str(error).strip().splitlines()[0]})"
+        ) from None
 
 
 def type_error(error: ValidationError) -> str:
     """`task.length must be an integer >= 1, got 'oops'` for OmegaConf's `Value 'oops' of type 'str'
     could not be converted to Integer` (`full_key: task.length`), or its `is not a valid bool`."""
+    if error.value is None:  # `key=null` where the schema has no null
+        return f"{error.full_key} must not be null"
     wanted = re.search(r"converted to (\w+)|is not a valid (\w+)", str(error))
     wanted = TYPES.get(wanted[1] or wanted[2], f"a {wanted[1] or wanted[2]}") if wanted else "of its schema's type"
     if error.full_key in MINIMUM:

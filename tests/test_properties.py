@@ -166,6 +166,7 @@ PROPERTY = settings(max_examples=80, deadline=None, derandomize=True, suppress_h
 @example(["train.clip=nan"])
 @example(["seed=" + "1" + "0" * 30])  # torch's generators take 64 bits
 @example(["train.eval_seed=18446744073709551616"])
+@example(["train.steps=2", "train.warmup=0.5"])  # a 1-step warm-up: ZeroDivisionError in OneCycleLR
 def test_every_override_list_trains_or_is_refused_in_one_line_before_anything_is_written(overrides):
     with tempfile.TemporaryDirectory() as scratch, time_limit(60):
         runs_dir = Path(scratch) / "runs"

@@ -197,6 +197,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.clip must be a positive number, got {train.clip!r}")
     if train.schedule == "onecycle" and not 0 < train.warmup < 1:
         raise ConfigError(f"train.warmup must be a fraction between 0 and 1, got {train.warmup!r}")
+    if train.schedule == "onecycle" and float(train.warmup * train.steps) == 1:  # its first phase would end at step 0
+        raise ConfigError(
+            f"train.warmup={train.warmup} of train.steps={train.steps} is a warm-up of exactly 1 step, which torch's "
+            f"OneCycleLR divides by zero on; use a longer or shorter train.warmup"
+        )
     if not 0 <= train.target_acc <= 1:
         raise ConfigError(f"train.target_acc must be a number in [0, 1], got {train.target_acc!r}")
     check_memory(cfg)

@@ -292,4 +292,4 @@ def test_a_one_length_grid_gives_figures_that_hold_and_a_report_that_states_what
                 assert axis.lines or axis.images or axis.collections or axis.containers, name
     accuracy = drawn["accuracy_vs_length.png"]
     assert all(any(isinstance(c, ErrorbarContainer) for c in axis.containers) for axis in accuracy.axes)  # one x: error bars
-    assert "bar = 95% t-interval" in accuracy._suptitle.get_text()
+    assert "bar = 95% interval" in accuracy._suptitle.get_text()

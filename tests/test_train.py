@@ -67,12 +67,19 @@ def test_bad_values_are_refused_before_training(make_config, override, named):
         ("train.lr=fast", "train.lr must be a number, got 'fast'"),
         ("train.fused=maybe", "train.fused must be true or false, got 'maybe'"),
         ("attention.window=wide", "attention.window must be an integer >= 1, got 'wide'"),
+        ("train.steps=null", "train.steps must not be null"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_refused_by_the_schema_in_one_line(override, message):
     with pytest.raises(ConfigError) as refused:
         compose_grid([override], multirun=False)  # Hydra refuses it while composing, before validate
     assert str(refused.value) == message
+
+
+def test_a_key_added_with_plus_that_nothing_reads_is_refused(make_config):
+    """Hydra adds `+model.depth=2` to the config; nothing reads it, yet it would rename the run."""
+    with pytest.raises(ConfigError, match=r"^unknown key 'model.depth'"):
+        validate(make_config(*TINY, "+model.depth=2"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -239,3 +246,24 @@ def test_retrain_trains_a_finished_run_again_and_a_failed_retrain_loses_nothing(
     assert (folder / store.METRICS).stat().st_mtime_ns > finished_at  # trained anew ...
     assert again["token_acc"] == first["token_acc"]  # ... the same computation
     assert not list(folder.parent.glob(".*.replaced"))  # the old folder is gone once the new one is complete
+
+
+@pytest.mark.parametrize("vocab_size, chance", [(4, "25.0%"), (16, "6.2%")])
+def test_chance_and_the_summary_follow_the_vocabulary(tmp_path, capsys, vocab_size, chance):
+    """Chance is 1 / task.vocab_size at any vocabulary, in metrics.json, the run's summary line and
+    compare's table; the data use exactly the content symbols of that vocabulary."""
+    from copytask.tables import comparison_table, load, summarise
+
+    grid_overrides = [*TINY, f"runs_dir={tmp_path}", f"task.vocab_size={vocab_size}", "attention=none,luong_general", "seed=0,1"]
+    _, grid = compose_grid(grid_overrides)
+    for run in grid:
+        metrics = train(run.config)
+        assert metrics["chance"] == pytest.approx(1 / vocab_size) and metrics["vocab_size"] == vocab_size
+        assert f"(chance {chance})" in capsys.readouterr().out
+    heldout = eval_batch(grid[0].config)
+    assert set(heldout.src.unique().tolist()) == set(range(3, 3 + vocab_size))  # every content symbol, no other
+    assert build_model(grid[0].config).decoder.out.out_features == 3 + vocab_size
+
+    loaded = load(grid)
+    table = comparison_table(summarise(loaded.table, loaded.settings), loaded.settings)
+    assert len(table) == 4 and set(table["chance %"]) == {chance.rstrip("%")}  # 2 attention types x 2 lengths

@@ -11,15 +11,20 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import itertools
+import math
+import os
 import re
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
+
+from .vocab import total_vocab
 
 
 class ConfigError(ValueError):
@@ -133,6 +138,9 @@ MINIMUM = {
     "train.eval_every": 1, "train.eval_size": 1, "train.eval_seed": 0, "train.patience": 1,
     "train.threads": 1, "train.attention_samples": 0, "analysis.eval_size": 1, "analysis.threads": 1,
 }
+# The largest value of an integer key where there is one: torch's generators take 64-bit seeds,
+# and OpenMP would start every thread asked for.
+MAXIMUM = {"seed": 2**64 - 1, "train.eval_seed": 2**64 - 1, "train.threads": 1024, "analysis.threads": 1024}
 TYPES = {"Integer": "an integer", "Float": "a number", "bool": "true or false"}  # as OmegaConf names them
 
 
@@ -140,14 +148,20 @@ def validate(cfg: DictConfig) -> None:
     """Refuse bad values before anything is trained or written: ConfigError naming the key, the
     value and what is allowed. Types are the schema's (checked by Hydra); this checks ranges."""
     task, train, model, attention = cfg.task, cfg.train, cfg.model, cfg.attention
+    unknown = sorted(set(dotted_keys(cfg)) - set(SCHEMA_KEYS))
+    if unknown:  # added with `+key=value`: nothing would read it, yet it would rename the run
+        raise ConfigError(unknown_key(unknown[0], SCHEMA_KEYS))
     for key, low in MINIMUM.items():
         value = OmegaConf.select(cfg, key)
         if value is not None and value < low:
             raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
+        if value is not None and value > MAXIMUM.get(key, value):
+            raise ConfigError(f"{key} must be an integer from {low} to {MAXIMUM[key]}, got {value!r}")
     if task.name not in TASKS:
         raise ConfigError(f"task.name must be one of {', '.join(TASKS)}, got {task.name!r}")
     if task.variable_length and task.min_length > task.length:
         raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")
+    check_heldout(task.length, task.vocab_size, train.eval_size, task.min_length if task.variable_length else None)
     if attention.decoder not in DECODERS:
         raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
     if model.bidirectional and model.hidden_size % 2:
@@ -175,18 +189,178 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"attention.window must be an integer >= 1 with attention.local={attention.local}, got null")
     if model.hidden_size % attention.heads:
         raise ConfigError(f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})")
-    if train.lr <= 0:
-        raise ConfigError(f"train.lr must be a positive number, got {train.lr!r}")
+    if not 0 < train.lr < math.inf:  # also refuses nan
+        raise ConfigError(f"train.lr must be a positive finite number, got {train.lr!r}")
     if train.schedule not in SCHEDULES:
         raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {train.schedule!r}")
-    if train.clip <= 0:
+    if not train.clip > 0:  # also refuses nan (inf: no clipping)
         raise ConfigError(f"train.clip must be a positive number, got {train.clip!r}")
     if train.schedule == "onecycle" and not 0 < train.warmup < 1:
         raise ConfigError(f"train.warmup must be a fraction between 0 and 1, got {train.warmup!r}")
+    if train.schedule == "onecycle" and float(train.warmup * train.steps) == 1:  # its first phase would end at step 0
+        raise ConfigError(
+            f"train.warmup={train.warmup} of train.steps={train.steps} is a warm-up of exactly 1 step, which torch's "
+            f"OneCycleLR divides by zero on; use a longer or shorter train.warmup"
+        )
     if not 0 <= train.target_acc <= 1:
         raise ConfigError(f"train.target_acc must be a number in [0, 1], got {train.target_acc!r}")
+    check_memory(cfg)
     check_device(train.device)
     check_logger(cfg.get("logger"))
+
+
+# At most this share of fresh training rows may be held-out sequences: `train.training_batch` draws
+# those again, about 1 / (1 - share) draws per row.
+MAX_HELDOUT_SHARE = 0.5
+
+
+def heldout_share(length: int, vocab_size: int, eval_size: int, min_length: int | None = None) -> float:
+    """An upper bound on the probability that a fresh training row is a held-out sequence.
+
+    Fixed length L over V symbols: the held-out set holds at most min(eval_size, V^L) of the V^L
+    sequences. With `min_length` m each length in [m, L] is equally likely, and the held-out set
+    holds at most min(eval_size, V^l) of the V^l sequences of length l. Computed in logarithms
+    where V^L is too large to compute; the terms fall geometrically with l, so the sum stops once
+    they no longer count."""
+    lengths = range(length if min_length is None else min_length, length + 1)
+    total = 0.0
+    for size in lengths:
+        if size * math.log(vocab_size) < 700:  # V^l is a small enough integer: exact, so 4 of 8 is 1/2
+            term = min(1.0, eval_size / vocab_size**size)
+        else:
+            term = math.exp(min(0.0, math.log(eval_size) - size * math.log(vocab_size)))
+        total += term
+        if term < 1e-18:
+            break
+    return total / len(lengths)
+
+
+def _smallest(low: int, fits: Callable[[int], bool]) -> int:
+    """The smallest integer >= `low` for which `fits` (monotone: false, then true) holds."""
+    high = low
+    while not fits(high):
+        low, high = high + 1, 2 * high
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (middle + 1, high) if not fits(middle) else (low, middle)
+    return low
+
+
+def check_heldout(length: int, vocab_size: int, eval_size: int, min_length: int | None = None) -> None:
+    """ConfigError unless the held-out set leaves enough sequences to train on (`heldout_share` at
+    most MAX_HELDOUT_SHARE): where it holds most of them, excluding it from training cannot work.
+    The message gives the largest train.eval_size, and the smallest task.length and
+    task.vocab_size, that would work, each alone."""
+
+    def fits(length=length, vocab_size=vocab_size, eval_size=eval_size) -> bool:
+        return heldout_share(length, vocab_size, eval_size, min_length) <= MAX_HELDOUT_SHARE
+
+    share = heldout_share(length, vocab_size, eval_size, min_length)
+    if share <= MAX_HELDOUT_SHARE:
+        return
+    largest = _smallest(1, lambda size: not fits(eval_size=size + 1))  # share grows with eval_size; 1 always fits
+    lengths = f"task.length={length}" if min_length is None else f"task.min_length={min_length} to task.length={length}"
+    raise ConfigError(
+        f"the held-out set (train.eval_size={eval_size}) can hold up to {share:.0%} of the sequences of {lengths} "
+        f"over task.vocab_size={vocab_size} symbols, and training draws again every held-out one: at most "
+        f"{MAX_HELDOUT_SHARE:.0%} may be held out; use train.eval_size <= {largest}, "
+        f"task.length >= {_smallest(length, lambda value: fits(length=value))} "
+        f"or task.vocab_size >= {_smallest(vocab_size, lambda value: fits(vocab_size=value))}"
+    )
+
+
+def parameter_count(cfg: DictConfig) -> int:
+    """The trainable parameters of the model `train.build_model` builds from `cfg`, counted without
+    torch (tests check it against `model.count_parameters`)."""
+    vocab, embedding, hidden = total_vocab(cfg.task.vocab_size), cfg.model.embedding_size, cfg.model.hidden_size
+    attention = cfg.attention
+
+    def gru(inputs: int, size: int, directions: int = 1) -> int:  # nn.GRU / nn.GRUCell: W_ih, W_hh, b_ih, b_hh per direction
+        return directions * (3 * size * (inputs + size) + 6 * size)
+
+    per_direction, directions = (hidden // 2, 2) if cfg.model.bidirectional else (hidden, 1)
+    count = vocab * embedding + gru(embedding, per_direction, directions)  # the encoder
+    count += vocab * embedding  # the decoder's embedding
+    if attention.score == "additive":
+        count += 2 * hidden * attention.size + 2 * attention.size  # W_a, U_a and its bias, v_a
+    elif attention.score == "general":
+        count += hidden * hidden
+    elif attention.score == "multihead":
+        count += 4 * hidden * hidden + 4 * hidden  # the query, key, value and output projections
+    if attention.get("local") == "predictive":
+        count += hidden * hidden + hidden  # W_p, v_p
+    if attention.decoder == "plain":
+        return count + gru(embedding, hidden) + hidden * vocab + vocab
+    if attention.decoder == "bahdanau":
+        return count + gru(embedding + hidden, hidden) + 2 * hidden * vocab + vocab  # context into the cell; readout from [s_t; c_t]
+    return count + gru(embedding, hidden) + 2 * hidden * hidden + hidden + hidden * vocab + vocab  # Luong: W_c, then the readout
+
+
+FLOAT, LONG = 4, 8  # bytes of a float32 number and of a token id
+# Floats a training step keeps per (row, position, hidden unit) of the GRUs: the input's share of
+# the gates (3), the gates (3), the state, the Luong combination, and the gradients of the largest.
+GRU_FLOATS = 10
+
+
+def memory_estimate(cfg: DictConfig) -> dict[str, int]:
+    """Roughly the bytes a run needs at its peak, by what needs them, in float32: the parameters with
+    their gradients and Adam's two moments, a training step's activations and what autograd saves
+    of them (B = train.batch_size, T_enc = task.length, T_dec = T_enc + 1), and the held-out set
+    with the attention weights of its evaluation."""
+    task, train, model, attention = cfg.task, cfg.train, cfg.model, cfg.attention
+    batch, t_enc, t_dec, heldout = train.batch_size, task.length, task.length + 1, train.eval_size
+    attends = attention.decoder != "plain"
+    # scores, masked scores, weights and a gradient per head; local attention adds its distances, window and Gaussian
+    weight_floats = 4 * attention.get("heads", 1) + (3 if attention.get("local") else 0)
+    return {
+        "the parameters, their gradients and Adam's moments": 4 * parameter_count(cfg) * FLOAT,
+        "the embeddings (B x (T_enc + T_dec) x model.embedding_size)": 2 * batch * (t_enc + t_dec) * model.embedding_size * FLOAT,
+        "the GRU states (B x (T_enc + T_dec) x model.hidden_size)": GRU_FLOATS * batch * (t_enc + t_dec) * model.hidden_size * FLOAT,
+        "the logits (B x T_dec x vocabulary)": 3 * batch * t_dec * total_vocab(task.vocab_size) * FLOAT,
+        "the attention weights (B x T_dec x T_enc)": attends * weight_floats * batch * t_dec * t_enc * FLOAT,
+        # the (B, T_dec, T_enc, attention.size) sum and its tanh, saved for the backward pass
+        "the additive scores (B x T_dec x T_enc x attention.size)": (
+            2 * batch * t_dec * t_enc * attention.size * FLOAT if attention.score == "additive" else 0
+        ),
+        # its token ids (source, decoder input, target, decoded output) and, with attention, the weights kept
+        "the held-out set and its attention weights (train.eval_size x T_dec x T_enc)": heldout * (4 * t_dec * LONG + attends * t_dec * t_enc * FLOAT),
+    }
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes; None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
+        return None
+
+
+def human_bytes(count: float) -> str:
+    """`23.4 GiB`."""
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if count < 1024:
+            return f"{count:.1f} {unit}" if unit != "bytes" else f"{count:.0f} bytes"
+        count /= 1024
+    return f"{count:.3g} EiB"
+
+
+def check_memory(cfg: DictConfig) -> None:
+    """ConfigError where `memory_estimate` exceeds this machine's physical memory (`machine_memory`),
+    naming the estimate, its largest part and the memory: a run that cannot fit is refused at once
+    rather than killed by the OS after minutes. (With train.device=cuda the host's memory stands in
+    for the GPU's, which this torch-free module cannot ask for.)"""
+    memory = machine_memory()
+    if memory is None:
+        return
+    parts = memory_estimate(cfg)
+    needed = sum(parts.values())
+    if needed > memory:
+        largest = max(parts, key=parts.get)
+        raise ConfigError(
+            f"this configuration needs about {human_bytes(needed)} of memory to train, more than this machine's "
+            f"{human_bytes(memory)}; the largest part, {human_bytes(parts[largest])}, is {largest} at "
+            f"B=train.batch_size={cfg.train.batch_size} and T_enc=task.length={cfg.task.length}"
+        )
 
 
 def check_logger(logger: DictConfig | None) -> None:
@@ -234,6 +408,9 @@ def dotted_keys(cfg: DictConfig) -> list[str]:
     return [key for key in flatten(OmegaConf.to_container(cfg, resolve=False)) if not key.startswith("hydra.")]
 
 
+SCHEMA_KEYS = dotted_keys(OmegaConf.structured(Config))  # every key some part of copytask reads
+
+
 @contextmanager
 def hydra_errors(known_keys: list[str]) -> Iterator[None]:
     """Turn Hydra's composition errors inside the block into one-line ConfigErrors; an unknown key
@@ -246,6 +423,8 @@ def hydra_errors(known_keys: list[str]) -> Iterator[None]:
         raise ConfigError(f"{group}={option}: no such option; choose one of {options}") from None
     except OverrideParseException as error:
         raise ConfigError(str(error).strip().splitlines()[0]) from None
+    except ConfigError:  # the block's own check of a composed config: already one line
+        raise
     except ConfigCompositionException as error:
         if isinstance(error.__cause__, ValidationError):  # a value the schema's type refuses
             raise ConfigError(type_error(error.__cause__)) from None
@@ -253,11 +432,20 @@ def hydra_errors(known_keys: list[str]) -> Iterator[None]:
         if unknown is None:
             raise ConfigError(str(error).strip().splitlines()[0]) from None
         raise ConfigError(unknown_key(unknown[1], known_keys)) from None
+    except (ValueError, TypeError) as error:  # Hydra's defaults list on a group given no option name (`=3`, `attention=[1,2]`)
+        if f"{os.sep}hydra{os.sep}" not in traceback.extract_tb(error.__traceback__)[-1].filename:
+            raise  # not Hydra's: a bug to see whole
+        raise ConfigError(
+            f"a config group ({', '.join(GROUPS)}) takes the name of one of its options "
+            f"({type(error).__name__} from Hydra: {str(error).strip().splitlines()[0]})"
+        ) from None
 
 
 def type_error(error: ValidationError) -> str:
     """`task.length must be an integer >= 1, got 'oops'` for OmegaConf's `Value 'oops' of type 'str'
     could not be converted to Integer` (`full_key: task.length`), or its `is not a valid bool`."""
+    if error.value is None:  # `key=null` where the schema has no null
+        return f"{error.full_key} must not be null"
     wanted = re.search(r"converted to (\w+)|is not a valid (\w+)", str(error))
     wanted = TYPES.get(wanted[1] or wanted[2], f"a {wanted[1] or wanted[2]}") if wanted else "of its schema's type"
     if error.full_key in MINIMUM:

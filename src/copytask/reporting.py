@@ -319,7 +319,8 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
         "",
         f"![accuracy against {label(x)}]({accuracy_stem.name}.png) ([vector copy]({accuracy_stem.name}.svg))",
         "",
-        "Mean over seeds with a 95% t-interval (clipped to [0, 100]; none with a single seed); the gap is the attention type's mean minus "
+        "Mean over seeds with a 95% t-interval (clipped to [0, 100]; none with a single seed), never narrower than the held-out set's own "
+        "95% Wilson interval for the tokens or sequences it scores; the gap is the attention type's mean minus "
         f"the `{tables.BASELINE}` baseline's with the same settings and length, in percentage points (empty where there is no such "
         f"baseline). Per-run numbers: [`{tables.RESULTS_CSV}`](../{tables.RESULTS_CSV}).",
         "",

@@ -103,7 +103,7 @@ def plot_accuracy(summary: pd.DataFrame, settings: list[str], x: str, stem: Path
     unique = dict(zip(names, handles))
     axes[0][0].legend(unique.values(), unique.keys(), loc="lower left", fontsize="small")
     interval = "band" if summary[x].nunique() > 1 else "bar"
-    figure.suptitle(f"Copy accuracy against {label(x)}: mean over seeds, {interval} = 95% t-interval")
+    figure.suptitle(f"Copy accuracy against {label(x)}: mean over seeds, {interval} = 95% interval (t over seeds, at least the held-out set's Wilson)")
     figure.tight_layout()
     paths = [stem.parent / f"{stem.name}.{suffix}" for suffix in ("png", "svg")]  # not with_suffix: a stem may hold a dotted key
     for path in paths:

@@ -1,4 +1,5 @@
-"""A grid's finished runs as one table, and its summary over seeds (mean and 95% t-interval).
+"""A grid's finished runs as one table, and its summary over seeds (mean and 95% t-interval,
+widened to the held-out set's binomial uncertainty for accuracies).
 
 Each run's metrics.json, and its analysis.json where `copytask analyze` has written one, is read
 here; a run whose metrics.json is corrupt is skipped with a warning that names it (a corrupt
@@ -100,6 +101,7 @@ def load(grid: list[GridRun]) -> Loaded:
                 continue
             metrics["attention"] = store.attention_label(metrics["attention"], metrics.get("heads", 1))
             metrics[TARGET_STEP] = target_step(run.folder, run.config.train.target_acc)
+            metrics["eval_size"] = run.config.train.eval_size  # the sequences each accuracy is a share of (`scored`)
             analysis = read_analysis(run.folder)
             if analysis is not None:
                 analyses[metrics["run"]] = analysis
@@ -131,18 +133,40 @@ def save(loaded: Loaded, runs_dir: Path) -> Path:
     return path
 
 
-def interval(values: pd.Series) -> tuple[float, float, float]:
-    """Mean and 95% t-interval over seeds; the interval is NaN with a single seed."""
+def interval(values: pd.Series, trials: int | None = None) -> tuple[float, float, float]:
+    """Mean and 95% t-interval over seeds; the interval is NaN with a single seed.
+
+    With `trials`, the values are shares of that many scored items (the tokens or sequences of one
+    held-out set), and the interval is widened to hold the Wilson interval of the mean over them:
+    the held-out set's own sampling uncertainty, which a t-interval hides where every seed scores
+    the same (all at 100% or at 0%: zero width). Every seed scores the same held-out set
+    (train.eval_seed), so seeds do not add trials."""
     n, mean = len(values), float(values.mean())
     if n < 2:
         return mean, math.nan, math.nan
     half = stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1) * float(values.std(ddof=1)) / math.sqrt(n)
-    return mean, mean - half, mean + half
+    low, high = mean - half, mean + half
+    if trials:
+        wilson = stats.binomtest(round(mean * trials), trials).proportion_ci(CONFIDENCE, method="wilson")
+        low, high = min(low, wilson.low), max(high, wilson.high)
+    return mean, low, high
+
+
+def scored(group: pd.DataFrame) -> dict[str, int | None]:
+    """How many tokens and sequences one evaluation of the runs in `group` scores (token_acc and
+    seq_acc are shares of them): train.eval_size sequences of task.length symbols, or with variable
+    lengths of (min_length + length) / 2 on average. None for a table without `eval_size`."""
+    if "eval_size" not in group or group["eval_size"].isna().any():
+        return {"token_acc": None, "seq_acc": None}
+    sequences = int(group["eval_size"].min())
+    shortest = group["min_length"].fillna(group["length"]) if "min_length" in group else group["length"]  # older runs have none
+    return {"token_acc": round(sequences * float((shortest + group["length"]).min()) / 2), "seq_acc": sequences}
 
 
 def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
     """One row per (settings..., length, attention), baseline first within each: seeds, mean and
-    interval of token and sequence accuracy and of the steps to the target accuracy (over the
+    interval of token and sequence accuracy (never narrower than the held-out set's own
+    uncertainty where the table has `eval_size`: see `interval`) and of the steps to the target accuracy (over the
     `reached` runs that got there), chance, params, and the gap of each mean to the mean
     of the baseline with the same settings and length (empty where there is no such baseline;
     `attention.*` settings are not matched, as the baseline has no attention)."""
@@ -150,8 +174,9 @@ def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
     rows = []
     for values, group in table.groupby(keys, sort=False, dropna=False):
         row = dict(zip(keys, values)) | {"seeds": group["seed"].nunique()}
+        trials = scored(group)
         for metric in ("token_acc", "seq_acc"):
-            row[metric], row[f"{metric}_lo"], row[f"{metric}_hi"] = interval(group[metric])
+            row[metric], row[f"{metric}_lo"], row[f"{metric}_hi"] = interval(group[metric], trials[metric])
         # the step's mean is over the seeds that got there; a table from before it was recorded has none
         reached = group.get(TARGET_STEP, pd.Series(dtype=float)).dropna()
         row[TARGET_STEP], row[f"{TARGET_STEP}_lo"], row[f"{TARGET_STEP}_hi"] = interval(reached)
@@ -233,6 +258,7 @@ def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
 def table_note(tasks: list[str]) -> str:
     """The two lines `compare` prints above `comparison_table`."""
     return (
-        f"{'/'.join(tasks)} task, mean over seeds with 95% t-interval (none with one seed), accuracies in %; gap = mean - {BASELINE}'s mean;\n"
+        f"{'/'.join(tasks)} task, mean over seeds with 95% t-interval (none with one seed; for accuracies never narrower than the held-out\n"
+        f"set's own 95% Wilson interval), accuracies in %; gap = mean - {BASELINE}'s mean;\n"
         "steps to target: the first evaluation at train.target_acc greedy token accuracy, over the seeds that reached it (k/n where not all did)"
     )

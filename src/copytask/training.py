@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import loggers, store
-from .config import validate
+from .config import ConfigError, validate
 from .data import PAD, Batch
 from .evaluation import build_model, eval_batch, evaluate, resolve_device, rounded, sample_batch
 from .kernels import runs_fused
@@ -40,16 +40,30 @@ def sequence_keys(batch: Batch) -> set[bytes]:
     return {row.tobytes() for row in batch.src.cpu().numpy()}
 
 
+# A row is held out with probability at most 1/2 once `validate` passed: 100 rounds leave one with 2^-100.
+MAX_REDRAWS = 100
+
+
 def training_batch(cfg: DictConfig, generator: torch.Generator, heldout: set[bytes]) -> Batch:
     """A training batch with no sequence of the held-out set (`sequence_keys`): rows that are one are
     drawn again. Short lengths need it: at length 5 there are 59,049 sequences, and a run's batches
-    would otherwise hold about three quarters of the 512 held-out ones by the end of training."""
+    would otherwise hold about three quarters of the 512 held-out ones by the end of training.
+    `validate` keeps at most half of the sequences held out; a caller that skips it and holds out
+    (nearly) all of them gets a ConfigError after MAX_REDRAWS rounds rather than a loop for ever."""
     batch = sample_batch(cfg, cfg.train.batch_size, generator)
-    while seen := [i for i, row in enumerate(batch.src.numpy()) if row.tobytes() in heldout]:
+    for _ in range(MAX_REDRAWS):
+        seen = [i for i, row in enumerate(batch.src.numpy()) if row.tobytes() in heldout]
+        if not seen:
+            return batch
         fresh = sample_batch(cfg, len(seen), generator)
         for name in ("src", "src_lengths", "tgt_in", "tgt_out"):
             getattr(batch, name)[seen] = getattr(fresh, name)
-    return batch
+    task = cfg.task
+    raise ConfigError(
+        f"{len(seen)} training rows were still held-out sequences after {MAX_REDRAWS} draws: the held-out set "
+        f"(train.eval_size={cfg.train.eval_size}) holds nearly every sequence of task.length={task.length} over "
+        f"task.vocab_size={task.vocab_size} symbols; lower train.eval_size (config.validate says how far)"
+    )
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, clip: float) -> torch.Tensor:

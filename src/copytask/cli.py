@@ -6,6 +6,7 @@ taken off argv before Hydra parses it.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 import warnings
@@ -18,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from . import store
-from .config import ConfigError, config_dir, config_help
+from .config import DETERMINISTIC_CUBLAS, ConfigError, config_dir, config_help
 from .hydra_internals import override_args
 from .sweep import check_grid, compose_grid, folder_runs, nothing_done, select_runs
 
@@ -118,6 +119,8 @@ def entry() -> int:
     """The `copytask` command (and `python -m copytask`): `main`, with warnings in one line each, as
     copytask's own messages are (set for the command's own process only, not for library use)."""
     warnings.formatwarning = lambda message, category, *args, **kwargs: f"{category.__name__}: {message}\n"
+    # cuBLAS reads it once, at its first call: set before anything runs, inherited by the jobs a sweep launches (copytask.devices)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
     return main()
 
 
@@ -150,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         from .results import load
 
         folders = store.complete_runs(runs_dir)
-        analyze(folders, eval_size=cfg.analysis.eval_size, threads=cfg.analysis.threads, progress=cfg.train.progress)
+        try:
+            analyze(folders, eval_size=cfg.analysis.eval_size, threads=cfg.analysis.threads, progress=cfg.train.progress, device=cfg.train.device)
+        except ConfigError as error:  # a device this machine does not have
+            print(f"copytask: error: {error}", file=sys.stderr)
+            return 2
         loaded = load(folder_runs(folders))  # each run's settings: the keys that vary between the runs
         print(summary(list(loaded.analyses.values()), loaded.table[["run", *loaded.settings]] if loaded.settings else None))
         return 0

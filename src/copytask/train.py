@@ -18,21 +18,15 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import loggers, store
-from .config import check_device, validate
+from .config import validate
 from .data import PAD, Batch, make_batch, total_vocab
+from .devices import fused_adam, host, resolve_device, run_settings
 from .kernels import runs_fused
 from .model import Seq2Seq, count_parameters
 
 
 class NonFiniteLoss(FloatingPointError):
     """The training loss became NaN or inf: the run diverged; the message names the run and step."""
-
-
-def resolve_device(name: str) -> torch.device:
-    check_device(name)
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
 
 
 def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.Module:
@@ -74,7 +68,7 @@ def training_batch(cfg: DictConfig, generator: torch.Generator, heldout: set[byt
     drawn again. Short lengths need it: at length 5 there are 59,049 sequences, and a run's batches
     would otherwise hold about three quarters of the 512 held-out ones by the end of training."""
     batch = sample_batch(cfg, cfg.train.batch_size, generator)
-    while seen := [i for i, row in enumerate(batch.src.numpy()) if row.tobytes() in heldout]:
+    while seen := [i for i, row in enumerate(batch.src.cpu().numpy()) if row.tobytes() in heldout]:
         fresh = sample_batch(cfg, len(seen), generator)
         for name in ("src", "src_lengths", "tgt_in", "tgt_out"):
             getattr(batch, name)[seen] = getattr(fresh, name)
@@ -173,7 +167,7 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict | Non
         elif folder.exists():  # leftovers of an interrupted or failed run: no one else writes here while we hold the lock
             shutil.rmtree(folder)
         try:
-            with loggers.open_run(cfg, folder.name) as tracker:  # closed before the run is marked complete
+            with loggers.open_run(cfg, folder.name) as tracker, run_settings(cfg.train.device):  # closed before the run is marked complete
                 metrics = _train_locked(cfg, folder, model_class, tracker)
             store.write_json(folder / store.METRICS, metrics)  # last: marks the run complete
         except BaseException:
@@ -209,7 +203,7 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], t
     excluded = sequence_keys(heldout)
     heldout = heldout.to(device)
     steps = cfg.train.steps
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, fused=fused_adam(device))
     if cfg.train.schedule == "onecycle":
         schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.train.lr, total_steps=steps, pct_start=cfg.train.warmup)
     else:
@@ -281,6 +275,7 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], t
         "final_loss": final["loss"],
         "train_seconds": train_seconds,
         "device": str(device),
+        "host": host(),
         "threads": torch.get_num_threads(),
         "fused": fused,
         "run": folder.name,

@@ -17,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from copytask import analysis, bench, devices, kernels, store
-from copytask.config import ConfigError, config_dir, validate
+from copytask.config import ConfigError, analysis_device, config_dir, validate
 from copytask.data import task_batch
 from copytask.sweep import check_grid
 from copytask.train import build_model, sample_batch, train, train_step
@@ -231,6 +231,12 @@ def test_a_gpu_sweep_is_submitted_from_a_machine_without_a_gpu(fake_slurm, tmp_p
         check_grid([*TINY, "hydra/launcher=slurm", "train.device=gpu"])  # a bad name is still refused at once
     with pytest.raises(ConfigError, match=r"task.length must be an integer >= 1, got 0 \(in the grid: task.length=5,0\)"):
         check_grid([*TINY, "hydra/launcher=slurm", "task.length=5,0"])  # and so is everything else
+
+
+def test_a_slurm_sweep_on_cuda_is_analysed_where_the_login_node_can():
+    slurm = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert analysis_device("cuda", slurm) == "auto" and analysis_device("cpu", slurm) == "cpu"
+    assert analysis_device("cuda", "hydra._internal.core_plugins.basic_launcher.BasicLauncher") == "cuda"
 
 
 def test_the_job_on_a_node_without_a_gpu_fails_naming_the_node(fake_slurm, make_config):

@@ -226,6 +226,12 @@ def remote_launcher(target: str | None) -> bool:
     return (target or "").endswith(REMOTE_LAUNCHERS)
 
 
+def analysis_device(device: str, target: str | None) -> str:
+    """The device a sweep's closing analysis runs on, in the sweep's own process: `train.device`,
+    except `cuda` after a launcher whose jobs ran elsewhere (a login node need not have the nodes' GPU): auto."""
+    return "auto" if device == "cuda" and remote_launcher(target) else device
+
+
 def check_launcher(target: str | None, choice: str | None) -> None:
     """ConfigError unless the launcher (its `_target_`, and its `hydra/launcher` option) can submit
     from this machine: SLURM's needs `srun` (how submitit detects a cluster) and `sbatch` (what it

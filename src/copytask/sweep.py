@@ -27,7 +27,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import loggers, store
-from .config import ConfigError, check_launcher, config_dir, dotted_keys, hydra_errors, remote_job_check, remote_launcher, validate
+from .config import ConfigError, analysis_device, check_launcher, config_dir, dotted_keys, hydra_errors, remote_job_check, remote_launcher, validate
 from .hydra_internals import compose, sweep_jobs
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
@@ -379,7 +379,7 @@ class SweepSummary(Callback):
             eval_size=config.analysis.eval_size,
             threads=config.analysis.threads,
             progress=config.train.progress,
-            device=config.train.device,
+            device=analysis_device(config.train.device, config.hydra.launcher.get("_target_")),
         )
         analysis_seconds = time.perf_counter() - analysis_started
         print(f"analysis: {analysed} runs analysed in {analysis_seconds:.1f} s (eval_size {config.analysis.eval_size})")

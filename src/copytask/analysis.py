@@ -38,6 +38,7 @@ from .attention import Attention, Intervention
 from .data import Batch, copied_positions, make_batch
 from .evaluation import eval_batch, evaluate, load_run, rounded, sequence_scores
 from .model import Seq2Seq
+from .devices import resolve_device, run_settings
 
 COUNTERFACTUALS = ("uniform", "permuted", "fixed")
 ALIGNMENT = ("hit", "mass", "adjacent")
@@ -193,10 +194,10 @@ def per_length_accuracy(model: Seq2Seq, batch: Batch) -> pd.DataFrame:
 # --- run folders ---------------------------------------------------------------------------------
 
 
-def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None) -> dict:
-    """Everything above for one run folder -> the content of its analysis.json. Fixed-length
+def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, device: str = "auto") -> dict:
+    """Everything above for one run folder, on `device` -> the content of its analysis.json. Fixed-length
     evaluations use the first `eval_size` sequences of the run's held-out set (None: all)."""
-    cfg, model = load_run(folder, device="auto")
+    cfg, model = load_run(folder, device)
     device = next(model.parameters()).device
     task = cfg.task
     analysis = {
@@ -207,6 +208,7 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None) 
         "min_length": task.min_length if task.variable_length else task.length,
         "seed": cfg.seed,
         "eval_size": eval_size,
+        "device": device.type,
         "length_generalisation": length_generalisation(model, cfg, lengths, eval_size),
     }
     if task.variable_length:
@@ -230,14 +232,15 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None) 
     return analysis
 
 
-def is_analysed(folder: Path, lengths: list[int], eval_size: int | None) -> bool:
-    """Whether `folder` has an analysis.json made with `eval_size` that covers every test length."""
+def is_analysed(folder: Path, lengths: list[int], eval_size: int | None, device: str = "cpu") -> bool:
+    """Whether `folder` has an analysis.json made with `eval_size` on `device` (cpu | cuda; one
+    without a device was made on CPU) that covers every test length."""
     try:
         done = store.read_json(folder / store.ANALYSIS)
         tested = {row["test_length"] for row in done["length_generalisation"]}
     except (OSError, ValueError, KeyError, TypeError):  # none yet, or corrupt: (re)analyse
         return False
-    return tested >= set(lengths) and done.get("eval_size") == eval_size
+    return tested >= set(lengths) and done.get("eval_size") == eval_size and done.get("device", "cpu") == device
 
 
 def _trained_length(folder: Path) -> int | None:
@@ -258,25 +261,30 @@ def analyze(
     eval_size: int | None = None,
     threads: int | None = 1,
     progress: bool = True,
+    device: str = "auto",
 ) -> int:
     """Write analysis.json into each complete run folder in `folders`, with length generalisation
     at every length of `lengths` (default: the lengths the folders were trained at), using
-    `threads` torch CPU threads (None: torch's default). A run already analysed that way is
+    `threads` torch CPU threads (None: torch's default), on `device` (`train.device`'s values;
+    ConfigError if this machine has no such device). A run already analysed that way is
     skipped; a run whose analysis fails is named in a warning and the others go on. Returns how
     many runs were analysed now."""
     trained = {folder: length for folder in folders if (length := _trained_length(folder)) is not None}
     folders = list(trained)
     if lengths is None:
         lengths = sorted(set(trained.values()))
+    device = resolve_device(device)
     analysed, previous_threads = 0, torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
         for folder in tqdm(folders, desc="analyze", unit="run", disable=not progress, dynamic_ncols=True):
-            if is_analysed(folder, lengths, eval_size):
+            if is_analysed(folder, lengths, eval_size, device.type):
                 continue
             try:
-                store.write_json(folder / store.ANALYSIS, analyze_run(folder, lengths, eval_size))
+                with run_settings(device):
+                    result = analyze_run(folder, lengths, eval_size, device.type)
+                store.write_json(folder / store.ANALYSIS, result)
                 analysed += 1
             except Exception as error:  # noqa: BLE001 - one run's failure must not stop the others
                 store.warn(f"analysis of {folder} failed: {type(error).__name__}: {error}")

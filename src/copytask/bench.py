@@ -25,6 +25,7 @@ The key=value overrides are the training configs' (`train.threads=1`, `train.dev
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import resource
@@ -48,8 +49,10 @@ from .config import config_dir
 from .data import Batch
 from .model import Seq2Seq
 from .reference import ReferenceSeq2Seq
+from .devices import fused_adam, resolve_device, run_settings
+from .evaluation import build_model, sample_batch
 from .jobs import cpu_model
-from .training import build_model, resolve_device, sample_batch, train, train_step
+from .training import train, train_step
 
 CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # what the reference implements
 ATTENTIONS = (*CLASSICAL, "scaled_dot", "multihead", "luong_local", "luong_local_m")
@@ -100,7 +103,8 @@ def setups(cfg: DictConfig, device: torch.device) -> dict[str, Setup]:
     models = {name: build_model(cfg, IMPLEMENTATIONS[name]).to(device) for name in implementations(cfg.attention.name)}
     if "reference" in models:
         models["reference"].load_state_dict(models["project"].state_dict())
-    return {name: (m, torch.optim.Adam(m.parameters(), lr=cfg.train.lr), batch, cfg.train.clip) for name, m in models.items()}
+    return {name: (m, torch.optim.Adam(m.parameters(), lr=cfg.train.lr, fused=fused_adam(device)), batch, cfg.train.clip)
+            for name, m in models.items()}
 
 
 def step_seconds(setup: Setup, device: torch.device) -> float:
@@ -112,17 +116,18 @@ def step_seconds(setup: Setup, device: torch.device) -> float:
 
 
 def step_flops(setup: Setup) -> int:
-    """Matrix-product FLOPs of one training step, forward and backward, counted on torch's ops:
-    the counter does not see the products inside the fused kernels, which are the same ones."""
-    fused = [module for module in setup[0].modules() if getattr(module, "fused", False)]
-    for module in fused:
-        module.fused = False
-    try:
-        with FlopCounterMode(display=False) as counter:
-            train_step(*setup)
-    finally:
-        for module in fused:
-            module.fused = True
+    """Matrix-product FLOPs of one training step, forward and backward, counted on torch's CPU ops,
+    in a copy of the step (the benchmarked model is left as it is): the counter does not see the
+    products inside the fused kernels, nor those of cuDNN's GRU (it has no formula for `_cudnn_rnn`),
+    which are the same ones."""
+    model, optimizer, batch, clip = setup
+    model = copy.deepcopy(model).cpu()
+    for module in model.modules():
+        if getattr(module, "fused", False):
+            module.fused = False
+    adam = torch.optim.Adam(model.parameters(), lr=optimizer.param_groups[0]["lr"])
+    with FlopCounterMode(display=False) as counter:
+        train_step(model, adam, batch.to("cpu"), clip)
     return counter.get_total_flops()
 
 
@@ -300,14 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copytask bench on {description}", file=sys.stderr)
 
     longest = max(args.lengths)
-    parts = [speed(args.lengths, args.overrides, args.repeats, args.warmup, device), memory(args.memory_attentions, longest, args.overrides, args.memory_steps)]
-    if args.time_to_target:
-        parts.append(time_to_target(args.target_attentions, longest, args.overrides, args.target_settings, args.csv.parent / "time_to_target"))
+    with run_settings(device):  # the steps a run computes: on CUDA full float32 (no TF32), deterministic algorithms
+        parts = [speed(args.lengths, args.overrides, args.repeats, args.warmup, device), memory(args.memory_attentions, longest, args.overrides, args.memory_steps)]
+        if args.time_to_target:
+            parts.append(time_to_target(args.target_attentions, longest, args.overrides, args.target_settings, args.csv.parent / "time_to_target"))
+        rate = matmul_rate(device, args.gemm_size)
     long = parts[0]
     for part in parts[1:]:
         long = long.merge(part, on=["attention", "length", "implementation"], how="left")
     table = wide(long)
-    rate = matmul_rate(device, args.gemm_size)
     for name in IMPLEMENTATIONS:
         table[f"matmul_peak_fraction_{name}"] = table[f"gflop_per_step_{name}"] * 1e9 / (table[f"ms_per_step_{name}"] / 1e3) / rate
     table["matmul_gflops"] = rate / 1e9

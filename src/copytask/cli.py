@@ -8,13 +8,14 @@ taken off argv before Hydra parses it. Every refusal of bad input is one line,
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
 from pathlib import Path
 
 from . import api, store
-from .config import ConfigError, config_help
+from .config import DETERMINISTIC_CUBLAS, ConfigError, config_help
 from .grid import Selection, check_grid, compose_grid, folder_runs, nothing_done, select_runs
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
@@ -84,6 +85,8 @@ def entry() -> int:
     """The `copytask` command (and `python -m copytask`): `main`, with warnings in one line each, as
     copytask's own messages are (set for the command's own process only, not for library use)."""
     warnings.formatwarning = lambda message, category, *args, **kwargs: f"{category.__name__}: {message}\n"
+    # cuBLAS reads it once, at its first call: set before anything runs, inherited by the jobs a sweep launches (copytask.devices)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
     return main()
 
 
@@ -153,7 +156,11 @@ def analyze(overrides: list[str]) -> int:
     from .tables import load
 
     folders = store.complete_runs(runs_dir)
-    analyze(folders, eval_size=master.analysis.eval_size, threads=master.analysis.threads, progress=master.train.progress)
+    try:
+        analyze(folders, eval_size=master.analysis.eval_size, threads=master.analysis.threads, progress=master.train.progress,
+                device=master.train.device)
+    except ConfigError as error:  # a device this machine does not have
+        return refuse(error)
     loaded = load(folder_runs(folders))  # each run's settings: the keys that vary between the runs
     print(summary(list(loaded.analyses.values()), loaded.table[["run", *loaded.settings]] if loaded.settings else None))
     return 0

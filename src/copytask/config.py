@@ -15,6 +15,8 @@ import math
 import os
 import re
 import traceback
+import shutil
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,11 @@ MULTI_HEAD_SCORES = ("dot", "scaled_dot", "general", "multihead")  # a dot produ
 LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
 MAX_HEADS = 8
 DEVICES = ("auto", "cpu", "cuda")
+# CUBLAS_WORKSPACE_CONFIG values that make cuBLAS deterministic (PyTorch's reproducibility notes); the first is what the CLI sets
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+# Hydra launchers (`_target_` suffixes) whose jobs run on other machines (SLURM's): the device is checked
+# there, not where the sweep is composed
+REMOTE_LAUNCHERS = (".SlurmLauncher",)
 SCHEDULES = ("onecycle", "constant")
 # logger=<name> -> (the tracker, the modules its extra `copytask[<name>]` installs); looked for, not imported, here
 LOGGERS = {"none": None, "tensorboard": ("TensorBoard", ("tensorboard",)), "mlflow": ("MLflow", ("mlflow", "sqlalchemy", "alembic"))}
@@ -375,15 +382,51 @@ def check_logger(logger: DictConfig | None) -> None:
             raise ConfigError(f"logger={name} needs {tracker}: pip install 'copytask[{name}]'")
 
 
-def check_device(name: str) -> None:
-    """ConfigError unless `name` is a device this machine has (torch is imported only to look for CUDA)."""
+def check_device(name: str, here: bool = True) -> None:
+    """ConfigError unless `name` is a device name and, with `here`, one this machine has (torch is
+    imported only to look for CUDA). The message names the machine: in a SLURM sweep it is a node."""
     if name not in DEVICES:
         raise ConfigError(f"train.device must be one of {', '.join(DEVICES)}, got {name!r}")
-    if name == "cuda":
+    if name == "cuda" and here:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("train.device=cuda was requested but no CUDA device is available; use auto or cpu")
+            build = f"torch {torch.__version__}, " + ("a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}")
+            raise ConfigError(f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device ({build}); use auto or cpu")
+
+
+def remote_launcher(target: str | None) -> bool:
+    """Whether a Hydra launcher (its `_target_`) runs the jobs on other machines than the one composing them."""
+    return (target or "").endswith(REMOTE_LAUNCHERS)
+
+
+def analysis_device(device: str, target: str | None) -> str:
+    """The device a sweep's closing analysis runs on, in the sweep's own process: `train.device`,
+    except `cuda` after a launcher whose jobs ran elsewhere (a login node need not have the nodes' GPU): auto."""
+    return "auto" if device == "cuda" and remote_launcher(target) else device
+
+
+def check_launcher(target: str | None, choice: str | None) -> None:
+    """ConfigError unless the launcher (its `_target_`, and its `hydra/launcher` option) can submit
+    from this machine: SLURM's needs `srun` (how submitit detects a cluster) and `sbatch` (what it
+    submits with). The message names the options of configs/hydra/launcher that run here."""
+    if not remote_launcher(target):
+        return
+    missing = [command for command in ("srun", "sbatch") if shutil.which(command) is None]
+    if missing:
+        options = sorted((Path(config_dir()) / "hydra" / "launcher").glob("*.yaml"))
+        here = [f"hydra/launcher={path.stem}" for path in options if "submitit_slurm" not in path.read_text()]
+        raise ConfigError(
+            f"hydra/launcher={choice} needs a SLURM cluster ({' and '.join(missing)} not on PATH here); on this machine "
+            "use the default launcher (basic: one job at a time)" + "".join(f" or {option}" for option in here)
+        )
+
+
+def remote_job_check(cfg: DictConfig) -> None:
+    """`validate` for a job composed here but run elsewhere (a SLURM node): everything but whether
+    this machine has the device, which the job checks on its node when it starts."""
+    check_device(cfg.train.device, here=False)
+    validate(OmegaConf.merge(cfg, {"train": {"device": "cpu"}}))
 
 
 def config_dir() -> str:

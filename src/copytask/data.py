@@ -45,7 +45,20 @@ class Batch:
         return self.tgt_out != PAD
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(t.to(device) for t in (self.src, self.src_lengths, self.tgt_in, self.tgt_out)))
+        """The batch on `device`, in one copy: the four tensors (all int64) travel as one buffer,
+        from pinned memory without waiting (`non_blocking`) when they go from the CPU to a GPU, where
+        four copies from pageable memory would each wait for the GPU to catch up."""
+        device = torch.device(device)
+        tensors = (self.src, self.src_lengths, self.tgt_in, self.tgt_out)
+        if self.src.device.type == device.type and device.index in (None, self.src.device.index):
+            return self
+        flat = torch.cat([t.flatten() for t in tensors])
+        if device.type == "cuda" and flat.device.type == "cpu":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        else:
+            flat = flat.to(device)
+        parts = flat.split([t.numel() for t in tensors])
+        return Batch(*(part.view(t.shape) for part, t in zip(parts, tensors)))
 
     def __len__(self) -> int:
         return self.src.size(0)
@@ -72,18 +85,20 @@ def make_batch(
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    device = generator.device  # the batch is drawn where its generator lives
     if min_length is None:
-        lengths = torch.full((batch_size,), length, dtype=torch.long)
+        lengths = torch.full((batch_size,), length, dtype=torch.long, device=device)
     else:
-        lengths = torch.randint(min_length, length + 1, (batch_size,), generator=generator)
-    symbols = torch.randint(NUM_SPECIAL, total_vocab(vocab_size), (batch_size, length), generator=generator)
+        lengths = torch.randint(min_length, length + 1, (batch_size,), generator=generator, device=device)
+    symbols = torch.randint(NUM_SPECIAL, total_vocab(vocab_size), (batch_size, length), generator=generator, device=device)
     return task_batch(task, symbols, lengths)
 
 
 def task_batch(task: str, symbols: Tensor, lengths: Tensor) -> Batch:
     """The batch of the given sources: `symbols` (B, L) content ids (anything past each row's length
     is ignored), `lengths` (B,) -> sources padded with PAD, and their `task`'s targets."""
-    positions = torch.arange(symbols.size(1))
+    device = symbols.device
+    positions = torch.arange(symbols.size(1), device=device)
     valid = positions[None, :] < lengths[:, None]  # (B, L)
     src = symbols.masked_fill(~valid, PAD)
     if task == "reverse":
@@ -91,9 +106,9 @@ def task_batch(task: str, symbols: Tensor, lengths: Tensor) -> Batch:
         target = src.gather(1, source_index).masked_fill(~valid, PAD)
     else:
         target = src
-    pad_column = torch.full((len(src), 1), PAD, dtype=torch.long)
+    pad_column = torch.full((len(src), 1), PAD, dtype=torch.long, device=device)
     tgt_out = torch.cat([target, pad_column], dim=1).scatter(1, lengths[:, None], EOS)
-    tgt_in = torch.cat([torch.full((len(src), 1), BOS, dtype=torch.long), target], dim=1)
+    tgt_in = torch.cat([torch.full((len(src), 1), BOS, dtype=torch.long, device=device), target], dim=1)
     return Batch(src, lengths, tgt_in, tgt_out)
 
 

@@ -11,16 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from . import store
-from .config import check_device
 from .data import Batch, make_batch, total_vocab
+from .devices import resolve_device
 from .model import Seq2Seq
-
-def resolve_device(name: str) -> torch.device:
-    check_device(name)
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
 
 def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.Module:
     """The configured model; `model_class` may be any class with Seq2Seq's constructor and

@@ -20,7 +20,7 @@ from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import store
-from .config import ConfigError, config_dir, dotted_keys, hydra_errors, validate
+from .config import ConfigError, check_launcher, config_dir, dotted_keys, hydra_errors, remote_job_check, remote_launcher, validate
 from .hydra_internals import compose, own_global_hydra, sweep_jobs
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
@@ -136,12 +136,17 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
     """Compose and validate every job of `sweep <overrides>` (or the one run of `train
     <overrides>`) before anything runs. -> the grid; ConfigError, naming the bad value and the
     grid entry it came from, for the first job that cannot run."""
+    check = validate
+    if multirun:  # jobs that run on other machines (SLURM) check the device there; submitting needs SLURM here
+        master, _ = compose_grid(overrides, expand_grid=False)
+        launcher = master.hydra.launcher.get("_target_")
+        check_launcher(launcher, master.hydra.runtime.choices.get("hydra/launcher"))
+        check = remote_job_check if remote_launcher(launcher) else validate
     try:
-        master, grid = compose_grid(overrides, multirun=multirun, check=validate)  # stops at the first bad job
+        master, grid = compose_grid(overrides, multirun=multirun, check=check)  # stops at the first bad job
     except ConfigError as error:
         if not multirun:
             raise
-        master, _ = compose_grid(overrides, expand_grid=False)
         entries = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()] + list(overrides)
         key = str(error).split()[0]
         given = [entry for entry in entries if entry.lstrip("+~").split("=", 1)[0] == key]

@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from . import loggers, store
-from .config import ConfigError, config_dir
+from .config import ConfigError, analysis_device, config_dir
 from .grid import SWEEP_RECORD, GridRun, expand, sweep_command
 from .hydra_internals import override_args, own_global_hydra
 
@@ -207,7 +207,7 @@ class SweepSummary(Callback):
             raise SystemExit(1) from error
 
     def summarise(self, config: DictConfig) -> None:
-        from . import analysis, reporting, tables  # pandas, matplotlib, the model: only once the jobs are done
+        from . import analysis, devices, reporting, tables  # pandas, matplotlib, the model: only once the jobs are done
 
         self.progress.close()
 
@@ -221,6 +221,9 @@ class SweepSummary(Callback):
             print(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}", file=sys.stderr)
         for run in elsewhere:
             store.warn(f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)")
+        trained_on = [store.read_json(run.folder / store.METRICS).get("device") for run, status in zip(runs, statuses) if status == "complete"]
+        if warning := devices.cpu_despite_gpus(config.hydra.launcher.get("gpus_per_node"), trained_on):
+            store.warn(warning)
         trained = sum(
             store.is_complete(run.folder) and (run.folder / store.METRICS).stat().st_mtime >= self.started_at
             for run in runs
@@ -232,6 +235,7 @@ class SweepSummary(Callback):
             eval_size=config.analysis.eval_size,
             threads=config.analysis.threads,
             progress=config.train.progress,
+            device=analysis_device(config.train.device, config.hydra.launcher.get("_target_")),
         )
         analysis_seconds = time.perf_counter() - analysis_started
         print(f"analysis: {analysed} runs analysed in {analysis_seconds:.1f} s (eval_size {config.analysis.eval_size})")

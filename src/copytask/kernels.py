@@ -164,6 +164,12 @@ def retry_build() -> None:
     kernel.cache_clear()
 
 
+def on_host(lengths: Tensor) -> bool:
+    """Whether reading `lengths` (to pack a GRU's input) costs nothing: they are in host memory.
+    On a GPU a read waits for every kernel queued before it."""
+    return lengths.device.type == "cpu"
+
+
 def padding(real: Tensor) -> Tensor:
     """A bool mask of real positions as the kernels take it: float (1 real, 0 padding), or empty
     where nothing is padded, so that they skip the masking."""
@@ -248,11 +254,40 @@ class GRU(nn.GRU):
         if self.fused and usable(x):
             mask = x.new_empty(0) if lengths is None else padding(length_mask(lengths, x.size(1)).t())
             return self._fused(x, hx, mask)
-        if lengths is not None and bool((lengths < x.size(1)).any()):
+        if lengths is None:
+            return super().forward(x, hx)
+        if not on_host(lengths):
+            return self._unpacked(x, hx, lengths)
+        if bool((lengths < x.size(1)).any()):
             packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
             states, final = super().forward(packed, hx)
             return pad_packed_sequence(states, batch_first=True, total_length=x.size(1))[0], final
         return super().forward(x, hx)
+
+    def _unpacked(self, x: Tensor, hx: Tensor | None, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """What packing gives (`forward`), without reading the lengths on the host, which on a GPU
+        waits for it: the recurrence runs over the padding too, where nothing it computes is kept.
+        Each direction must meet a sequence's padding after its symbols. The forward direction reads
+        the batch as it is; the backward direction reads a copy with each sequence rolled to end at T
+        (padding first), and both run in one call over the two copies (2B rows): on a GPU twice the
+        rows cost little more than B, since a step of a small GRU is far from filling a GPU."""
+        batch, steps = x.shape[:2]
+        time = torch.arange(steps, device=x.device)
+        real = (time[None, :] < lengths[:, None])[..., None]  # (B, T, 1)
+        last = (lengths - 1)[:, None, None]  # (B, 1, 1): each sequence's last position
+        if not self.bidirectional:
+            states, _ = super().forward(x, hx)  # (B, T, H)
+            final = states.gather(1, last.expand(-1, -1, self.hidden_size)).transpose(0, 1)  # (1, B, H)
+            return states.masked_fill(~real, 0.0), final
+        pad = steps - lengths[:, None]  # (B, 1)
+        rolled = x.gather(1, ((time[None, :] - pad) % steps)[..., None].expand_as(x))  # (B, T, I): symbols at T - L .. T - 1
+        both, _ = super().forward(torch.cat([x, rolled]), None if hx is None else hx.repeat(1, 2, 1))  # (2B, T, 2H)
+        size = self.hidden_size
+        forward_states = both[:batch, :, :size]
+        unrolled = ((time[None, :] + pad) % steps)[..., None].expand(-1, -1, size)  # position t of a sequence, rolled
+        backward_states = both[batch:, :, size:].gather(1, unrolled)  # (B, T, H), back at positions 0 .. L - 1
+        final = torch.stack([forward_states.gather(1, last.expand(-1, -1, size))[:, 0], backward_states[:, 0]])  # (2, B, H)
+        return torch.cat([forward_states, backward_states], dim=-1).masked_fill(~real, 0.0), final
 
     def _fused(self, x: Tensor, hx: Tensor | None, mask: Tensor) -> tuple[Tensor, Tensor]:
         directions = 2 if self.bidirectional else 1

@@ -55,7 +55,7 @@ class PlainDecoder(nn.Module):
         states, _ = self.rnn(self.embedding(tgt_in), final[None])  # (B, T_dec, H)
         return self.out(states), None
 
-    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, t: int):
+    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, position: Tensor):
         state, _ = self.rnn(self.embedding(tokens)[:, None], hidden[None])  # (B, 1, H)
         return self.out(state[:, 0]), None, state[:, 0]
 
@@ -98,7 +98,7 @@ class BahdanauDecoder(nn.Module):
             states, contexts, weights = torch.stack(states, 1), torch.stack(contexts, 1), torch.stack(weights, 1)
         return self.out(torch.cat([states, contexts], dim=-1)), weights  # readout from (B, T_dec, 2H)
 
-    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, t: int):
+    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, position: Tensor):
         hidden, context, weights = self._advance(self.embedding(tokens), hidden, memory, src_mask)
         return self.out(torch.cat([hidden, context], dim=-1)), weights, hidden
 
@@ -142,9 +142,10 @@ class LuongDecoder(nn.Module):
         positions = torch.arange(tgt_in.size(1), device=tgt_in.device)
         return self._readout(states, self.memory(encoder_states), src_mask, positions)
 
-    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, t: int):
+    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, position: Tensor):
+        """position (1,): the output step, on the device (local-m aligns with it)."""
         state, _ = self.rnn(self.embedding(tokens)[:, None], hidden[None])  # (B, 1, H)
-        logits, weights = self._readout(state, memory, src_mask, torch.tensor([t], device=tokens.device))
+        logits, weights = self._readout(state, memory, src_mask, position)
         return logits[:, 0], weights[:, 0], state[:, 0]
 
 
@@ -192,9 +193,10 @@ class Seq2Seq(nn.Module):
         src_mask = length_mask(src_lengths, src.size(1))
         memory = self.decoder.memory(encoder_states)
         tokens = torch.full((src.size(0),), BOS, dtype=torch.long, device=src.device)
+        positions = torch.arange(steps, device=src.device)  # made once: a tensor per step would be a copy to the GPU per step
         outputs, weights = [], []
         for t in range(steps):
-            logits, step_weights, hidden = self.decoder.step(tokens, hidden, memory, src_mask, t)
+            logits, step_weights, hidden = self.decoder.step(tokens, hidden, memory, src_mask, positions[t : t + 1])
             tokens = logits.argmax(-1)
             outputs.append(tokens)
             weights.append(step_weights)

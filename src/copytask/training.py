@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from . import loggers, store
 from .config import ConfigError, validate
 from .data import PAD, Batch
-from .evaluation import build_model, eval_batch, evaluate, resolve_device, rounded, sample_batch
+from .devices import fused_adam, host, resolve_device, run_settings
+from .evaluation import build_model, eval_batch, evaluate, rounded, sample_batch
 from .kernels import runs_fused
 from .model import Seq2Seq, count_parameters
 
@@ -52,7 +53,7 @@ def training_batch(cfg: DictConfig, generator: torch.Generator, heldout: set[byt
     (nearly) all of them gets a ConfigError after MAX_REDRAWS rounds rather than a loop for ever."""
     batch = sample_batch(cfg, cfg.train.batch_size, generator)
     for _ in range(MAX_REDRAWS):
-        seen = [i for i, row in enumerate(batch.src.numpy()) if row.tobytes() in heldout]
+        seen = [i for i, row in enumerate(batch.src.cpu().numpy()) if row.tobytes() in heldout]
         if not seen:
             return batch
         fresh = sample_batch(cfg, len(seen), generator)
@@ -101,7 +102,7 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
         elif folder.exists():  # leftovers of an interrupted or failed run: no one else writes here while we hold the lock
             shutil.rmtree(folder)
         try:
-            with loggers.open_run(cfg, folder.name) as tracker, torch_state(cfg.train.threads):  # the tracker closes before the run is complete
+            with loggers.open_run(cfg, folder.name) as tracker, torch_state(cfg.train.threads), run_settings(cfg.train.device):  # the tracker closes before the run is complete
                 metrics = _train_locked(cfg, folder, model_class, tracker)
             store.write_json(folder / store.METRICS, metrics)  # last: marks the run complete
         except BaseException:
@@ -153,7 +154,7 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], t
     excluded = sequence_keys(heldout)
     heldout = heldout.to(device)
     steps = cfg.train.steps
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, fused=fused_adam(device))
     if cfg.train.schedule == "onecycle":
         schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.train.lr, total_steps=steps, pct_start=cfg.train.warmup)
     else:
@@ -225,6 +226,7 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], t
         "final_loss": final["loss"],
         "train_seconds": train_seconds,
         "device": str(device),
+        "host": host(),
         "threads": torch.get_num_threads(),
         "fused": fused,
         "run": folder.name,

@@ -83,10 +83,12 @@ def fast_tanh(x: Tensor) -> Tensor:
 
 def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
     """Softmax over the last axis of `scores` (B, ..., T_enc); positions where `mask` (B, T_enc),
-    or a mask of the scores' own shape, is False get exactly zero weight."""
+    or a mask of the scores' own shape, is False get exactly zero weight, and a row with no valid
+    position at all (an empty source) gets zero weights rather than 0/0."""
     if mask.dim() == 2:
         mask = mask.view(mask.size(0), *(1,) * (scores.dim() - 2), mask.size(1))  # broadcast over the middle axes
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
 
 class Attention(nn.Module):
@@ -181,6 +183,9 @@ class Attention(nn.Module):
         if self.score == "multihead" and self.intervention is None:
             # torch's own module; with an intervention the same numbers by hand below, so the hook sees each head's weights
             context, weights = self.mha(query, keys, values, key_padding_mask=~mask, average_attn_weights=False)
+            empty = ~mask.any(-1)  # (B,) an empty source: torch gives NaN, the hand-written path below zero weights
+            weights = weights.masked_fill(empty[:, None, None, None], 0.0)
+            context = torch.where(empty[:, None, None], self.mha.out_proj.bias, context)
             return context, weights.mean(1)
         if self.score == "additive":
             scores = self.additive_scores(query, keys)[:, None]  # (B, 1, T_dec, T_enc): one head

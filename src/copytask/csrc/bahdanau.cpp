@@ -83,7 +83,8 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
         wb[i] = masked && mask_p[b * S + i] == 0.f ? 0.f : std::exp(wb[i] - top);  // padding: exactly 0
         total += wb[i];
       }
-      for (int64_t i = 0; i < S; ++i) wb[i] /= total;
+      if (total != 0.f)  // 0 only where every position is padding (an empty source): its weights stay 0, not 0/0
+        for (int64_t i = 0; i < S; ++i) wb[i] /= total;
       float* __restrict xb = x_t + b * (E + H);
       std::memcpy(xb, emb_p + (t * B + b) * E, sizeof(float) * E);
       float* __restrict c = xb + E;

@@ -225,7 +225,6 @@ def test_a_diverging_run_is_a_failed_job_and_the_sweep_goes_on(tmp_path, monkeyp
 
 
 def test_retrain_trains_a_finished_run_again_and_a_failed_retrain_loses_nothing(make_config, monkeypatch):
-
     cfg = make_config(*TINY)
     first = train(cfg)
     folder = store.run_dir(cfg)

@@ -265,3 +265,12 @@ def test_chance_and_the_summary_follow_the_vocabulary(tmp_path, vocab_size, chan
     loaded = load(grid)
     table = comparison_table(summarise(loaded.table, loaded.settings), loaded.settings)
     assert len(table) == 4 and set(table["chance %"]) == {chance.rstrip("%")}  # 2 attention types x 2 lengths
+
+
+def test_a_run_takes_one_thread_unless_a_launcher_or_the_user_says_more(make_config, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    untold = [override for override in TINY if override != "train.threads=1"]
+    assert train(make_config(*untold))["threads"] == 1  # torch's own default would take every core
+    assert training.thread_count(3) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # as joblib and the SLURM launcher's setup do
+    assert training.thread_count(None) == 2

@@ -5,6 +5,7 @@ samples, and metrics.json last)."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import tempfile
 import time
@@ -124,15 +125,27 @@ def summary_line(metrics: dict, folder: Path) -> str:
     )
 
 
+def thread_count(threads: int | None) -> int:
+    """The torch CPU threads a run uses: `train.threads`, or where it is null the OMP_NUM_THREADS that
+    a launcher (joblib: cores / jobs; SLURM: the CPUs a job got) or the user set, else one. torch's
+    own default, every core, spin-waits its OpenMP threads for one another when anything else needs
+    a core: two such runs at once on two cores took 5-40x their time alone, one-thread runs 1.1x
+    (scripts/bench_threads.py, docs/bench.md), and alone a second thread gains 1.36x at the default
+    sizes."""
+    if threads:
+        return threads
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else 1
+
+
 @contextmanager
 def torch_state(threads: int | None) -> Iterator[None]:
-    """Inside: `threads` torch CPU threads (None: as they are) and torch's global random state
-    forked, so that the model's initialisation can draw from it; after: both as they were."""
+    """Inside: `thread_count(threads)` torch CPU threads and torch's global random state forked, so
+    that the model's initialisation can draw from it; after: both as they were."""
     previous_threads = torch.get_num_threads()
     with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
         try:
-            if threads:
-                torch.set_num_threads(threads)
+            torch.set_num_threads(thread_count(threads))
             yield
         finally:
             torch.set_num_threads(previous_threads)

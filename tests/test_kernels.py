@@ -12,7 +12,7 @@ import filelock
 import pytest
 import torch
 
-from copytask import kernels
+from copytask import kernel_build, kernels
 from copytask.data import length_mask, make_batch, total_vocab
 from copytask.model import Seq2Seq
 
@@ -114,9 +114,9 @@ def test_without_kernel_torch_runs(monkeypatch):
 def fresh_build_root(monkeypatch, tmp_path):
     """An empty build folder, and kernel() forgetting the loaded build until the test ends."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    kernels.kernel.cache_clear()
+    kernel_build.kernel.cache_clear()
     yield tmp_path
-    kernels.kernel.cache_clear()  # the next caller loads the real kernel again
+    kernel_build.kernel.cache_clear()  # the next caller loads the real kernel again
 
 
 def test_failed_build_warns_and_falls_back(monkeypatch, fresh_build_root):
@@ -138,17 +138,17 @@ def test_a_failed_build_is_remembered_until_the_toolchain_changes(monkeypatch, f
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
     with pytest.warns(UserWarning, match="could not build"):
         assert kernels.kernel() is None
-    kernels.kernel.cache_clear()  # the next process
+    kernel_build.kernel.cache_clear()  # the next process
     with pytest.warns(UserWarning, match=r"did not build on this machine \(c\+\+: not found\).*copytask build"):
         assert kernels.kernel() is None
     assert len(attempts) == 1  # not tried (and not announced as a compile) again
 
-    kernels.kernel.cache_clear()
-    monkeypatch.setattr(kernels, "toolchain", lambda: '{"cxx": "/usr/bin/c++ (installed now)"}')
+    kernel_build.kernel.cache_clear()
+    monkeypatch.setattr(kernel_build, "toolchain", lambda: '{"cxx": "/usr/bin/c++ (installed now)"}')
     with pytest.warns(UserWarning, match="could not build"):
         assert kernels.kernel() is None
     assert len(attempts) == 2  # a new toolchain: tried again
-    kernels.retry_build()
+    kernel_build.retry_build()
     with pytest.warns(UserWarning, match="could not build"):
         assert kernels.kernel() is None
     assert len(attempts) == 3  # `copytask build` forgets the failure and tries again
@@ -194,7 +194,7 @@ def test_additive_scores_equal_torch(kernel, ragged):
 def test_avx2_builds_are_named_apart(monkeypatch, capability, avx2):
     """A build with AVX2 instructions must never be loaded by a CPU without them (shared homes)."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    name, flags = kernels.build_name_and_flags()
+    name, flags = kernel_build.build_name_and_flags()
     assert ("-mavx2" in flags) == avx2 and name.startswith("copytask_kernels_avx2_") == avx2
 
 
@@ -340,26 +340,26 @@ def test_ops_are_registered_as_torch_asks(kernel):
 def test_build_name_keys_everything_the_library_depends_on(monkeypatch, tmp_path):
     """Another torch, other flags or other sources: another build folder, so no process ever
     rebuilds or replaces a library that another (another checkout, another venv) has loaded."""
-    name = kernels.build_name_and_flags()[0]
+    name = kernel_build.build_name_and_flags()[0]
     monkeypatch.setattr(torch, "__version__", "2.99.0")
-    other_torch = kernels.build_name_and_flags()[0]
+    other_torch = kernel_build.build_name_and_flags()[0]
     monkeypatch.undo()
-    monkeypatch.setattr(kernels, "CFLAGS", [*kernels.CFLAGS, "-g"])
-    other_flags = kernels.build_name_and_flags()[0]
+    monkeypatch.setattr(kernel_build, "CFLAGS", [*kernel_build.CFLAGS, "-g"])
+    other_flags = kernel_build.build_name_and_flags()[0]
     monkeypatch.undo()
     csrc = tmp_path / "csrc"
     csrc.mkdir()
-    for path in kernels.CSRC.iterdir():
+    for path in kernel_build.CSRC.iterdir():
         (csrc / path.name).write_bytes(path.read_bytes() + b"\n" * (path.name == "gru.cpp"))
-    monkeypatch.setattr(kernels, "CSRC", csrc)
-    other_sources = kernels.build_name_and_flags()[0]
+    monkeypatch.setattr(kernel_build, "CSRC", csrc)
+    other_sources = kernel_build.build_name_and_flags()[0]
     assert len({name, other_torch, other_flags, other_sources}) == 4
 
 
 def test_a_build_killed_midway_is_redone_not_waited_for(monkeypatch, fresh_build_root):
     """torch's own lock file, left by a build killed midway, made every later process wait for
     it forever; the half-built library beside it is not to be trusted either."""
-    name = kernels.build_name_and_flags()[0]
+    name = kernel_build.build_name_and_flags()[0]
     stale = fresh_build_root / name
     stale.mkdir()
     (stale / "lock").touch()
@@ -372,9 +372,9 @@ def test_a_build_killed_midway_is_redone_not_waited_for(monkeypatch, fresh_build
 
 def test_a_build_held_too_long_elsewhere_falls_back_to_torch(monkeypatch, fresh_build_root):
     """Another process holding the build's lock past the bound: a warning, then torch's ops."""
-    monkeypatch.setattr(kernels, "BUILD_WAIT_S", 0.2)
+    monkeypatch.setattr(kernel_build, "BUILD_WAIT_S", 0.2)
     monkeypatch.setattr("torch.utils.cpp_extension.load", lambda *args, **options: pytest.fail("built while another process holds the lock"))
-    name = kernels.build_name_and_flags()[0]
+    name = kernel_build.build_name_and_flags()[0]
     with filelock.FileLock(fresh_build_root / f"{name}.lock"):  # a second lock of the same file blocks, in this process too
         with pytest.warns(UserWarning, match="another process has held .* building the fused CPU kernels; using torch's ops"):
             assert kernels.kernel() is None

@@ -165,7 +165,7 @@ def test_a_sweep_shows_one_progress_bar_for_all_its_runs(tmp_path):
     process = run_cli("sweep", *tiny, "train.progress=true", "attention=none", "task.length=3,4", "seed=0", f"runs_dir={tmp_path}")
 
     assert process.returncode == 0, process.stderr
-    assert "sweep: 100%" in process.stderr and "2/2" in process.stderr  # runs finished of the grid
+    assert "sweep (2/2 runs): 100%" in process.stderr  # the work done, and the runs finished of the grid
     assert "step/s" not in process.stderr  # no per-run bars
 
 

@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return decode(rest)
     if command == "build":
-        from . import kernels
+        from . import kernel_build
 
-        kernels.retry_build()  # asked to build: try again, whatever failed before
-        built = kernels.kernel()
+        kernel_build.retry_build()  # asked to build: try again, whatever failed before
+        built = kernel_build.kernel()
         if built is None:
             print("copytask: error: the fused CPU kernels could not be built (the warning above says why)", file=sys.stderr)
             return 1

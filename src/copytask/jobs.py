@@ -126,15 +126,14 @@ class SweepProgress:
         self.runs, self.started_at = runs, time.time()
         self.costs = [expected_cost(run) for run in runs]
         done, cost = self.finished()
-        self.bar = tqdm(total=sum(self.costs), initial=cost, desc="sweep", disable=not enabled, dynamic_ncols=True,
-                        mininterval=interval, bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]")
-        self.bar.set_postfix_str(self.runs_done(done), refresh=False)
+        self.bar = tqdm(total=sum(self.costs), initial=cost, desc=self.runs_done(done), disable=not enabled, dynamic_ncols=True,
+                        mininterval=interval, bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]")
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.poll, args=(interval,), daemon=True)
         self.thread.start()
 
     def runs_done(self, done: int) -> str:
-        return f"{done}/{len(self.runs)} runs"
+        return f"sweep ({done}/{len(self.runs)} runs)"
 
     def finished(self) -> tuple[int, float]:
         """How many runs have finished, and their expected cost together."""
@@ -151,7 +150,7 @@ class SweepProgress:
         done, cost = self.finished()
         if cost == self.bar.n:
             return False
-        self.bar.set_postfix_str(self.runs_done(done), refresh=False)
+        self.bar.set_description_str(self.runs_done(done), refresh=False)
         self.bar.update(cost - self.bar.n)
         return True
 

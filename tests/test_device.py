@@ -17,7 +17,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from copytask import analysis, bench, devices, evaluation, kernels, store
-from copytask.config import ConfigError, analysis_device, config_dir, validate
+from copytask.config import ConfigError, config_dir
+from copytask.validation import analysis_device, validate
 from copytask.data import task_batch
 from copytask.grid import check_grid
 from copytask.evaluation import build_model, sample_batch

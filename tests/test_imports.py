@@ -11,7 +11,7 @@ import copytask
 PACKAGE = Path(copytask.__file__).parent
 # Lowest first. A module may import only modules before it.
 LAYERS = [
-    "vocab", "config", "store", "hydra_internals", "devices", "data", "kernel_build", "kernels", "attention", "model", "reference",
+    "vocab", "config", "validation", "store", "hydra_internals", "devices", "data", "kernel_build", "kernels", "attention", "model", "reference",
     "evaluation", "figures", "loggers", "training", "analysis", "analysis_figures", "grid", "tables",
     "result_figures", "reporting", "jobs", "decoding", "bench", "api", "cli", "__main__",
 ]  # fmt: skip

@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 
-from copytask import config, store
+from copytask import store, validation
 from copytask import training
-from copytask.config import ConfigError, heldout_share, validate
+from copytask.config import ConfigError
+from copytask.validation import heldout_share, validate
 from copytask.evaluation import eval_batch
 from copytask.training import sequence_keys, training_batch
 
@@ -112,7 +113,7 @@ def test_sizes_no_machine_holds_are_refused_in_one_line_naming_the_estimate_and_
     assert main(["train", *ISSUE_SIZES, f"runs_dir={tmp_path}"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("copytask: error: this configuration needs about ") and " PiB of memory" in line
-    assert f"more than this machine's {config.human_bytes(config.machine_memory())}" in line
+    assert f"more than this machine's {validation.human_bytes(validation.machine_memory())}" in line
     assert "task.length=1000000" in line
     assert not any(tmp_path.iterdir())
 
@@ -120,13 +121,13 @@ def test_sizes_no_machine_holds_are_refused_in_one_line_naming_the_estimate_and_
 def test_the_memory_check_compares_the_estimate_with_the_machines_memory(make_config, monkeypatch):
     """A configuration just under the memory there is runs, however large; just over it is refused."""
     cfg = make_config(*TINY, "task.length=40", "attention=bahdanau")
-    needed = sum(config.memory_estimate(cfg).values())
-    monkeypatch.setattr(config, "machine_memory", lambda: needed)
+    needed = sum(validation.memory_estimate(cfg).values())
+    monkeypatch.setattr(validation, "machine_memory", lambda: needed)
     validate(cfg)
-    monkeypatch.setattr(config, "machine_memory", lambda: needed - 1)
+    monkeypatch.setattr(validation, "machine_memory", lambda: needed - 1)
     with pytest.raises(ConfigError, match=r"needs about .* more than this machine's"):
         validate(cfg)
-    monkeypatch.setattr(config, "machine_memory", lambda: None)  # an OS that does not say: nothing refused
+    monkeypatch.setattr(validation, "machine_memory", lambda: None)  # an OS that does not say: nothing refused
     validate(make_config(*ISSUE_SIZES))
 
 
@@ -139,7 +140,7 @@ def test_every_preset_fits_a_small_machine(preset, monkeypatch):
     """No preset's run is refused on a machine with 2 GiB (capacity's bigger grid included)."""
     from copytask.grid import check_grid
 
-    monkeypatch.setattr(config, "machine_memory", lambda: 2 * 1024**3)
+    monkeypatch.setattr(validation, "machine_memory", lambda: 2 * 1024**3)
     grid = check_grid(preset)
     assert len(grid) >= 36
 
@@ -151,4 +152,4 @@ def test_the_estimates_parameter_count_is_the_models(make_config, attention, bid
     from copytask.evaluation import build_model
 
     cfg = make_config(f"attention={attention}", f"model.bidirectional={bidirectional}", "model.hidden_size=12", "model.embedding_size=5", "task.vocab_size=7")
-    assert config.parameter_count(cfg) == count_parameters(build_model(cfg))
+    assert validation.parameter_count(cfg) == count_parameters(build_model(cfg))

@@ -9,7 +9,8 @@ from copytask.attention import Attention, masked_softmax
 from copytask.config import config_dir
 from copytask.data import length_mask, make_batch, total_vocab
 from copytask.model import Seq2Seq
-from copytask.config import ConfigError, validate
+from copytask.config import ConfigError
+from copytask.validation import validate
 
 B, T_DEC, T_ENC, H = 3, 4, 6, 8
 

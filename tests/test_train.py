@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from copytask import cli, kernels, store, training
-from copytask.config import ConfigError, validate
+from copytask.config import ConfigError
+from copytask.validation import validate
 from copytask.data import Batch
 from copytask.grid import compose_grid
 from copytask.evaluation import build_model, eval_batch, evaluate

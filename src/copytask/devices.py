@@ -24,7 +24,8 @@ from typing import Iterator
 
 import torch
 
-from .config import DETERMINISTIC_CUBLAS, check_device
+from .config import DETERMINISTIC_CUBLAS
+from .validation import check_device
 
 
 def resolve_device(name: str) -> torch.device:

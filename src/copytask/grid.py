@@ -20,7 +20,8 @@ from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import store
-from .config import ConfigError, check_launcher, config_dir, dotted_keys, hydra_errors, remote_job_check, remote_launcher, validate
+from .config import ConfigError, config_dir, dotted_keys, hydra_errors
+from .validation import check_launcher, remote_job_check, remote_launcher, validate
 from .hydra_internals import compose, own_global_hydra, sweep_jobs
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine

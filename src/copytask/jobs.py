@@ -25,7 +25,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from . import loggers, store
-from .config import ConfigError, analysis_device, config_dir
+from .config import ConfigError, config_dir
+from .validation import analysis_device
 from .grid import SWEEP_RECORD, GridRun, expand, sweep_command
 from .hydra_internals import override_args, own_global_hydra
 

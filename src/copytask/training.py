@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import loggers, store
-from .config import ConfigError, validate
+from .config import ConfigError
+from .validation import validate
 from .data import PAD, Batch
 from .devices import fused_adam, host, resolve_device, run_settings
 from .evaluation import build_model, eval_batch, evaluate, rounded, sample_batch
@@ -64,7 +65,7 @@ def training_batch(cfg: DictConfig, generator: torch.Generator, heldout: set[byt
     raise ConfigError(
         f"{len(seen)} training rows were still held-out sequences after {MAX_REDRAWS} draws: the held-out set "
         f"(train.eval_size={cfg.train.eval_size}) holds nearly every sequence of task.length={task.length} over "
-        f"task.vocab_size={task.vocab_size} symbols; lower train.eval_size (config.validate says how far)"
+        f"task.vocab_size={task.vocab_size} symbols; lower train.eval_size (validation.validate says how far)"
     )
 
 

@@ -101,7 +101,7 @@ def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, monkeypatch, 
     failed = [line for line in err.splitlines() if line.startswith("copytask: job failed:")]
     assert len(failed) == 2  # once as it fails, once in the summary at the end
     assert all("injected failure at length 4" in line for line in failed)
-    assert "attention=none task.length=4 " in failed[-1]  # the summary names the job by its overrides
+    assert "task.length=4 attention=none " in failed[-1]  # the summary names the job by its overrides
     table = pd.read_csv(tmp_path / "results.csv")  # the other job's results are kept
     assert list(zip(table["attention"], table["length"])) == [("none", 3)]
     assert "1/2 runs complete" in out

@@ -44,7 +44,7 @@ from omegaconf import DictConfig
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from . import kernels, store
+from . import kernel_build, kernels, store
 from .config import config_dir
 from .data import Batch
 from .model import Seq2Seq
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
     fused = kernels.runs_fused(build_model(cfg).to(device))
-    project = f"fused CPU kernels ({kernels.build_name_and_flags()[0]})" if fused else "torch ops"
+    project = f"fused CPU kernels ({kernel_build.build_name_and_flags()[0]})" if fused else "torch ops"
     description = f"{machine(device)}; torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; project on {project}"
     print(f"copytask bench on {description}", file=sys.stderr)
 

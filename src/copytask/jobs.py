@@ -127,8 +127,9 @@ class SweepProgress:
         self.runs, self.started_at = runs, time.time()
         self.costs = [expected_cost(run) for run in runs]
         done, cost = self.finished()
+        # smoothing=0: the rate since the start, not tqdm's moving average, which a few large steps (one per run) throw about
         self.bar = tqdm(total=sum(self.costs), initial=cost, desc=self.runs_done(done), disable=not enabled, dynamic_ncols=True,
-                        mininterval=interval, bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]")
+                        mininterval=interval, smoothing=0, bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]")
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.poll, args=(interval,), daemon=True)
         self.thread.start()

@@ -12,11 +12,12 @@ import math
 import os
 import shutil
 import socket
+from pathlib import Path
 from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MAX_HEADS, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, ConfigError, dotted_keys, unknown_key
+from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MAX_HEADS, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, ConfigError, config_dir, dotted_keys, unknown_key
 from .vocab import total_vocab
 
 

@@ -27,8 +27,8 @@ def test_a_sweep_expands_like_the_basic_sweeper_with_the_command_line_replacing_
 
     assert swept == {"attention", "task.length", "seed"}
     assert [job[0] for job in jobs][:2] == [
-        ["attention=none", "task.length=5", "seed=3", "experiment=quick"],
-        ["attention=none", "task.length=5", "seed=4", "experiment=quick"],
+        ["task.length=5", "attention=none", "seed=3", "experiment=quick"],  # the default grid's key order: length first
+        ["task.length=5", "attention=none", "seed=4", "experiment=quick"],
     ]
     assert len(jobs) == 2 * 2 * 2
     assert {(config.attention.name, config.task.length, config.seed) for _, config in jobs} == {

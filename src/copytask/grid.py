@@ -24,6 +24,7 @@ from .config import ConfigError, check_launcher, config_dir, dotted_keys, hydra_
 from .hydra_internals import compose, own_global_hydra, sweep_jobs
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
+OBJECTIVE = "token_acc"  # what a job returns to an optimising sweeper: held-out greedy token accuracy, from metrics.json
 
 @dataclass(frozen=True)
 class GridRun:

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, open_dict
 
 from . import loggers, store
 from .config import ConfigError, analysis_device, config_dir
-from .grid import SWEEP_RECORD, GridRun, expand, sweep_command
+from .grid import OBJECTIVE, SWEEP_RECORD, GridRun, expand, sweep_command
 from .hydra_internals import override_args, own_global_hydra
 
 
@@ -40,9 +40,14 @@ class SweepFailed(SystemExit):
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
-def hydra_job(cfg: DictConfig) -> None:
-    """One job: train the run, print its line. Alone (`train`), a refusal exits 2 and a diverged
-    run 1; in a sweep a failure is recorded in the run folder and the sweep goes on."""
+def hydra_job(cfg: DictConfig) -> float | None:
+    """One job: train the run, print its line, and return its objective (metrics.json's OBJECTIVE,
+    held-out greedy token accuracy), also when the run was complete and is skipped: an optimising
+    sweeper (hydra/sweeper=optuna) maximises it, the basic sweeper ignores it. Alone (`train`), a
+    refusal exits 2 and a diverged run 1; in a sweep a failure is recorded in the run folder, the
+    job returns None and the sweep goes on. (None, not NaN: Optuna's sweeper records a trial that
+    returns no number as failed and goes on, but one that returns NaN makes optuna 2.10's
+    `Study.tell` raise, which ends the search with a traceback.)"""
     from .training import NonFiniteLoss, RunInProgress, summary_line, train  # torch and the model: only when something is trained
 
     folder = store.run_dir(cfg)
@@ -54,17 +59,18 @@ def hydra_job(cfg: DictConfig) -> None:
         metrics = train(cfg)
     except RunInProgress as busy:
         store.warn(f"{busy}; skipped")
-        return
+        return None
     except Exception as error:
         if HydraConfig.get().mode == RunMode.MULTIRUN:  # recorded for the sweep summary, not swallowed
             store.write_json(folder / store.FAILED, {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})
             print(f"copytask: job failed: {folder.name}: {error}", file=sys.stderr)
-            return
+            return None
         if not isinstance(error, (ConfigError, NonFiniteLoss)):
             raise
         print(f"copytask: error: {error}", file=sys.stderr)
         sys.exit(2 if isinstance(error, ConfigError) else 1)
     print(f"{folder.name}: already complete, skipped (retrain=true trains it again)" if skipped else summary_line(metrics, folder))
+    return metrics[OBJECTIVE]
 
 
 def run_hydra(args: list[str], multirun: bool = False) -> None:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import store
 from .config import ConfigError, check_launcher, config_dir, dotted_keys, hydra_errors, remote_job_check, remote_launcher, validate
-from .hydra_internals import compose, compose_job, own_global_hydra, proposes_jobs, search_space, sweep_jobs
+from .hydra_internals import compose, compose_job, own_global_hydra, proposes_jobs, search_samples, search_space, sweep_jobs
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
 OBJECTIVE = "token_acc"  # what a job returns to an optimising sweeper: held-out greedy token accuracy, from metrics.json
@@ -89,12 +89,12 @@ def expand(master: DictConfig, check: Callable[[DictConfig], None] | None = None
 
 def check_search(master: DictConfig, check: Callable[[DictConfig], None]) -> None:
     """What can be checked of a search before its sweeper proposes the first trial: that the
-    sweeper can read the search space (`search_space`), that a trial composes (every searched key
+    sweeper can read the search space (`search_samples`), that a trial composes (every searched key
     exists and takes the type of a value it may get), and `check` on the config the trials share
     (their fixed overrides, the searched keys at their defaults). Each trial is checked again as it
     comes, in its job: one that cannot run is a failed trial with its reason, not a crash."""
-    fixed, samples, _ = search_space(master)
-    compose_job(master, [*fixed, *samples])  # composition only: a sample need not be a good combination
+    fixed, _ = search_space(master)
+    compose_job(master, [*fixed, *search_samples(master)])  # composition only: a sample need not be a good combination
     shared = compose_job(master, fixed)
     with open_dict(shared):
         del shared["hydra"]
@@ -127,7 +127,7 @@ def trial_runs(master: DictConfig, trials: list[dict]) -> list[GridRun]:
     """The run of each trial, composed from the trial's overrides as its job was (so a trial
     refused before it trained has its folder too), once each where trials repeat a run, in trial
     order. Labelled by the searched keys' values."""
-    _, _, searched = search_space(master)
+    _, searched = search_space(master)
     runs = {}
     for trial in trials:
         if trial["run"] in runs:

@@ -7,9 +7,9 @@
 - `sweep_jobs(master)`: the jobs Hydra's basic sweeper launches for a multirun config, each as its
   overrides and its composed config (a search space it cannot expand is a ConfigError);
 - `compose_job(master, overrides)`: one job's config, as the sweeper's launcher composes it;
-- `proposes_jobs(master)` and `search_space(master)`: whether the sweeper chooses its jobs as it goes
-  (Optuna), and for such a sweeper its search space as overrides (one the Optuna sweeper cannot
-  take is a ConfigError);
+- `proposes_jobs(master.hydra)`, `search_space(master)` and `search_samples(master)`: whether the
+  sweeper chooses its jobs as it goes (Optuna), and for such a sweeper its search space as
+  overrides, and a value of each searched key (one the Optuna sweeper cannot take is a ConfigError);
 - `own_global_hydra()`: a block with no GlobalHydra, after which the caller's is back as it was.
 
 All need an initialised GlobalHydra (inside a Hydra app, or `initialize_config_dir`).
@@ -73,12 +73,10 @@ def proposes_jobs(hydra: DictConfig) -> bool:
     return hydra.sweeper._target_ != BASIC_SWEEPER
 
 
-def search_space(master: DictConfig) -> tuple[list[str], list[str], list[str]]:
-    """For a sweeper that proposes its jobs (`proposes_jobs(master.hydra)`): the overrides every trial has, one
-    override per searched key at a value the sweeper may propose (the first choice, the low end of
-    an interval), and the searched keys. As the Optuna sweeper reads them: a later override of a key
-    replaces an earlier one, and a fixed value of a key beats a searched one. ConfigError, naming
-    the override, for one the Optuna sweeper cannot take (a glob, an interval whose ends are reversed)."""
+def search_space(master: DictConfig) -> tuple[list[str], dict[str, Override]]:
+    """For a sweeper that proposes its jobs (`proposes_jobs(master.hydra)`): the overrides every
+    trial has, and the searched keys with their overrides. As the Optuna sweeper reads them: a later
+    override of a key replaces an earlier one, and a fixed value of a key beats a searched one."""
     fixed, searched = {}, {}
     for override in sweep_overrides(master):
         key = override.get_key_element()
@@ -86,7 +84,14 @@ def search_space(master: DictConfig) -> tuple[list[str], list[str], list[str]]:
             searched[key] = override
         else:
             fixed[key] = override.input_line
-    searched = {key: override for key, override in searched.items() if key not in fixed}
+    return list(fixed.values()), {key: override for key, override in searched.items() if key not in fixed}
+
+
+def search_samples(master: DictConfig) -> list[str]:
+    """One override per searched key (`search_space`) at a value the sweeper may propose: the first
+    choice, the low end of an interval. ConfigError, naming the override, for one the Optuna sweeper
+    cannot take (a glob, an interval whose ends are reversed), which it would raise mid-sweep."""
+    _, searched = search_space(master)
     if master.hydra.sweeper._target_ == OPTUNA_SWEEPER:
         from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides  # optuna: only for its sweeps
 
@@ -98,14 +103,7 @@ def search_space(master: DictConfig) -> tuple[list[str], list[str], list[str]]:
                     f"{override.input_line}: the Optuna sweeper searches choice(a,b), range(start,stop,step), "
                     f"interval(low,high) and tag(log,interval(low,high))" + (f", and says: {error}" if str(error) else "")
                 ) from None
-    samples = []
-    for key, override in searched.items():
-        if override.is_discrete_sweep():
-            value = next(override.sweep_string_iterator())
-        else:
-            value = override.value().start
-        samples.append(f"{key}={value}")
-    return list(fixed.values()), samples, list(searched)
+    return [f"{key}={next(o.sweep_string_iterator()) if o.is_discrete_sweep() else o.value().start}" for key, o in searched.items()]
 
 
 def compose_job(master: DictConfig, overrides: list[str]) -> DictConfig:

@@ -3,7 +3,10 @@ a command line is handed to it (`run_hydra`), and the end of a sweep (`SweepSumm
 callback that analyses the grid's runs and writes results.csv and the report).
 
 A sweep is a Hydra multirun, so every launcher works (basic, joblib, submitit). Its grid is
-`grid.compose_grid`'s, checked whole (`grid.check_grid`) before the first job starts.
+`grid.compose_grid`'s, checked whole (`grid.check_grid`) before the first job starts. A sweeper
+that proposes its jobs as it goes (Optuna: `hparams_search=baseline`) has no grid: each trial is
+validated in its job, returns its objective and writes a trial record, and the summary reads the
+records (`grid.search_trials`) for the trials' runs.
 """
 
 from __future__ import annotations

@@ -142,6 +142,9 @@ def test_a_trial_that_cannot_run_is_a_failed_trial_with_its_reason(tmp_path):
         else:
             assert trial["objective"] is not None and not failed.exists()
     assert process.returncode == 1  # named at the end, after the results of the others
+    table = pd.read_csv(tmp_path / "trials.csv")
+    since_first = table["best_so_far"][table["objective"].first_valid_index():]
+    assert since_first.notna().all() and since_first.is_monotonic_increasing  # a failed trial keeps the best before it
     assert (tmp_path / "report" / "report.md").is_file() and "## Failed trials" in (tmp_path / "report" / "report.md").read_text()
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 from omegaconf import OmegaConf
 
 from . import store, tables
@@ -49,7 +50,7 @@ def trial_table(trials: list[dict], loaded: tables.Loaded) -> pd.DataFrame:
             row[column] = results.at[run, column] if run in results.index else math.nan
         rows.append(row | {"run": run})
     table = pd.DataFrame(rows, columns=["trial", "objective", "best_so_far", "status", *loaded.settings, *RUN_COLUMNS, "run"])
-    table["best_so_far"] = table["objective"].cummax()  # cummax skips NaN: a failed trial keeps the best before it
+    table["best_so_far"] = table["objective"].cummax().ffill()  # a failed trial keeps the best before it
     return table
 
 
@@ -107,8 +108,9 @@ def plot_objective_by_trial(table: pd.DataFrame, chance: float, path: Path) -> P
         axis.plot(failed["trial"], np.zeros(len(failed)), "x", color="red", clip_on=False, label="failed trial")
     draw_chance(axis, chance)
     axis.set(xlabel="trial", ylabel="held-out greedy token accuracy (%)", ylim=(0, 102), title="The search: objective by trial")
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.grid(alpha=0.3)
-    axis.legend(loc="lower right", fontsize="small")
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4, fontsize="small")  # below: never over a trial
     return save(figure, path)
 
 
@@ -128,6 +130,8 @@ def plot_objective_by_key(table: pd.DataFrame, settings: list[str], chance: floa
             positive = (x > 0).all()
             if positive and x.max() / x.min() >= 10:
                 axis.set_xscale("log")
+            else:
+                axis.xaxis.set_major_locator(MaxNLocator(4))  # a learning rate's long tick labels would run into each other
         else:  # bool or text: one position per value
             order = sorted(values.map(tables.setting_value).unique())
             position = {value: i for i, value in enumerate(order)}
@@ -141,7 +145,7 @@ def plot_objective_by_key(table: pd.DataFrame, settings: list[str], chance: floa
         axis.grid(alpha=0.3)
     axes[0].legend(loc="upper left", fontsize="small")
     if image is not None:
-        figure.colorbar(image, ax=axes, fraction=0.04, label="trial")
+        figure.colorbar(image, ax=axes, fraction=0.04, label="trial").locator = MaxNLocator(integer=True)
     figure.suptitle("Held-out greedy token accuracy against each searched key")
     return save(figure, path)
 

@@ -187,3 +187,14 @@ def test_without_the_plugin_the_search_says_what_to_install(monkeypatch):
     monkeypatch.delitem(ConfigStore.instance().repo["hydra"]["sweeper"], "optuna.yaml")
     with pytest.raises(ConfigError, match=r"^hydra/sweeper=optuna needs Hydra's Optuna sweeper: pip install 'copytask\[optuna\]'$"):
         compose_grid(["hparams_search=baseline"])
+
+
+def test_a_failed_trial_keeps_the_best_so_far_before_it():
+    from copytask.search import trial_table
+    from copytask.tables import Loaded
+
+    runs = pd.DataFrame({"run": ["a", "c"], "token_acc": [0.4, 0.3], "seq_acc": [0.0, 0.0], "params": [1, 1], "steps": [1, 1], "train_seconds": [1.0, 1.0]})
+    trials = [{"trial": 0, "run": "a", "objective": 0.4}, {"trial": 1, "run": "b", "objective": None}, {"trial": 2, "run": "c", "objective": 0.3}]
+    table = trial_table(trials, Loaded(runs, {}, [], {}, []))
+    assert list(table["best_so_far"]) == [0.4, 0.4, 0.4]
+    assert list(table["status"]) == ["complete", "not run", "complete"]

@@ -7,7 +7,7 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from copytask.config import config_dir
-from copytask.hydra_internals import compose, override_args, sweep_jobs
+from copytask.hydra_internals import compose, compose_job, override_args, proposes_jobs, search_samples, search_space, sweep_jobs
 
 
 def test_override_args_separates_hydra_flags_from_overrides():
@@ -36,3 +36,23 @@ def test_a_sweep_expands_like_the_basic_sweeper_with_the_command_line_replacing_
     }
     assert all(config.model.hidden_size == 32 for _, config in jobs)  # the preset applies to every job
     assert single.seed == 7 and "hydra" in single
+
+
+def test_a_search_space_reads_as_the_optuna_sweeper_reads_it():
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            basic = compose(["experiment=quick"], multirun=True)
+            master = compose(["hparams_search=baseline", "train.clip=2", "train.lr=interval(1e-3,1e-2)"], multirun=True)
+            fixed, searched = search_space(master)
+            samples = search_samples(master)
+            job = compose_job(master, [*fixed, *samples])
+    finally:
+        GlobalHydra.instance().clear()
+
+    assert not proposes_jobs(basic.hydra) and proposes_jobs(master.hydra)
+    # the default grid's keys are fixed by the preset; a fixed value on the command line beats the preset's range
+    assert fixed[:3] == ["task.length=20", "attention=none", "seed=0"] and "train.clip=2" in fixed  # in the default grid's key order
+    assert list(searched) == ["train.lr", "train.warmup", "train.batch_size", "model.hidden_size", "model.bidirectional"]
+    assert samples[:3] == ["train.lr=0.001", "train.warmup=0.05", "train.batch_size=32"]  # the command line's interval replaced the preset's
+    assert (job.train.lr, job.train.clip, job.model.hidden_size, job.model.bidirectional) == (0.001, 2, 32, True)

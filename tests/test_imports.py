@@ -13,7 +13,7 @@ PACKAGE = Path(copytask.__file__).parent
 LAYERS = [
     "vocab", "config", "validation", "store", "hydra_internals", "devices", "data", "kernel_build", "kernels", "attention", "model", "reference",
     "evaluation", "figures", "loggers", "training", "analysis", "analysis_figures", "grid", "tables",
-    "result_figures", "reporting", "jobs", "decoding", "bench", "api", "cli", "__main__",
+    "result_figures", "reporting", "search", "jobs", "decoding", "bench", "api", "cli", "__main__",
 ]  # fmt: skip
 
 

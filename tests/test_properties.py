@@ -102,6 +102,7 @@ VALID = {
     "train.attention_samples": st.integers(0, 5),
     "train.eval_seed": st.integers(0, 2**32),
     "seed": st.integers(0, 2**32),
+    "hparams_search": st.just("baseline"),  # `train` under the search's preset: one run with its fixed settings
 }
 # Junk for any key: out of range, huge (refused as sizes no machine holds), of the wrong type, empty.
 JUNK_VALUES = st.sampled_from(
@@ -110,7 +111,7 @@ JUNK_VALUES = st.sampled_from(
 )
 JUNK_OVERRIDES = st.sampled_from(
     ["task.lenght=3", "+model.depth=2", "~task.length", "attention=bogus", "task=sort", "experiment=nope",
-     "model=big", "train=fast", "=3", "task.length", "seed=1=2"]
+     "model=big", "train=fast", "=3", "task.length", "seed=1=2", "hparams_search=nope"]
 )
 
 

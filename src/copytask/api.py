@@ -113,26 +113,38 @@ def summary(loaded: Loaded) -> pd.DataFrame:
 
 
 def compare(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False) -> pd.DataFrame:
-    """`python -m copytask compare`'s table as numbers: `summary` of the selection (`select`)."""
-    return summary(load(select(runs_dir, overrides, all_runs), "compare"))
+    """`python -m copytask compare`'s table as numbers: `summary` of the selection (`select`); for
+    a search (`hparams_search=baseline`), its trials best first (`search.trial_table`: objective,
+    best so far, the searched settings, the run's accuracies)."""
+    selection = select(runs_dir, overrides, all_runs)
+    loaded = load(selection, "compare")
+    if selection.is_search:
+        from .search import ranked, trial_table
+
+        return ranked(trial_table(selection.trials, loaded)).reset_index(drop=True)
+    return summary(loaded)
 
 
 def report(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False, x: str | None = None) -> list[Path]:
     """Write results.csv and runs_dir/report/ (report.md and its figures) for the selection
-    (`select`), with `x` (default: the config's report.x) on the accuracy figure's x axis;
-    -> the paths written, results.csv and report.md first. Never trains."""
+    (`select`), with `x` (default: the config's report.x) on the accuracy figure's x axis (for a
+    search: trials.csv too, and the search's report); -> the paths written, results.csv and
+    report.md first. Never trains."""
     selection = select(runs_dir, overrides, all_runs)
     return write_report(selection, load(selection, "report"), x)
 
 
 def write_report(selection: Selection, loaded: Loaded, x: str | None = None) -> list[Path]:
-    """`report`'s work on a selection already loaded."""
-    from . import reporting
+    """`report`'s work on a selection already loaded; a search's report (`search.write_report`:
+    its best trials and the objective by trial and by searched key) has no x axis to choose."""
+    from . import reporting, search
     from .tables import save
 
+    runs_dir = Path(selection.master.runs_dir)
+    if selection.is_search:
+        return [save(loaded, runs_dir), *search.write_report(selection.trials, loaded, runs_dir)]
     x = x or selection.master.report.x
     reporting.x_column(x, loaded)  # ConfigError before anything is written
-    runs_dir = Path(selection.master.runs_dir)
     return [save(loaded, runs_dir), *reporting.write_report(selection.runs, loaded, runs_dir, x)]
 
 

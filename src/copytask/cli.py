@@ -27,6 +27,8 @@ commands:
            ends by naming failed jobs (exit status 1), writing runs_dir/results.csv and the report
              python -m copytask sweep 'attention=none,luong_general' 'seed=0,1'
              python -m copytask sweep hydra/launcher=parallel      (2 jobs at a time; see docs/sweep.md)
+             python -m copytask sweep hparams_search=baseline task.length=40  (an Optuna search of the
+                                           baseline's settings: pip install 'copytask[optuna]')
   compare  per setting and length, the baseline and each attention side by side (mean, 95%
            interval over seeds, chance, params, gap); takes the sweep's overrides, or with none
            but runs_dir, the grid of the last sweep in runs_dir; never trains unless asked
@@ -208,6 +210,13 @@ def compare(overrides: list[str], flags: set[str]) -> int:
     if loaded.missing:
         print(describe_missing(loaded.missing, len(selection.runs)))
         print(f"train them with: {sweep_command(selection.master)}  (or compare --train-missing)")
+    if selection.is_search:
+        from .search import best, best_table, trial_table
+
+        trials = trial_table(selection.trials, loaded)
+        print(f"the best {len(best(trials))} of {len(trials)} trials by held-out greedy token accuracy, in %; every trial: report's trials.csv")
+        print(best_table(trials, loaded.settings).to_string(index=False))
+        return status
     print(table_note(list(dict.fromkeys(loaded.table["task"]))))
     print(comparison_table(api.summary(loaded), loaded.settings).to_string(index=False))
     return status

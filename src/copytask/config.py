@@ -180,6 +180,8 @@ def hydra_errors(known_keys: list[str]) -> Iterator[None]:
     except MissingConfigException as error:
         group, _, option = str(error.missing_cfg_file).rpartition("/")
         options = ", ".join(error.options or [])
+        if f"{group}={option}" in PLUGIN_OPTIONS:  # a Hydra plugin's option, there once its extra is installed
+            raise ConfigError(f"{group}={option} needs {PLUGIN_OPTIONS[f'{group}={option}']}") from None
         raise ConfigError(f"{group}={option}: no such option; choose one of {options}") from None
     except OverrideParseException as error:
         raise ConfigError(str(error).strip().splitlines()[0]) from None
@@ -221,7 +223,8 @@ def unknown_key(key: str, known_keys: list[str]) -> str:
 
 # `key: value  # comment` in the simple YAML of configs/ (two-space indents)
 YAML_LINE = re.compile(r"^(?P<indent> *)(?P<key>[\w.]+):(?P<value>[^#]*?)\s*(?:#\s*(?P<comment>.*))?$")
-GROUPS = ("task", "attention", "train", "logger", "experiment", "hydra/launcher")
+GROUPS = ("task", "attention", "train", "logger", "experiment", "hparams_search", "hydra/launcher")
+PLUGIN_OPTIONS = {"hydra/sweeper=optuna": "Hydra's Optuna sweeper: pip install 'copytask[optuna]'"}
 
 
 def yaml_comments(path: Path, prefix: str = "") -> dict[str, str]:

@@ -21,10 +21,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import store
 from .config import ConfigError, config_dir, dotted_keys, hydra_errors
+from .hydra_internals import compose, compose_job, own_global_hydra, proposes_jobs, search_samples, search_space, sweep_jobs
 from .validation import check_launcher, remote_job_check, remote_launcher, validate
-from .hydra_internals import compose, own_global_hydra, sweep_jobs
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
+OBJECTIVE = "token_acc"  # what a job returns to an optimising sweeper: held-out greedy token accuracy, from metrics.json
+# <hydra.sweep.dir>/<job number>/trial.json: what each trial of a search ran and returned, written by its job
+# (one file per job: jobs in other processes never append to one shared file)
+TRIAL_RECORD = "trial.json"
 
 @dataclass(frozen=True)
 class GridRun:
@@ -84,6 +88,59 @@ def expand(master: DictConfig, check: Callable[[DictConfig], None] | None = None
     return runs
 
 
+def check_search(master: DictConfig, check: Callable[[DictConfig], None]) -> None:
+    """What can be checked of a search before its sweeper proposes the first trial: that the
+    sweeper can read the search space (`search_samples`), that a trial composes (every searched key
+    exists and takes the type of a value it may get), and `check` on the config the trials share
+    (their fixed overrides, the searched keys at their defaults). Each trial is checked again as it
+    comes, in its job: one that cannot run is a failed trial with its reason, not a crash."""
+    fixed, _ = search_space(master)
+    compose_job(master, [*fixed, *search_samples(master)])  # composition only: a sample need not be a good combination
+    shared = compose_job(master, fixed)
+    with open_dict(shared):
+        del shared["hydra"]
+    check(shared)
+
+
+def search_trials(master: DictConfig) -> list[dict]:
+    """The trials of the search recorded in `master`'s runs_dir (sweep.json), in trial order: the
+    list written at its end, or while it runs (or once it was cut off) the trial records its jobs
+    have written since it started. Empty where the last sweep recorded there is no search."""
+    try:
+        record = store.read_json(Path(master.runs_dir) / SWEEP_RECORD)
+    except (OSError, ValueError):
+        return []
+    if "trials" in record:
+        return record["trials"]
+    if "search" not in record:
+        return []
+    trials = []
+    for path in Path(master.hydra.sweep.dir).glob(f"*/{TRIAL_RECORD}"):
+        try:
+            if path.stat().st_mtime >= record["started_at"]:  # not a trial of an earlier sweep in this runs_dir
+                trials.append(store.read_json(path))
+        except (OSError, ValueError) as error:
+            store.warn(f"skipping {path}: {type(error).__name__}: {error}")
+    return sorted(trials, key=lambda trial: trial["trial"])
+
+
+def trial_runs(master: DictConfig, trials: list[dict]) -> list[GridRun]:
+    """The run of each trial, composed from the trial's overrides as its job was (so a trial
+    refused before it trained has its folder too), once each where trials repeat a run, in trial
+    order. Labelled by the searched keys' values."""
+    _, searched = search_space(master)
+    runs = {}
+    for trial in trials:
+        if trial["run"] in runs:
+            continue
+        config = compose_job(master, trial["overrides"])
+        with open_dict(config):
+            del config["hydra"]
+        label = " ".join(o for o in trial["overrides"] if o.split("=", 1)[0] in searched)
+        runs[trial["run"]] = GridRun(tuple(trial["overrides"]), f"trial {trial['trial']}: {label}", config, store.run_dir(config))
+    return list(runs.values())
+
+
 def _without_lengths(cfg: DictConfig) -> dict[str, Any]:
     """A run's identity less the task's lengths: what a variable-length run shares with the grid."""
     config = store.identity(cfg)
@@ -115,15 +172,21 @@ def compose_grid(
     """The master config and grid (empty unless `expand_grid`) of `python -m copytask sweep
     <overrides>`, or with `multirun=False` the config of `python -m copytask train <overrides>` and
     its one run, composed without running anything and without writing Hydra output folders;
-    `check` is called on every job's config as it is composed. Raises ConfigError (one line) for
-    what Hydra cannot compose: an unknown key, a group option that does not exist, an override it
-    cannot parse."""
+    `check` is called on every job's config as it is composed. For a sweeper that proposes its jobs
+    (Optuna) there is no grid before it runs: the runs are the trials recorded in runs_dir
+    (`search_trials`), and `check` sees what can be checked up front (`check_search`). Raises
+    ConfigError (one line) for what Hydra cannot compose: an unknown key, a group option that does
+    not exist, an override it cannot parse."""
     with own_global_hydra():
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="copytask"):
             with hydra_errors(dotted_keys(compose([], multirun=True))):
                 if multirun:
                     master = compose(overrides, multirun=True)
-                    return master, expand(master, check) if expand_grid else []
+                    if not proposes_jobs(master.hydra):
+                        return master, expand(master, check) if expand_grid else []
+                    if check is not None:
+                        check_search(master, check)
+                    return master, trial_runs(master, search_trials(master)) if expand_grid else []
                 config = compose(overrides, multirun=False)
                 job = config.copy()
                 with open_dict(job):
@@ -137,23 +200,24 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
     """Compose and validate every job of `sweep <overrides>` (or the one run of `train
     <overrides>`) before anything runs. -> the grid; ConfigError, naming the bad value and the
     grid entry it came from, for the first job that cannot run."""
-    check = validate
+    check, searching = validate, False
     if multirun:  # jobs that run on other machines (SLURM) check the device there; submitting needs SLURM here
         master, _ = compose_grid(overrides, expand_grid=False)
         launcher = master.hydra.launcher.get("_target_")
         check_launcher(launcher, master.hydra.runtime.choices.get("hydra/launcher"))
         check = remote_job_check if remote_launcher(launcher) else validate
-    try:
-        master, grid = compose_grid(overrides, multirun=multirun, check=check)  # stops at the first bad job
+        searching = proposes_jobs(master.hydra)
+    try:  # stops at the first bad job; a search has no jobs yet, only what its trials share
+        master, grid = compose_grid(overrides, expand_grid=not searching, multirun=multirun, check=check)
     except ConfigError as error:
         if not multirun:
             raise
-        entries = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()] + list(overrides)
+        entries = [f"{key}={value}" for key, value in (master.hydra.sweeper.get("params") or {}).items()] + list(overrides)
         key = str(error).split()[0]
         given = [entry for entry in entries if entry.lstrip("+~").split("=", 1)[0] == key]
         raise ConfigError(f"{error} (in the grid: {given[-1]})" if given else str(error)) from None
     swept = {override.split("=", 1)[0] for run in grid for override in run.label.split()}
-    if multirun and master.report.x != "task.length" and master.report.x not in swept:
+    if multirun and not searching and master.report.x != "task.length" and master.report.x not in swept:
         choices = ", ".join(["task.length", *sorted(swept - {"attention", "seed", "task.length"})])
         raise ConfigError(f"report.x must be task.length or a numeric key this sweep varies ({choices}), got {master.report.x!r}")
     return grid
@@ -202,6 +266,11 @@ class Selection:
     runs: list[GridRun]
     overrides: list[str]  # the sweep overrides that make `runs` (empty for every run in a folder)
     source: str  # one line for the user: which grid this is
+    trials: list[dict] | None = None  # a search's trials (`search_trials`), in trial order; None for a grid
+
+    @property
+    def is_search(self) -> bool:
+        return self.trials is not None
 
 
 def select_runs(overrides: list[str], every_run: bool = False, every_run_unless_recorded: bool = False) -> Selection:
@@ -221,9 +290,20 @@ def select_runs(overrides: list[str], every_run: bool = False, every_run_unless_
         if (recorded := recorded_overrides(Path(master.runs_dir))) is not None:
             master, grid = compose_grid([*recorded, *overrides])
             command = shlex.join(["python", "-m", "copytask", "sweep", *recorded])
-            return Selection(master, grid, [*recorded, *overrides], f"the grid of the last sweep in {master.runs_dir}: {command}")
+            return selection(master, grid, [*recorded, *overrides], command, recorded_in=master.runs_dir)
     master, grid = compose_grid(overrides)
-    return Selection(master, grid, overrides, f"the grid of: {sweep_command(master)}")
+    return selection(master, grid, overrides, sweep_command(master))
+
+
+def selection(master: DictConfig, runs: list[GridRun], overrides: list[str], command: str, recorded_in: str | None = None) -> Selection:
+    """The Selection of the grid, or of the search's trials, that `command` sweeps, with its line
+    for the user (which says so when the sweep was the last one recorded in a runs_dir)."""
+    if not proposes_jobs(master.hydra):
+        of = f" the last sweep in {recorded_in}: {command}" if recorded_in is not None else f": {command}"
+        return Selection(master, runs, overrides, f"the grid of{of}")
+    trials = search_trials(master)
+    of = f"the last search in {recorded_in}: {command}" if recorded_in is not None else f"the search: {command}"
+    return Selection(master, runs, overrides, f"the {len(trials)} trials ({len(runs)} runs) of {of}", trials)
 
 
 def _recorded(overrides: list[str]) -> list[str] | None:

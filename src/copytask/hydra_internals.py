@@ -6,6 +6,10 @@
   hydra node included (the Compose API leaves the sweeper's params and the run mode out);
 - `sweep_jobs(master)`: the jobs Hydra's basic sweeper launches for a multirun config, each as its
   overrides and its composed config (a search space it cannot expand is a ConfigError);
+- `compose_job(master, overrides)`: one job's config, as the sweeper's launcher composes it;
+- `proposes_jobs(master.hydra)`, `search_space(master)` and `search_samples(master)`: whether the
+  sweeper chooses its jobs as it goes (Optuna), and for such a sweeper its search space as
+  overrides, and a value of each searched key (one the Optuna sweeper cannot take is a ConfigError);
 - `own_global_hydra()`: a block with no GlobalHydra, after which the caller's is back as it was.
 
 All need an initialised GlobalHydra (inside a Hydra app, or `initialize_config_dir`).
@@ -22,6 +26,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -49,14 +54,69 @@ def compose(overrides: list[str], multirun: bool, config_name: str = "config") -
     return hydra.compose_config(config_name, overrides, run_mode=RunMode.RUN)
 
 
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+
+
+def sweep_overrides(master: DictConfig) -> list[Override]:
+    """The sweeper's params, then the command line's overrides, parsed (OverrideParseException for
+    one Hydra's grammar cannot read)."""
+    params = [f"{key}={value}" for key, value in (master.hydra.sweeper.get("params") or {}).items()]
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    return parser.parse_overrides(params + list(master.hydra.overrides.task))
+
+
+def proposes_jobs(hydra: DictConfig) -> bool:
+    """Whether the sweeper of a config's `hydra` node chooses its jobs as it goes (Optuna, Nevergrad,
+    Ax: each trial from the results so far) rather than expanding a grid before the first job, as the
+    basic one does."""
+    return hydra.sweeper._target_ != BASIC_SWEEPER
+
+
+def search_space(master: DictConfig) -> tuple[list[str], dict[str, Override]]:
+    """For a sweeper that proposes its jobs (`proposes_jobs(master.hydra)`): the overrides every
+    trial has, and the searched keys with their overrides. As the Optuna sweeper reads them: a later
+    override of a key replaces an earlier one, and a fixed value of a key beats a searched one."""
+    fixed, searched = {}, {}
+    for override in sweep_overrides(master):
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            searched[key] = override
+        else:
+            fixed[key] = override.input_line
+    return list(fixed.values()), {key: override for key, override in searched.items() if key not in fixed}
+
+
+def search_samples(master: DictConfig) -> list[str]:
+    """One override per searched key (`search_space`) at a value the sweeper may propose: the first
+    choice, the low end of an interval. ConfigError, naming the override, for one the Optuna sweeper
+    cannot take (a glob, an interval whose ends are reversed), which it would raise mid-sweep."""
+    _, searched = search_space(master)
+    if master.hydra.sweeper._target_ == OPTUNA_SWEEPER:
+        from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides  # optuna: only for its sweeps
+
+        for override in searched.values():
+            try:
+                create_params_from_overrides([override.input_line])
+            except (ValueError, TypeError, AssertionError, NotImplementedError) as error:  # what the plugin would raise in the sweep
+                raise ConfigError(
+                    f"{override.input_line}: the Optuna sweeper searches choice(a,b), range(start,stop,step), "
+                    f"interval(low,high) and tag(log,interval(low,high))" + (f", and says: {error}" if str(error) else "")
+                ) from None
+    return [f"{key}={next(o.sweep_string_iterator()) if o.is_discrete_sweep() else o.value().start}" for key, o in searched.items()]
+
+
+def compose_job(master: DictConfig, overrides: list[str]) -> DictConfig:
+    """The config, hydra node included, of the job that `master`'s sweeper launches with `overrides`."""
+    return GlobalHydra.instance().config_loader().load_sweep_config(master, list(overrides))
+
+
 def sweep_jobs(master: DictConfig) -> tuple[Iterator[tuple[list[str], DictConfig]], set[str]]:
     """The jobs the basic sweeper launches for `master`, in launch order, each as (overrides, config
     with its hydra node), composed one by one as the iterator is read, and the keys swept over more
     than one value. The sweeper's params come first, then the command line's overrides, which
     replace a swept key's list."""
-    loader = GlobalHydra.instance().config_loader()
-    params = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()]
-    parsed = OverridesParser.create(config_loader=loader).parse_overrides(params + list(master.hydra.overrides.task))
+    parsed = sweep_overrides(master)
     for override in parsed:
         if override.is_sweep_override() and not override.is_discrete_sweep():  # the basic sweeper would raise with a traceback
             raise ConfigError(
@@ -65,7 +125,7 @@ def sweep_jobs(master: DictConfig) -> tuple[Iterator[tuple[list[str], DictConfig
             )
     [batches] = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     swept = {override.get_key_element() for override in parsed if override.is_sweep_override()}
-    return ((list(overrides), loader.load_sweep_config(master, list(overrides))) for overrides in batches), swept
+    return ((list(overrides), compose_job(master, list(overrides))) for overrides in batches), swept
 
 
 @contextmanager

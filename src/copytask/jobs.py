@@ -3,7 +3,10 @@ a command line is handed to it (`run_hydra`), and the end of a sweep (`SweepSumm
 callback that analyses the grid's runs and writes results.csv and the report).
 
 A sweep is a Hydra multirun, so every launcher works (basic, joblib, submitit). Its grid is
-`grid.compose_grid`'s, checked whole (`grid.check_grid`) before the first job starts.
+`grid.compose_grid`'s, checked whole (`grid.check_grid`) before the first job starts. A sweeper
+that proposes its jobs as it goes (Optuna: `hparams_search=baseline`) has no grid: each trial is
+validated in its job, returns its objective and writes a trial record, and the summary reads the
+records (`grid.search_trials`) for the trials' runs.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from omegaconf import DictConfig, open_dict
 
 from . import loggers, store
 from .config import ConfigError, config_dir
+from .grid import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun, expand, search_trials, sweep_command, trial_runs
+from .hydra_internals import override_args, own_global_hydra, proposes_jobs
 from .validation import analysis_device
-from .grid import SWEEP_RECORD, GridRun, expand, sweep_command
-from .hydra_internals import override_args, own_global_hydra
 
 
 class SweepFailed(SystemExit):
@@ -41,31 +44,49 @@ class SweepFailed(SystemExit):
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
-def hydra_job(cfg: DictConfig) -> None:
-    """One job: train the run, print its line. Alone (`train`), a refusal exits 2 and a diverged
-    run 1; in a sweep a failure is recorded in the run folder and the sweep goes on."""
+def hydra_job(cfg: DictConfig) -> float | None:
+    """One job: train the run, print its line, and return its objective (metrics.json's OBJECTIVE,
+    held-out greedy token accuracy), also when the run was complete and is skipped: an optimising
+    sweeper (hydra/sweeper=optuna) maximises it, the basic sweeper ignores it. Alone (`train`), a
+    refusal exits 2 and a diverged run 1; in a sweep a failure is recorded in the run folder, the
+    job returns None and the sweep goes on. (None, not NaN: Optuna's sweeper records a trial that
+    returns no number as failed and goes on, but one that returns NaN makes optuna 2.10's
+    `Study.tell` raise, which ends the search with a traceback.) A trial of a search also writes
+    its TRIAL_RECORD, which is how the search's summary, compare and report find its runs."""
+    hydra = HydraConfig.get()
+    objective = run_job(cfg, multirun=hydra.mode == RunMode.MULTIRUN)
+    if hydra.mode == RunMode.MULTIRUN and proposes_jobs(hydra):
+        trial = {"trial": hydra.job.num, "run": store.run_dir(cfg).name, "overrides": list(hydra.overrides.task), "objective": objective}
+        store.write_json(Path(hydra.runtime.output_dir) / TRIAL_RECORD, trial)
+    return objective
+
+
+def run_job(cfg: DictConfig, multirun: bool) -> float | None:
+    """`hydra_job`'s training: its objective, None for a job of a sweep that failed or that
+    another process is training."""
     from .training import NonFiniteLoss, RunInProgress, summary_line, train  # torch and the model: only when something is trained
 
     folder = store.run_dir(cfg)
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
+    if multirun:
         with open_dict(cfg):
             cfg.train.progress = False  # the sweep has one bar for all its runs (SweepProgress)
     skipped = store.is_complete(folder) and not cfg.retrain
     try:
-        metrics = train(cfg)
+        metrics = train(cfg)  # validates first: a trial a search proposes that cannot run fails here, before training
     except RunInProgress as busy:
         store.warn(f"{busy}; skipped")
-        return
+        return None
     except Exception as error:
-        if HydraConfig.get().mode == RunMode.MULTIRUN:  # recorded for the sweep summary, not swallowed
+        if multirun:  # recorded for the sweep summary, not swallowed
             store.write_json(folder / store.FAILED, {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})
             print(f"copytask: job failed: {folder.name}: {error}", file=sys.stderr)
-            return
+            return None
         if not isinstance(error, (ConfigError, NonFiniteLoss)):
             raise
         print(f"copytask: error: {error}", file=sys.stderr)
         sys.exit(2 if isinstance(error, ConfigError) else 1)
     print(f"{folder.name}: already complete, skipped (retrain=true trains it again)" if skipped else summary_line(metrics, folder))
+    return metrics[OBJECTIVE]
 
 
 def run_hydra(args: list[str], multirun: bool = False) -> None:
@@ -122,14 +143,20 @@ class SweepProgress:
     folders, so it works the same under every launcher, in-process or not."""
 
     def __init__(self, runs: list[GridRun], enabled: bool, interval: float = 2.0) -> None:
-        from tqdm.auto import tqdm
-
         self.runs, self.started_at = runs, time.time()
         self.costs = [expected_cost(run) for run in runs]
+        self.start(sum(self.costs), enabled, interval)
+
+    def start(self, total: float | None, enabled: bool, interval: float) -> None:
+        """Draw the bar at what is finished now and start the thread that moves it."""
+        from tqdm.auto import tqdm
+
         done, cost = self.finished()
+        clock = "[{elapsed}<{remaining}]" if total is not None else "[{elapsed}]"  # no total (a sweeper that does not say): no ETA
         # smoothing=0: the rate since the start, not tqdm's moving average, which a few large steps (one per run) throw about
-        self.bar = tqdm(total=sum(self.costs), initial=cost, desc=self.runs_done(done), disable=not enabled, dynamic_ncols=True,
-                        mininterval=interval, smoothing=0, bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]")
+        self.bar = tqdm(total=total, initial=cost, desc=self.runs_done(done), disable=not enabled, dynamic_ncols=True,
+                        mininterval=interval, smoothing=0,
+                        bar_format=("{desc}: {percentage:3.0f}%|{bar}| " if total is not None else "{desc} ") + clock)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.poll, args=(interval,), daemon=True)
         self.thread.start()
@@ -173,6 +200,28 @@ class SweepProgress:
         self.bar.close()
 
 
+class TrialProgress(SweepProgress):
+    """A search's bar: the trials finished of the sweeper's `n_trials`, from the trial records its
+    jobs write into `sweep_dir` (a trial the sweeper has not proposed yet has no folder to look at,
+    and no known cost: each trial counts one)."""
+
+    def __init__(self, sweep_dir: Path, trials: int | None, enabled: bool, interval: float = 2.0) -> None:
+        self.sweep_dir, self.trials, self.started_at = sweep_dir, trials, time.time()
+        self.start(trials, enabled, interval)
+
+    def runs_done(self, done: int) -> str:
+        return f"search ({done}/{self.trials} trials)" if self.trials is not None else f"search ({done} trials)"
+
+    def finished(self) -> tuple[int, float]:
+        done = 0
+        for path in self.sweep_dir.glob(f"*/{TRIAL_RECORD}"):
+            try:
+                done += path.stat().st_mtime >= self.started_at  # a record of an earlier sweep is not this one's
+            except OSError:  # replaced as we looked
+                continue
+        return done, done
+
+
 class SweepSummary(Callback):
     """At the end of a sweep: name the failed jobs, analyse the grid's complete runs (the report
     reads analysis.json, it never evaluates a model), write results.csv and the report (and give
@@ -182,10 +231,14 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.perf_counter()
         self.started_at = time.time()
-        # Recorded now, so that `compare` and `report` find this grid even while it runs or if it is cut off.
-        store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | {"started": time.strftime("%Y-%m-%d %H:%M:%S")})
+        # Recorded now, so that `compare` and `report` find this grid (or this search's trials so far) even while it runs or if it is cut off.
+        self.begun = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "started_at": self.started_at}
+        store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | self.begun)
         loggers.prepare(config)
-        self.progress = SweepProgress(expand(config), enabled=config.train.progress)
+        if proposes_jobs(config.hydra):
+            self.progress = TrialProgress(Path(config.hydra.sweep.dir), config.hydra.sweeper.get("n_trials"), enabled=config.train.progress)
+        else:
+            self.progress = SweepProgress(expand(config), enabled=config.train.progress)
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that run jobs in other processes (joblib, submitit) pickle the callbacks with
@@ -194,7 +247,10 @@ class SweepSummary(Callback):
 
     @staticmethod
     def record(config: DictConfig) -> dict[str, Any]:
-        return {"command": sweep_command(config), "overrides": list(config.hydra.overrides.task)}
+        record = {"command": sweep_command(config), "overrides": list(config.hydra.overrides.task)}
+        if proposes_jobs(config.hydra):  # `search_trials` reads the trial records since `started_at`, then `trials`
+            record["search"] = {"sweeper": config.hydra.runtime.choices.get("hydra/sweeper"), "n_trials": config.hydra.sweeper.get("n_trials")}
+        return record
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         # Hydra turns a callback's exception into a warning and exits 0: a sweep whose end fails must not look fine.
@@ -208,11 +264,12 @@ class SweepSummary(Callback):
             raise SystemExit(1) from error
 
     def summarise(self, config: DictConfig) -> None:
-        from . import analysis, devices, reporting, tables  # pandas, matplotlib, the model: only once the jobs are done
+        from . import analysis, devices, reporting, search, tables  # pandas, matplotlib, the model: only once the jobs are done
 
         self.progress.close()
 
-        runs = expand(config)
+        trials = search_trials(config) if proposes_jobs(config.hydra) else None
+        runs = expand(config) if trials is None else trial_runs(config, trials)
         runs_dir = Path(config.runs_dir)
         statuses = [run.status() for run in runs]
         # Runs another process is training are neither failures of this sweep nor results yet.
@@ -244,6 +301,7 @@ class SweepSummary(Callback):
         store.write_json(
             runs_dir / SWEEP_RECORD,
             self.record(config)
+            | self.begun
             | {
                 "jobs": len(runs),
                 "trained": trained,
@@ -257,21 +315,27 @@ class SweepSummary(Callback):
                 "cpus": os.cpu_count(),
                 "gpu": gpu_name(),
                 "python": platform.python_version(),
-            },
+            }
+            | ({"trials": trials} if trials is not None else {}),
         )
         loaded = tables.load(runs)
         if not loaded.table.empty:
             tables.save(loaded, runs_dir)
-            try:
-                reporting.x_column(config.report.x, loaded)
-                x = config.report.x
-            except ConfigError as error:
-                store.warn(f"{error}; the report puts task.length on the x axis")
-                x = "task.length"
             report_started = time.perf_counter()
-            written = reporting.write_report(runs, loaded, runs_dir, x)
+            if trials is not None:
+                written = search.write_report(trials, loaded, runs_dir)
+            else:
+                try:
+                    reporting.x_column(config.report.x, loaded)
+                    x = config.report.x
+                except ConfigError as error:
+                    store.warn(f"{error}; the report puts task.length on the x axis")
+                    x = "task.length"
+                written = reporting.write_report(runs, loaded, runs_dir, x)
             print(reporting.written_line(written, time.perf_counter() - report_started))
             loggers.log_report(config, written)
+        if trials is not None:
+            print(f"search: {search.best_line(search.trial_table(trials, loaded), loaded.settings)}")
         print(
             f"sweep: {len(runs) - len(unfinished) - len(elsewhere)}/{len(runs)} runs complete ({trained} trained now), "
             f"{len(unfinished)} failed" + (f", {len(elsewhere)} being trained by another process" if elsewhere else "")

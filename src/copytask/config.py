@@ -26,6 +26,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
+from . import model_config
 from .vocab import total_vocab
 
 
@@ -34,7 +35,7 @@ class ConfigError(ValueError):
 
 
 TASKS = ("copy", "reverse")
-DECODERS = ("plain", "bahdanau", "luong")
+DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
 SCORES = ("additive", "dot", "scaled_dot", "general", "multihead")  # how a decoder state scores an encoder state
 MULTI_HEAD_SCORES = ("dot", "scaled_dot", "general", "multihead")  # a dot product splits into per-head ones; additive does not
 LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
@@ -64,10 +65,18 @@ class TaskConfig:
 
 
 @dataclass
-class ModelConfig:
-    embedding_size: int = MISSING
-    hidden_size: int = MISSING
-    bidirectional: bool = MISSING
+class ModelConfig:  # each model=... option sets its own keys (model_config.MODEL_KEYS) and leaves the other's null
+    name: str = MISSING
+    embedding_size: Optional[int] = None
+    hidden_size: Optional[int] = None
+    bidirectional: Optional[bool] = None
+    layers: Optional[int] = None
+    heads: Optional[int] = None
+    d_model: Optional[int] = None
+    ff_size: Optional[int] = None
+    positions: Optional[str] = None
+    max_length: Optional[int] = None
+    dropout: Optional[float] = None
 
 
 @dataclass
@@ -105,6 +114,7 @@ class TrainConfig:
 class AnalysisConfig:
     eval_size: Optional[int] = MISSING
     threads: Optional[int] = MISSING
+    lengths: Optional[list[int]] = None
 
 
 @dataclass
@@ -144,6 +154,7 @@ MINIMUM = {
     "attention.heads": 1, "attention.window": 1, "train.steps": 1, "train.batch_size": 1,
     "train.eval_every": 1, "train.eval_size": 1, "train.eval_seed": 0, "train.patience": 1,
     "train.threads": 1, "train.attention_samples": 0, "analysis.eval_size": 1, "analysis.threads": 1,
+    **model_config.MINIMUM,
 }
 # The largest value of an integer key where there is one: torch's generators take 64-bit seeds,
 # and OpenMP would start every thread asked for.
@@ -169,6 +180,11 @@ def validate(cfg: DictConfig) -> None:
     if task.variable_length and task.min_length > task.length:
         raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")
     check_heldout(task.length, task.vocab_size, train.eval_size, task.min_length if task.variable_length else None)
+    try:
+        model_config.check_model(cfg, default_attention())
+        model_config.check_lengths(cfg.analysis.get("lengths"))
+    except model_config.Refused as refused:
+        raise ConfigError(str(refused)) from None
     if attention.decoder not in DECODERS:
         raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
     if model.bidirectional and model.hidden_size % 2:
@@ -194,7 +210,7 @@ def validate(cfg: DictConfig) -> None:
             )
         if attention.window is None:
             raise ConfigError(f"attention.window must be an integer >= 1 with attention.local={attention.local}, got null")
-    if model.hidden_size % attention.heads:
+    if not model_config.is_transformer(cfg) and model.hidden_size % attention.heads:
         raise ConfigError(f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})")
     if not 0 < train.lr < math.inf:  # also refuses nan
         raise ConfigError(f"train.lr must be a positive finite number, got {train.lr!r}")
@@ -279,6 +295,8 @@ def check_heldout(length: int, vocab_size: int, eval_size: int, min_length: int 
 def parameter_count(cfg: DictConfig) -> int:
     """The trainable parameters of the model `train.build_model` builds from `cfg`, counted without
     torch (tests check it against `model.count_parameters`)."""
+    if model_config.is_transformer(cfg):
+        return model_config.transformer_parameter_count(cfg)
     vocab, embedding, hidden = total_vocab(cfg.task.vocab_size), cfg.model.embedding_size, cfg.model.hidden_size
     attention = cfg.attention
 
@@ -300,6 +318,8 @@ def parameter_count(cfg: DictConfig) -> int:
         return count + gru(embedding, hidden) + hidden * vocab + vocab
     if attention.decoder == "bahdanau":
         return count + gru(embedding + hidden, hidden) + 2 * hidden * vocab + vocab  # context into the cell; readout from [s_t; c_t]
+    if attention.decoder == "rnnencdec":  # summary into the GRU input; tanh(V c) the initial state; readout from [s_t; y_{t-1}; c]
+        return count + gru(embedding + hidden, hidden) + hidden * hidden + hidden + (2 * hidden + embedding) * vocab + vocab
     return count + gru(embedding, hidden) + 2 * hidden * hidden + hidden + hidden * vocab + vocab  # Luong: W_c, then the readout
 
 
@@ -314,9 +334,11 @@ def memory_estimate(cfg: DictConfig) -> dict[str, int]:
     their gradients and Adam's two moments, a training step's activations and what autograd saves
     of them (B = train.batch_size, T_enc = task.length, T_dec = T_enc + 1), and the held-out set
     with the attention weights of its evaluation."""
+    if model_config.is_transformer(cfg):
+        return model_config.transformer_memory(cfg)
     task, train, model, attention = cfg.task, cfg.train, cfg.model, cfg.attention
     batch, t_enc, t_dec, heldout = train.batch_size, task.length, task.length + 1, train.eval_size
-    attends = attention.decoder != "plain"
+    attends = attention.score is not None
     # scores, masked scores, weights and a gradient per head; local attention adds its distances, window and Gaussian
     weight_floats = 4 * attention.get("heads", 1) + (3 if attention.get("local") else 0)
     return {
@@ -429,6 +451,11 @@ def remote_job_check(cfg: DictConfig) -> None:
     validate(OmegaConf.merge(cfg, {"train": {"device": "cpu"}}))
 
 
+def default_attention() -> DictConfig:
+    """The attention group's default option as the schema composes it (what model=transformer leaves alone)."""
+    return OmegaConf.merge(OmegaConf.structured(AttentionConfig), model_config.default_attention(config_dir()))
+
+
 def config_dir() -> str:
     """configs/ inside the package (wheel install) or at the top of the checkout (editable install)."""
     packaged = Path(__file__).resolve().parent / "configs"
@@ -504,7 +531,7 @@ def unknown_key(key: str, known_keys: list[str]) -> str:
 
 # `key: value  # comment` in the simple YAML of configs/ (two-space indents)
 YAML_LINE = re.compile(r"^(?P<indent> *)(?P<key>[\w.]+):(?P<value>[^#]*?)\s*(?:#\s*(?P<comment>.*))?$")
-GROUPS = ("task", "attention", "train", "logger", "experiment", "hydra/launcher")
+GROUPS = ("task", "model", "attention", "train", "logger", "architecture", "experiment", "hydra/launcher")
 
 
 def yaml_comments(path: Path, prefix: str = "") -> dict[str, str]:
@@ -551,7 +578,7 @@ def config_help(command: str, cfg: DictConfig, choices: dict[str, str]) -> str:
         mark = "*" if choices.get(group) == path.stem else " "
         lines.append(f"  {mark} {f'{group}={path.stem}':<{width}}  {option_summary(path)}")
     comments = yaml_comments(root / "config.yaml")
-    for group in ("task", "attention", "train", "logger"):
+    for group in ("task", "model", "attention", "train", "logger"):
         comments |= yaml_comments(root / group / f"{choices[group]}.yaml", prefix=f"{group}.")
     lines += ["", "keys (key=default: what it means):"]
     for key in dotted_keys(cfg):

@@ -11,7 +11,8 @@ import copytask
 PACKAGE = Path(copytask.__file__).parent
 # Lowest first. A module may import only modules before it.
 LAYERS = [
-    "vocab", "config", "store", "hydra_internals", "devices", "data", "kernels", "attention", "model", "reference",
+    "vocab", "model_config", "config", "store", "hydra_internals", "devices", "data", "kernels", "attention", "model",
+    "transformer", "reference",
     "evaluation", "figures", "loggers", "training", "analysis", "analysis_figures", "grid", "tables",
     "result_figures", "reporting", "jobs", "decoding", "bench", "api", "cli", "__main__",
 ]  # fmt: skip

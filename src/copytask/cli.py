@@ -17,6 +17,7 @@ from pathlib import Path
 from . import api, store
 from .config import DETERMINISTIC_CUBLAS, ConfigError, config_help
 from .grid import Selection, check_grid, compose_grid, folder_runs, nothing_done, select_runs
+from .model_config import Refused, check_lengths
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
 
@@ -147,7 +148,8 @@ def analyze(overrides: list[str]) -> int:
     """`python -m copytask analyze [overrides]`: analyse every complete run in runs_dir, print the summary."""
     try:
         master, _ = compose_grid(overrides, expand_grid=False)  # read-only: no Hydra output
-    except ConfigError as error:
+        check_lengths(master.analysis.lengths)
+    except (ConfigError, Refused) as error:
         return refuse(error)
     runs_dir = Path(master.runs_dir)
     if not runs_dir.is_dir():
@@ -157,7 +159,8 @@ def analyze(overrides: list[str]) -> int:
 
     folders = store.complete_runs(runs_dir)
     try:
-        analyze(folders, eval_size=master.analysis.eval_size, threads=master.analysis.threads, progress=master.train.progress,
+        lengths = list(master.analysis.lengths) if master.analysis.lengths else None  # null: the trained lengths
+        analyze(folders, lengths, eval_size=master.analysis.eval_size, threads=master.analysis.threads, progress=master.train.progress,
                 device=master.train.device)
     except ConfigError as error:  # a device this machine does not have
         return refuse(error)

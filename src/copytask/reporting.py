@@ -16,13 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from . import analysis, store, tables
 from .analysis_figures import plot_counterfactual, plot_head_weights, plot_length_generalisation
 from .config import ConfigError
 from .figures import plot_attention
 from .grid import SWEEP_RECORD, GridRun, variable_length_runs
+from .model_config import is_transformer
 from .result_figures import (
     LONGEST_FIGURE,
     SETTING_GRID_FIGURE,
@@ -130,9 +131,12 @@ def setup_section(loaded: tables.Loaded, runs_dir: Path) -> list[str]:
     table = loaded.table
     configs = [loaded.runs[run].config for run in table["run"]]
 
-    def values(key: str, show=tables.setting_value) -> str:
-        """`64`, or `16, 32, 64 (per setting)` where the runs differ."""
-        found = sorted({OmegaConf.select(cfg, key) for cfg in configs}, key=lambda value: (value is None, str(type(value)), value))
+    gru = [cfg for cfg in configs if not is_transformer(cfg)]
+    transformers = [cfg for cfg in configs if is_transformer(cfg)]
+
+    def values(key: str, show=tables.setting_value, among: list[DictConfig] = configs) -> str:
+        """`64`, or `16, 32, 64 (per setting)` where the runs (`among` them) differ."""
+        found = sorted({OmegaConf.select(cfg, key) for cfg in among}, key=lambda value: (value is None, str(type(value)), value))
         return show(found[0]) if len(found) == 1 else f"{', '.join(map(show, found))} (per setting)"
 
     attentions = ", ".join(dict.fromkeys(table["attention"]))
@@ -147,15 +151,25 @@ def setup_section(loaded: tables.Loaded, runs_dir: Path) -> list[str]:
         else f"stops early once held-out token accuracy is >= {values('train.target_acc', lambda v: f'{v:.0%}')} "
         f"at {values('train.patience')} evaluations in a row"
     )  # fmt: skip
-    encoder = values("model.bidirectional", lambda bidirectional: "bidirectional" if bidirectional else "unidirectional")
+    encoder = values("model.bidirectional", lambda bidirectional: "bidirectional" if bidirectional else "unidirectional", gru)
+    models = [
+        f"- Model: GRU encoder-decoder, hidden size {values('model.hidden_size', among=gru)}, embedding size "
+        f"{values('model.embedding_size', among=gru)}, {encoder} encoder."
+    ] if gru else []  # fmt: skip
+    if transformers:
+        models.append(
+            f"- Transformer: torch's nn.Transformer, {values('model.layers', among=transformers)} layers each side, "
+            f"{values('model.heads', among=transformers)} heads, d_model {values('model.d_model', among=transformers)}, "
+            f"feed-forward {values('model.ff_size', among=transformers)}, {values('model.positions', among=transformers)} positions, "
+            f"dropout {values('model.dropout', among=transformers)}."
+        )
     lines = [
         "## Setup",
         "",
         f"- Task: `{values('task.name')}`, {values('task.vocab_size')} content symbols (chance token accuracy {chance}), "
         f"lengths {lengths}.",
         f"- Attention types: {attentions}; seeds: {seeds}. Swept: {swept or 'nothing'}.",
-        f"- Model: GRU encoder-decoder, hidden size {values('model.hidden_size')}, embedding size {values('model.embedding_size')}, "
-        f"{encoder} encoder.",
+        *models,
         f"- Training: budget {values('train.steps')} steps of batch {values('train.batch_size')}, Adam, {values('train.schedule')} "
         f"schedule peaking at lr {values('train.lr')}, gradient clipping {values('train.clip')}; {early_stop}. "
         "Each attention type gets the same.",

@@ -114,22 +114,29 @@ def attention_label(name: str, heads: int = 1) -> str:
     return name if heads == 1 else f"{name}-{heads}heads"
 
 
-def model_label(cfg: DictConfig) -> str:
-    """How tables, figures and files name a run's model: `attention_label` for a GRU model,
-    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer."""
+def architecture(cfg: DictConfig) -> str:
+    """What a run's model is, in a word: a GRU model's attention type (`attention.name`), or
+    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer. Run names
+    start with it; metrics.json records it as `attention`."""
     if _model(cfg) == "transformer":
         return "transformer" if cfg.model.positions == "sinusoidal" else f"transformer_{cfg.model.positions}"
+    return cfg.attention.name
+
+
+def model_label(cfg: DictConfig) -> str:
+    """How tables, figures and files name a run's model: `architecture`, with a GRU model's head
+    count where it has several (`attention_label`)."""
+    if _model(cfg) == "transformer":
+        return architecture(cfg)
     return attention_label(cfg.attention.name, cfg.attention.get("heads", 1))
 
 
 def run_name(cfg: DictConfig) -> str:
-    """Readable and unique: `<model>-<task><length>-seed<seed>-<hash of the identity>`, <model> the
-    attention type of a GRU model (its heads aside), else `model_label`'s."""
+    """Readable and unique: `<architecture>-<task><length>-seed<seed>-<hash of the identity>`."""
     digest = hashlib.sha1(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:8]
     task = cfg.task
     lengths = f"{task.min_length}-{task.length}" if task.variable_length else f"{task.length}"
-    prefix = cfg.attention.name if _model(cfg) == "gru" else model_label(cfg)
-    return f"{prefix}-{task.name}{lengths}-seed{cfg.seed}-{digest}"
+    return f"{architecture(cfg)}-{task.name}{lengths}-seed{cfg.seed}-{digest}"
 
 
 def run_dir(cfg: DictConfig) -> Path:

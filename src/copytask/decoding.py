@@ -212,7 +212,7 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
     trained = f"{cfg.task.min_length}-{cfg.task.length}" if cfg.task.get("variable_length") else cfg.task.length
     print(f"{decoded.run}: {label}, task {task}, trained at length {trained}")
     if weights is None:
-        print("no attention (attention=none): no heatmap")
+        print(f"no attention (attention={cfg.attention.name}): no heatmap")
     else:
         which = f"one map per head ({heads} heads)" if heads > 1 else "the model's attention"
         print(f"attention: {which}; rows output steps, columns source positions; shade = weight "

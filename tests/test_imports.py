@@ -14,7 +14,7 @@ LAYERS = [
     "vocab", "model_config", "config", "store", "hydra_internals", "devices", "data", "kernels", "attention", "model",
     "transformer", "reference",
     "evaluation", "figures", "loggers", "training", "analysis", "analysis_figures", "grid", "tables",
-    "result_figures", "reporting", "jobs", "decoding", "bench", "api", "cli", "__main__",
+    "result_figures", "report_setup", "reporting", "jobs", "decoding", "bench", "api", "cli", "__main__",
 ]  # fmt: skip
 
 

@@ -166,7 +166,7 @@ def test_a_learned_table_covers_max_length_and_no_more(make_config):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model=transformer", "attention=bahdanau"], "attention=bahdanau is model=gru's decoder"),
+        (["model=transformer", "attention=bahdanau"], "attention=bahdanau (and every attention.* key) is model=gru's decoder"),
         (["model=transformer", "attention.size=3"], "the attention group must stay at its default"),
         (["model=transformer", "model.heads=3"], "must be divisible by model.heads"),
         (["model=transformer", "model.positions=rotary"], "model.positions must be one of sinusoidal, learned"),
@@ -244,3 +244,22 @@ def parameter_count_of(folder) -> int:
 
     return parameter_count(OmegaConf.load(folder / store.CONFIG))
 
+
+
+def test_a_sweep_mixing_gru_and_transformer_models_is_analysed_at_the_lengths_asked(tmp_path):
+    runs_dir = tmp_path / "runs"
+    grid = ["architecture=transformer,rnnencdec,luong_general", "~hydra.sweeper.params.attention", "task.length=3", "seed=0",
+            "analysis.lengths=[3,5]"]
+    small = ["model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=16"]
+    swept = run_cli("sweep", *TINY, *small, *grid, f"runs_dir={runs_dir}")
+    assert swept.returncode == 0, swept.stderr
+    names = sorted(folder.name.split("-")[0] for folder in store.complete_runs(runs_dir))
+    assert names == ["luong_general", "rnnencdec", "transformer"]
+    for folder in store.complete_runs(runs_dir):
+        tested = [row["test_length"] for row in store.read_json(folder / store.ANALYSIS)["length_generalisation"]]
+        assert tested == [3, 5]
+    compared = run_cli("compare", *TINY, *small, *grid, f"runs_dir={runs_dir}")
+    assert compared.returncode == 0, compared.stderr
+    assert "transformer" in compared.stdout and "rnnencdec" in compared.stdout
+    assert (runs_dir / "report" / "extrapolation.png").is_file()
+    assert "Transformer: torch's nn.Transformer, 1 layers each side" in (runs_dir / "report" / "report.md").read_text()

@@ -63,8 +63,10 @@ def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
         return
     if cfg.attention != default_attention:
         raise Refused(
-            f"attention={cfg.attention.name} is model=gru's decoder; model=transformer has its own attention "
-            f"(model.heads), so the attention group must stay at its default ({default_attention.name})"
+            f"attention={cfg.attention.name} (and every attention.* key) is model=gru's decoder; model=transformer has its "
+            f"own attention (model.heads), so the attention group must stay at its default ({default_attention.name}); "
+            "a sweep over architecture=... that is not a preset's drops the default grid's attention list with "
+            "'~hydra.sweeper.params.attention'"
         )
     if model.heads > MAX_HEADS:
         raise Refused(f"model.heads must be at most {MAX_HEADS}, got {model.heads}")

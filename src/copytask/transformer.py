@@ -15,9 +15,10 @@ attention maps, and a counterfactual (`intervention`) replaces the weights of ev
 cross-attention is the decoder's only way to the source.
 tests/test_transformer.py checks `_decoder_layer` against torch's own forward.
 
-Greedy decoding caches each decoder layer's inputs at the positions decoded so far: a step runs
-only the new position through every layer, its self-attention reading the cache (the causal mask
-makes earlier positions' outputs independent of later ones, so nothing before is recomputed).
+Greedy decoding caches each decoder layer's self-attention keys and values at the positions decoded
+so far: a step runs only the new position through every layer (the causal mask makes earlier
+positions' outputs independent of later ones, so nothing before is recomputed). docs/bench.md has
+its cost against recomputing the prefix at every step.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import Attention
@@ -122,15 +124,12 @@ class TransformerSeq2Seq(nn.Module):
         return memory, src_mask
 
     def _decoder_layer(
-        self, layer: nn.TransformerDecoderLayer, x: Tensor, inputs: Tensor, memory: Tensor, src_mask: Tensor,
-        self_mask: Tensor | None, tgt_padding: Tensor | None, cross_attention: Attention,
+        self, layer: nn.TransformerDecoderLayer, x: Tensor, attended: Tensor, memory: Tensor, src_mask: Tensor, cross_attention: Attention
     ) -> tuple[Tensor, Tensor]:
-        """nn.TransformerDecoderLayer's forward (post-norm) for the queries `x` (B, T_q, d) at the last
-        T_q of the positions whose layer inputs are `inputs` (B, T_k, d): self-attention over
-        `inputs` under `self_mask` (T_q, T_k; True: masked) and key padding `tgt_padding` (B, T_k),
-        then `cross_attention` (the layer's, as Attention) over `memory`, then the feed-forward
-        block. -> (B, T_q, d), and the cross-attention weights (B, T_q, T_enc), mean over heads."""
-        attended = layer.self_attn(x, inputs, inputs, attn_mask=self_mask, key_padding_mask=tgt_padding, need_weights=False)[0]
+        """nn.TransformerDecoderLayer's forward (post-norm) for the layer inputs `x` (B, T, d), given
+        `attended` (B, T, d), its self-attention's output there: then `cross_attention` (the layer's,
+        as Attention) over `memory`, then the feed-forward block. -> (B, T, d), and the
+        cross-attention weights (B, T, T_enc), mean over heads."""
         x = layer.norm1(x + layer.dropout1(attended))
         context, weights = cross_attention(x, memory, memory, src_mask)
         x = layer.norm2(x + layer.dropout2(context))
@@ -145,27 +144,42 @@ class TransformerSeq2Seq(nn.Module):
         padding = tgt_in == PAD  # (B, T_dec): a suffix, so no row is all masked (BOS comes first)
         x = self._embed(self.tgt_embedding, tgt_in)
         for layer, cross_attention in zip(self.transformer.decoder.layers, self.cross_attentions):
-            x, weights = self._decoder_layer(layer, x, x, memory, src_mask, causal, padding, cross_attention)
+            attended = layer.self_attn(x, x, x, attn_mask=causal, key_padding_mask=padding, need_weights=False)[0]
+            x, weights = self._decoder_layer(layer, x, attended, memory, src_mask, cross_attention)
         x = self.transformer.decoder.norm(x)
         return self.out(x), weights
 
+    @staticmethod
+    def _cached_self_attention(attention: nn.MultiheadAttention, x: Tensor, keys: Tensor, values: Tensor, t: int) -> Tensor:
+        """nn.MultiheadAttention (eval mode) of step t's input `x` (B, 1, d) over steps 0 .. t, whose
+        projected keys and values are in `keys`, `values` (B, heads, steps, d / heads); step t's are
+        written there first. -> (B, 1, d)."""
+        batch, _, d = x.shape
+        heads = attention.num_heads
+        query, key, value = (part.view(batch, heads, 1, d // heads) for part in F.linear(x, attention.in_proj_weight, attention.in_proj_bias).chunk(3, -1))
+        keys[:, :, t : t + 1], values[:, :, t : t + 1] = key, value
+        context = F.scaled_dot_product_attention(query, keys[:, :, : t + 1], values[:, :, : t + 1])  # (B, heads, 1, d / heads)
+        return attention.out_proj(context.reshape(batch, 1, d))
+
     @torch.no_grad()
     def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor]:
-        """Greedy decoding, each step fed its own previous prediction, with each layer's inputs
-        cached: -> tokens (B, steps), weights (B, steps, T_enc)."""
+        """Greedy decoding, each step fed its own previous prediction, with each layer's
+        self-attention keys and values cached: -> tokens (B, steps), weights (B, steps, T_enc)."""
         if self.longest_source is not None and steps - 1 > self.longest_source:
             raise ValueError(f"learned positions cover sources up to {self.longest_source} symbols, not {steps - 1}")
         memory, src_mask = self.encode(src, src_lengths)
         tokens = torch.full((src.size(0), 1), BOS, dtype=torch.long, device=src.device)
         layers = list(zip(self.transformer.decoder.layers, self.cross_attentions))
-        cache: list[Tensor | None] = [None] * len(layers)  # per layer: its inputs (B, t, d) at the steps so far
+        heads = self.cross_attentions[0].heads
+        # per layer: keys and values (B, heads, steps, d / heads), filled one step at a time
+        cache = [memory.new_zeros(2, src.size(0), heads, steps, self.d_model // heads) for _ in layers]
         outputs, weights = [], []
         for t in range(steps):
             x = self._embed(self.tgt_embedding, tokens, start=t)  # (B, 1, d)
-            for i, (layer, cross_attention) in enumerate(layers):
-                cache[i] = x if cache[i] is None else torch.cat([cache[i], x], dim=1)
-                # the newest position attends to every cached one: the causal mask, with nothing to mask
-                x, step_weights = self._decoder_layer(layer, x, cache[i], memory, src_mask, None, None, cross_attention)
+            for (layer, cross_attention), (keys, values) in zip(layers, cache):
+                # the newest position attends to every step so far: the causal mask, with nothing to mask
+                attended = self._cached_self_attention(layer.self_attn, x, keys, values, t)
+                x, step_weights = self._decoder_layer(layer, x, attended, memory, src_mask, cross_attention)
             tokens = self.out(self.transformer.decoder.norm(x)).argmax(-1)  # (B, 1)
             outputs.append(tokens)
             weights.append(step_weights)

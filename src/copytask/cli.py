@@ -24,6 +24,7 @@ USAGE = """usage: python -m copytask <command> [key=value ...]
 commands:
   train    train one run (default: Luong general attention, length 20)
              python -m copytask train attention=bahdanau task.length=40
+             python -m copytask train model=transformer task.length=40   (docs/models.md)
   sweep    train the grid in configs/config.yaml (hydra.sweeper.params), skipping finished runs;
            ends by naming failed jobs (exit status 1), writing runs_dir/results.csv and the report
              python -m copytask sweep 'attention=none,luong_general' 'seed=0,1'
@@ -44,6 +45,7 @@ commands:
            in runs_dir (writes analysis.json into each run folder; analysed runs are skipped);
            a sweep does this for its own runs before writing the report
              python -m copytask analyze runs_dir=runs analysis.eval_size=512
+             python -m copytask analyze runs_dir=runs 'analysis.lengths=[5,10,20,40,80,160]'
   decode   a trained run's greedy output on symbols given by hand or drawn at random (any length),
            input, output and target aligned with wrong symbols marked, and its attention as text
              python -m copytask decode runs/<run folder> "g d d c i h"
@@ -52,8 +54,8 @@ commands:
   bench    training speed, memory and time to target against the classical reference
              python -m copytask bench [--quick] [--time-to-target] [train.threads=1]
 
-Overrides are Hydra's: attention=none|bahdanau|luong_dot|luong_general|luong_concat,
-task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
+Overrides are Hydra's: attention=none|rnnencdec|bahdanau|luong_dot|luong_general|luong_concat,
+model=gru|transformer, task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
 Hydra's own flags work too (--cfg job, --help)."""
 
 

@@ -4,7 +4,7 @@ widened to the held-out set's binomial uncertainty for accuracies).
 Each run's metrics.json, and its analysis.json where `copytask analyze` has written one, is read
 here; a run whose metrics.json is corrupt is skipped with a warning that names it (a corrupt
 analysis.json only loses its analysis), so a half-written or damaged folder never stops
-`compare` or `report`. Runs are labelled by `store.attention_label`: multi-head runs stand apart.
+`compare` or `report`. Runs are labelled by `store.model_label`: multi-head runs stand apart, Transformers read `transformer`.
 
 A sweep is a table: every config key whose value differs between the runs (besides the attention
 type, the length and the seed) is a *setting* column of the table, named by its dotted key

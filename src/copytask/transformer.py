@@ -81,6 +81,12 @@ class TransformerSeq2Seq(nn.Module):
         self.d_model = d_model
         self.src_embedding = nn.Embedding(vocab, d_model, padding_idx=PAD)
         self.tgt_embedding = nn.Embedding(vocab, d_model, padding_idx=PAD)
+        for embedding in (self.src_embedding, self.tgt_embedding):
+            # N(0, 1 / d) as in Vaswani et al.'s code (tensor2tensor): times sqrt(d), on the scale of the
+            # positions (torch's N(0, 1) would make them sqrt(d) times larger and drown the positions)
+            nn.init.normal_(embedding.weight, std=d_model**-0.5)
+            with torch.no_grad():
+                embedding.weight[PAD].zero_()
         if positions == "sinusoidal":
             self.positions = SinusoidalPositions(d_model)
         elif positions == "learned":

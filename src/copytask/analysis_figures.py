@@ -71,8 +71,10 @@ def plot_length_generalisation(table: pd.DataFrame, path: Path, settings: list[s
 
 def extrapolates(table: pd.DataFrame) -> bool:
     """Whether `length_generalisation_table` rows test some run beyond every length its grid trained at."""
+    if table.empty:
+        return False
     trained = table["train_length"].map(lambda lengths: int(lengths.split("-")[-1]))
-    return not table.empty and table["test_length"].max() > trained.max()
+    return table["test_length"].max() > trained.max()
 
 
 def plot_extrapolation(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Path:

@@ -142,7 +142,7 @@ def with_settings(table: pd.DataFrame, loaded: tables.Loaded) -> pd.DataFrame:
     return table.merge(loaded.table[["run", *loaded.settings]], on="run", how="left")
 
 
-def evidence_tables(analysed: pd.DataFrame, settings: list[str]) -> list[str]:
+def evidence_tables(analysed: pd.DataFrame, settings: list[str], figure: bool = True) -> list[str]:
     """Markdown: the counterfactual table and the alignment table, per setting, length and
     attention type, mean over seeds, from `with_settings(analysis.analysis_table(...))`."""
     if analysed.empty:
@@ -185,8 +185,7 @@ def evidence_tables(analysed: pd.DataFrame, settings: list[str]) -> list[str]:
         "",
         markdown_table(counterfactual),
         "",
-        f"![accuracy under counterfactual attention]({COUNTERFACTUAL_FIGURE})",
-        "",
+        *([f"![accuracy under counterfactual attention]({COUNTERFACTUAL_FIGURE})", ""] if figure else []),
         "### Alignment",
         "",
         "How often the attention argmax at an output step lands on the source position that step copies, and the mean "
@@ -244,8 +243,10 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
     heatmaps = plot_heatmaps(loaded, out)
     head_heatmaps = plot_head_heatmaps(loaded, out)
     analysed = with_settings(analysis.analysis_table(analyses), loaded)
-    evidence = evidence_tables(analysed, settings)
-    if evidence:
+    # the figure's x axis is the trained length: fixed-length runs only (a grid of variable-length runs has the table alone)
+    fixed_length = not analysed.empty and bool((analysed.train_length == analysed.length.astype(str)).any())
+    evidence = evidence_tables(analysed, settings, figure=fixed_length)
+    if evidence and fixed_length:
         with_chance = analysed.merge(loaded.table[["run", "chance"]], on="run", how="left")
         figures.append(plot_counterfactual(with_chance, out / COUNTERFACTUAL_FIGURE, settings))
     generalisation = analysis.length_generalisation_table(analyses + variable_analyses)

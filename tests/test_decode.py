@@ -19,6 +19,7 @@ from .conftest import run_cli
 ATTENTION_TYPES = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))  # every one there is
 TRAINED_LENGTH = 4
 HEADS = 4  # configs/attention/multihead.yaml
+NO_ATTENTION = ("none", "rnnencdec")  # the final state handed over once, or fed to every step
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +104,8 @@ def test_every_attention_type_decodes_with_one_heatmap_row_per_output_step(runs,
     assert cells(lines[start + 2], "target") == [*"gddcih", "</s>"]
     assert re.fullmatch(r"token accuracy \d/6 \(\d+\.\d%\), sequence (right|wrong)", lines[start + 4])
     maps = lines[start + 5 :]
-    if attention == "none":
-        assert maps == [] and "no attention (attention=none): no heatmap" in lines
+    if attention in NO_ATTENTION:
+        assert maps == [] and f"no attention (attention={attention}): no heatmap" in lines
         return
     heads = HEADS if attention == "multihead" else 1
     assert len(maps) == heads * (1 + len(output)) + (heads if heads > 1 else 0)  # per map: the source header and one row per output step

@@ -11,9 +11,10 @@ import copytask
 PACKAGE = Path(copytask.__file__).parent
 # Lowest first. A module may import only modules before it.
 LAYERS = [
-    "vocab", "config", "validation", "store", "hydra_internals", "devices", "data", "kernel_build", "kernels", "attention", "model", "reference",
-    "evaluation", "figures", "loggers", "training", "analysis", "analysis_figures", "grid", "tables",
-    "result_figures", "reporting", "search", "jobs", "decoding", "bench", "api", "cli", "__main__",
+    "vocab", "model_config", "config", "validation", "store", "hydra_internals", "devices", "data", "kernel_build", "kernels",
+    "attention", "model", "transformer", "reference", "evaluation", "figures", "loggers", "training", "analysis",
+    "analysis_figures", "grid", "tables", "result_figures", "report_setup", "reporting", "search", "jobs", "decoding",
+    "bench", "api", "cli", "__main__",
 ]  # fmt: skip
 
 

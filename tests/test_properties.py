@@ -39,10 +39,14 @@ from copytask.evaluation import build_model
 from .conftest import SRC
 
 ATTENTIONS = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))
+ARCHITECTURES = sorted(path.stem for path in (Path(config_dir()) / "architecture").glob("*.yaml"))
+NO_ATTENTION = ("none", "rnnencdec")  # GRU decoders without attention weights
 RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store.ATTENTION}
 # Small, fast and quiet defaults; a drawn override of the same key comes later and wins.
+# Each model reads its own sizes and leaves the other's unused, so both are here.
 QUIET = ["train.progress=false", "train.threads=1", "train.steps=2", "train.eval_every=1", "task.length=4",
-         "model.hidden_size=8", "model.embedding_size=4", "train.batch_size=4", "train.eval_size=8"]
+         "model.hidden_size=8", "model.embedding_size=4", "train.batch_size=4", "train.eval_size=8",
+         "model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=8"]
 
 
 def compose(overrides: list[str]):
@@ -79,6 +83,8 @@ def number(value: float) -> str:
 # Values that can run, kept tiny so that a 2-step run takes a fraction of a second.
 VALID = {
     "attention": st.sampled_from(ATTENTIONS),
+    "model": st.sampled_from(["gru", "transformer"]),
+    "architecture": st.sampled_from(ARCHITECTURES),
     "task": st.sampled_from(["copy", "reverse"]),
     "task.length": st.integers(1, 6),
     "task.vocab_size": st.integers(2, 12),
@@ -89,6 +95,14 @@ VALID = {
     "model.hidden_size": st.sampled_from([1, 2, 4, 6, 8, 12]),
     "model.embedding_size": st.integers(1, 8),
     "model.bidirectional": st.booleans().map(str).map(str.lower),
+    "model.layers": st.integers(1, 2),
+    "model.heads": st.integers(1, 4),
+    "model.d_model": st.sampled_from([1, 2, 4, 6, 8]),
+    "model.ff_size": st.integers(1, 8),
+    "model.positions": st.sampled_from(["sinusoidal", "learned"]),
+    "model.max_length": st.integers(1, 8).map(str) | st.just("null"),
+    "model.dropout": st.floats(0, 0.9).map(number),
+    "analysis.lengths": st.lists(st.integers(1, 9), min_size=1, max_size=3).map(lambda lengths: f"[{','.join(map(str, lengths))}]"),
     "train.batch_size": st.integers(1, 8),
     "train.eval_size": st.integers(1, 16),
     "train.steps": st.integers(1, 3),
@@ -204,7 +218,10 @@ def test_the_command_line_trains_or_answers_in_one_line_with_exit_status_2(overr
 # -- the attention contract -------------------------------------------------------------------
 
 def attention_config(attention: str):
-    """A tiny model's config per attention option; hidden 8 keeps 4 heads and both directions whole."""
+    """A tiny model's config per attention option (and `transformer`: model=transformer); hidden 8 keeps
+    4 heads and both directions whole."""
+    if attention == "transformer":
+        return compose(["model=transformer", "model.d_model=8", "model.heads=2", "model.ff_size=8"])
     return compose([f"attention={attention}", "model.hidden_size=8", "model.embedding_size=4", "attention.window=2"]
                    if attention.startswith("luong_local") else [f"attention={attention}", "model.hidden_size=8", "model.embedding_size=4"])
 
@@ -224,7 +241,7 @@ def mixed_batches(draw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
-@given(st.sampled_from([name for name in ATTENTIONS if name != "none"]), mixed_batches(), st.integers(0, 2**16))
+@given(st.sampled_from([*(name for name in ATTENTIONS if name not in NO_ATTENTION), "transformer"]), mixed_batches(), st.integers(0, 2**16))
 def test_attention_weights_keep_the_contract_on_mixed_length_batches(attention, batch, seed):
     src, lengths, tgt_in = batch
     if attention not in CONFIGS:
@@ -280,7 +297,8 @@ COMPUTATION = {
 # Spellings of one computation: (key, value) pairs that leave it as it is when added.
 NEUTRAL = [("attention.heads", "1"), ("train.threads", "1"), ("train.progress", "false"), ("train.fused", "false"),
            ("train.attention_samples", "2"), ("task.variable_length", "false"), ("train.schedule", "onecycle"),
-           ("task.min_length", "3"), ("runs_dir", "elsewhere"), ("analysis.eval_size", "7")]
+           ("task.min_length", "3"), ("runs_dir", "elsewhere"), ("analysis.eval_size", "7"), ("model", "gru"),
+           ("model.d_model", "16"), ("model.layers", "3"), ("analysis.lengths", "[5,9]")]  # model=gru reads no Transformer key
 
 
 def whole_float(value: str) -> str:

@@ -293,3 +293,19 @@ def test_a_one_length_grid_gives_figures_that_hold_and_a_report_that_states_what
     accuracy = drawn["accuracy_vs_length.png"]
     assert all(any(isinstance(c, ErrorbarContainer) for c in axis.containers) for axis in accuracy.axes)  # one x: error bars
     assert "bar = 95% interval" in accuracy._suptitle.get_text()
+
+
+def test_analysis_lengths_test_every_run_beyond_its_training_and_the_report_draws_it(runs_copy, capsys):
+    report = runs_copy / "report"
+    assert not (report / "extrapolation.png").exists()  # the sweep's analysis tested the trained lengths only
+    assert main(["analyze", f"runs_dir={runs_copy}", "analysis.lengths=[3,6,9]", "train.progress=false"]) == 0
+    for run in pd.read_csv(runs_copy / "results.csv")["run"]:
+        tested = [row["test_length"] for row in store.read_json(runs_copy / run / store.ANALYSIS)["length_generalisation"]]
+        assert tested == [3, 6, 9]
+    shutil.rmtree(report)
+    assert main(["report", *overrides(runs_copy)]) == 0
+    assert (report / "extrapolation.png").stat().st_size > 0
+    assert "### Beyond the trained lengths" in (report / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["analyze", f"runs_dir={runs_copy}", "analysis.lengths=[0]"]) == 2
+    assert "analysis.lengths must be null or a list of integers >= 1" in capsys.readouterr().err

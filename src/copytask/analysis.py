@@ -23,7 +23,7 @@ functions turn the loaded files into tables for printing and for the report.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -93,7 +93,8 @@ def intervention(attention: Attention, replace: Intervention) -> Iterator[None]:
 
 def counterfactual_accuracy(model: Seq2Seq, batch: Batch, seed: int = 0) -> dict[str, float]:
     """Greedy token accuracy on `batch` under each counterfactual in COUNTERFACTUALS. The replaced
-    weights act at every decoding step, so later steps see the consequences of earlier ones."""
+    weights act at every decoding step, so later steps see the consequences of earlier ones, and in
+    every attention of the model (`model.attentions`: a Transformer's every cross-attention layer)."""
     replacements = {
         "uniform": uniform_weights,
         "permuted": permuted_weights(torch.Generator().manual_seed(seed)),
@@ -101,7 +102,9 @@ def counterfactual_accuracy(model: Seq2Seq, batch: Batch, seed: int = 0) -> dict
     }
     accuracy = {}
     for name, replace in replacements.items():
-        with intervention(model.attention, replace):
+        with ExitStack() as stack:
+            for attention in model.attentions:
+                stack.enter_context(intervention(attention, replace))
             accuracy[name] = evaluate(model, batch)["token_acc"]
     return accuracy
 
@@ -154,9 +157,15 @@ def heldout_batch(cfg: DictConfig, eval_size: int | None) -> Batch:
 
 def length_generalisation(model: Seq2Seq, cfg: DictConfig, lengths: list[int], eval_size: int | None = None) -> list[dict]:
     """Greedy accuracy on the held-out set (the run's eval seed, its first `eval_size` sequences)
-    at each test length."""
+    at each test length. A model with learned positions is not defined past its table: such a length
+    gets no accuracy (None) and a `note` saying why, never a number from positions it does not have."""
     device, rows = next(model.parameters()).device, []
+    longest = getattr(model, "longest_source", None)
     for length in lengths:
+        if longest is not None and length > longest:
+            note = f"not defined: the learned position table covers lengths up to {longest} (model.max_length)"
+            rows.append({"test_length": length, "token_acc": None, "seq_acc": None, "note": note})
+            continue
         result = evaluate(model, heldout_batch(at_length(cfg, length), eval_size).to(device))
         rows.append({"test_length": length, "token_acc": result["token_acc"], "seq_acc": result["seq_acc"]})
     return rows
@@ -202,7 +211,7 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, 
     task = cfg.task
     analysis = {
         "run": folder.name,
-        "attention": store.attention_label(cfg.attention.name, cfg.attention.get("heads", 1)),
+        "attention": store.model_label(cfg),
         "task": task.name,
         "length": task.length,
         "min_length": task.min_length if task.variable_length else task.length,

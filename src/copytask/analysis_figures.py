@@ -3,6 +3,7 @@
 
 - `plot_counterfactual(analysis_table(analyses), path)`: accuracy vs length under each counterfactual
 - `plot_length_generalisation(length_generalisation_table(analyses), path)`: train x test length
+- `plot_extrapolation(length_generalisation_table(analyses), path)`: accuracy vs test length, the trained range shaded
 - `plot_per_length(ax, per_length_table(analyses))`: variable-length curves onto an accuracy-vs-length axis
 - `plot_head_weights(read_json(run / "analysis.json"), vocab_size, path)`: one heatmap per attention head
 """
@@ -65,6 +66,38 @@ def plot_length_generalisation(table: pd.DataFrame, path: Path, settings: list[s
         image = draw_matrix(ax, matrix, scale=1, number="{:.2f}", fontsize=7)
         ax.set(title=_title(keys, values, MATRIX_WIDTH), xlabel="test length", ylabel="train length")
     figure.colorbar(image, ax=axes, shrink=0.8, label="greedy token accuracy")
+    return save(figure, path)
+
+
+def extrapolates(table: pd.DataFrame) -> bool:
+    """Whether `length_generalisation_table` rows test some run beyond every length its grid trained at."""
+    if table.empty:
+        return False
+    trained = table["train_length"].map(lambda lengths: int(lengths.split("-")[-1]))
+    return table["test_length"].max() > trained.max()
+
+
+def plot_extrapolation(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Path:
+    """Greedy token accuracy (%) against test length, one line per attention type (mean over seeds,
+    the band their range), the trained lengths shaded and the chance level (a `chance` column, where
+    `table` has one); one panel per task, train length and value of `settings`. A length a model is not defined at (learned positions past their table) is left out."""
+    keys = ["task", "train_length", *settings]
+    groups = list(table.groupby(keys, dropna=False))
+    figure, axes = panels(len(groups), width=1.5 * PANEL_WIDTH, height=4.0)
+    for ax, (values, runs) in zip(axes, groups):
+        task, train_length, *setting = values
+        bounds = [int(n) for n in train_length.split("-")]  # "40" or "5-40"
+        ax.axvspan(bounds[0], bounds[-1], color="0.9", label=f"trained lengths {train_length}")
+        for attention, rows in runs.groupby("attention", sort=False):
+            accuracy = 100 * rows.dropna(subset=["token_acc"]).groupby("test_length")["token_acc"].agg(["mean", "min", "max"])
+            line = ax.plot(accuracy.index, accuracy["mean"], marker="o", markersize=3, label=attention)[0]
+            ax.fill_between(accuracy.index, accuracy["min"], accuracy["max"], color=line.get_color(), alpha=0.15, linewidth=0)
+        for chance in runs["chance"].dropna().unique() if "chance" in runs else []:
+            draw_chance(ax, chance)
+        setting_line = ", ".join(f"{key}={value}" for key, value in zip(settings, setting))
+        title = f"{task}, trained on lengths {train_length}" + (f"\n{setting_line}" if setting else "")
+        ax.set(title=fitted(title, 1.1 * PANEL_WIDTH), xlabel="test length", ylabel="greedy token accuracy %", ylim=(-2, 102))
+    axes[0].legend(fontsize="small")
     return save(figure, path)
 
 

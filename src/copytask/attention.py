@@ -102,6 +102,7 @@ class Attention(nn.Module):
         fused: bool = True,  # the additive score of many steps at once in kernels.additive_scores on CPU
         local: str | None = None,  # Luong's local attention: None (global), "predictive" or "monotonic"
         window: int | None = None,  # local: D, the window's half-width
+        mha: nn.MultiheadAttention | None = None,  # multihead: an existing module to read through (the Transformer's), else a new one
     ):
         super().__init__()
         if score not in SCORES:
@@ -136,7 +137,8 @@ class Attention(nn.Module):
         elif score == "general":
             self.key_proj = nn.Linear(key_size, query_size, bias=False)  # W, applied to h
         elif score == "multihead":
-            self.mha = nn.MultiheadAttention(query_size, heads, batch_first=True)
+            self.mha = mha or nn.MultiheadAttention(query_size, heads, batch_first=True)
+            assert self.mha.batch_first and self.mha.num_heads == heads and self.mha.embed_dim == query_size, "mha does not match"
         if local == "predictive":
             self.position_proj = nn.Linear(query_size, query_size, bias=False)  # W_p
             self.position_v = nn.Linear(query_size, 1, bias=False)  # v_p

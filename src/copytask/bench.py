@@ -9,8 +9,9 @@ The key=value overrides are the training configs' (`train.threads=1`, `train.dev
 - ms per training step (forward, backward, clipping, Adam) and target tokens per second:
   both models share weights and batch; every round times each (attention, implementation)
   once, interleaved, and the median over the rounds after warm-up is reported. The reference
-  implements the CLASSICAL attention types; the others (scaled dot, multi-head, local) are the
-  project's only, and `vs_luong_general` compares every type's step with Luong general's;
+  implements the CLASSICAL attention types; the others (scaled dot, multi-head, local, Cho et al.'s
+  RNN encoder-decoder, and model=transformer as `transformer`) are the project's only, and
+  `vs_luong_general` compares every type's step with Luong general's;
 - FLOPs of one step (matrix products only, `FlopCounterMode`) and the fraction of this
   machine's matmul rate (a large `torch.mm`) the step reaches;
 - at the longest length, peak memory of a short training run in a fresh process;
@@ -55,7 +56,9 @@ from .jobs import cpu_model
 from .training import train, train_step
 
 CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # what the reference implements
-ATTENTIONS = (*CLASSICAL, "scaled_dot", "multihead", "luong_local", "luong_local_m")
+ATTENTIONS = (*CLASSICAL, "scaled_dot", "multihead", "luong_local", "luong_local_m", "rnnencdec", "transformer")
+# The overrides that choose a benchmarked model: `attention=<name>` (a GRU model), except these.
+MODEL_OVERRIDES = {"transformer": ["model=transformer"]}
 IMPLEMENTATIONS = {"project": Seq2Seq, "reference": ReferenceSeq2Seq}
 
 
@@ -87,7 +90,8 @@ Setup = tuple[torch.nn.Module, torch.optim.Optimizer, Batch, float]  # train_ste
 
 def bench_config(attention: str, length: int, overrides: list[str]) -> DictConfig:
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("config", overrides=[f"attention={attention}", f"task.length={length}", *overrides])
+        chosen = MODEL_OVERRIDES.get(attention, [f"attention={attention}"])
+        return compose("config", overrides=[*chosen, f"task.length={length}", *overrides])
 
 
 def synchronize(device: torch.device) -> None:
@@ -100,7 +104,7 @@ def setups(cfg: DictConfig, device: torch.device) -> dict[str, Setup]:
     Adam, on one batch."""
     batch = sample_batch(cfg, cfg.train.batch_size, torch.Generator().manual_seed(cfg.seed)).to(device)
     torch.manual_seed(cfg.seed)
-    models = {name: build_model(cfg, IMPLEMENTATIONS[name]).to(device) for name in implementations(cfg.attention.name)}
+    models = {name: build_model(cfg, IMPLEMENTATIONS[name]).to(device) for name in implementations(store.architecture(cfg))}
     if "reference" in models:
         models["reference"].load_state_dict(models["project"].state_dict())
     return {name: (m, torch.optim.Adam(m.parameters(), lr=cfg.train.lr, fused=fused_adam(device)), batch, cfg.train.clip)

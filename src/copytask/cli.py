@@ -17,12 +17,14 @@ from pathlib import Path
 from . import api, store
 from .config import DETERMINISTIC_CUBLAS, ConfigError, config_help
 from .grid import Selection, check_grid, compose_grid, folder_runs, nothing_done, select_runs
+from .model_config import Refused, check_lengths
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
 
 commands:
   train    train one run (default: Luong general attention, length 20)
              python -m copytask train attention=bahdanau task.length=40
+             python -m copytask train model=transformer task.length=40   (docs/models.md)
   sweep    train the grid in configs/config.yaml (hydra.sweeper.params), skipping finished runs;
            ends by naming failed jobs (exit status 1), writing runs_dir/results.csv and the report
              python -m copytask sweep 'attention=none,luong_general' 'seed=0,1'
@@ -45,6 +47,7 @@ commands:
            in runs_dir (writes analysis.json into each run folder; analysed runs are skipped);
            a sweep does this for its own runs before writing the report
              python -m copytask analyze runs_dir=runs analysis.eval_size=512
+             python -m copytask analyze runs_dir=runs 'analysis.lengths=[5,10,20,40,80,160]'
   decode   a trained run's greedy output on symbols given by hand or drawn at random (any length),
            input, output and target aligned with wrong symbols marked, and its attention as text
              python -m copytask decode runs/<run folder> "g d d c i h"
@@ -53,8 +56,8 @@ commands:
   bench    training speed, memory and time to target against the classical reference
              python -m copytask bench [--quick] [--time-to-target] [train.threads=1]
 
-Overrides are Hydra's: attention=none|bahdanau|luong_dot|luong_general|luong_concat,
-task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
+Overrides are Hydra's: attention=none|rnnencdec|bahdanau|luong_dot|luong_general|luong_concat,
+model=gru|transformer, task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
 Hydra's own flags work too (--cfg job, --help)."""
 
 
@@ -149,7 +152,8 @@ def analyze(overrides: list[str]) -> int:
     """`python -m copytask analyze [overrides]`: analyse every complete run in runs_dir, print the summary."""
     try:
         master, _ = compose_grid(overrides, expand_grid=False)  # read-only: no Hydra output
-    except ConfigError as error:
+        check_lengths(master.analysis.lengths)
+    except (ConfigError, Refused) as error:
         return refuse(error)
     runs_dir = Path(master.runs_dir)
     if not runs_dir.is_dir():
@@ -159,7 +163,8 @@ def analyze(overrides: list[str]) -> int:
 
     folders = store.complete_runs(runs_dir)
     try:
-        analyze(folders, eval_size=master.analysis.eval_size, threads=master.analysis.threads, progress=master.train.progress,
+        lengths = list(master.analysis.lengths) if master.analysis.lengths else None  # null: the trained lengths
+        analyze(folders, lengths, eval_size=master.analysis.eval_size, threads=master.analysis.threads, progress=master.train.progress,
                 device=master.train.device)
     except ConfigError as error:  # a device this machine does not have
         return refuse(error)

@@ -23,13 +23,15 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
+from . import model_config
+
 
 class ConfigError(ValueError):
     """A config value that cannot be run; the message names the value and what is allowed."""
 
 
 TASKS = ("copy", "reverse")
-DECODERS = ("plain", "bahdanau", "luong")
+DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
 SCORES = ("additive", "dot", "scaled_dot", "general", "multihead")  # how a decoder state scores an encoder state
 MULTI_HEAD_SCORES = ("dot", "scaled_dot", "general", "multihead")  # a dot product splits into per-head ones; additive does not
 LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
@@ -59,10 +61,18 @@ class TaskConfig:
 
 
 @dataclass
-class ModelConfig:
-    embedding_size: int = MISSING
-    hidden_size: int = MISSING
-    bidirectional: bool = MISSING
+class ModelConfig:  # each model=... option sets its own keys (model_config.MODEL_KEYS) and leaves the other's null
+    name: str = MISSING
+    embedding_size: Optional[int] = None
+    hidden_size: Optional[int] = None
+    bidirectional: Optional[bool] = None
+    layers: Optional[int] = None
+    heads: Optional[int] = None
+    d_model: Optional[int] = None
+    ff_size: Optional[int] = None
+    positions: Optional[str] = None
+    max_length: Optional[int] = None
+    dropout: Optional[float] = None
 
 
 @dataclass
@@ -100,6 +110,7 @@ class TrainConfig:
 class AnalysisConfig:
     eval_size: Optional[int] = MISSING
     threads: Optional[int] = MISSING
+    lengths: Optional[list[int]] = None
 
 
 @dataclass
@@ -139,6 +150,7 @@ MINIMUM = {
     "attention.heads": 1, "attention.window": 1, "train.steps": 1, "train.batch_size": 1,
     "train.eval_every": 1, "train.eval_size": 1, "train.eval_seed": 0, "train.patience": 1,
     "train.threads": 1, "train.attention_samples": 0, "analysis.eval_size": 1, "analysis.threads": 1,
+    **model_config.MINIMUM,
 }
 # The largest value of an integer key where there is one: torch's generators take 64-bit seeds,
 # and OpenMP would start every thread asked for.
@@ -223,7 +235,7 @@ def unknown_key(key: str, known_keys: list[str]) -> str:
 
 # `key: value  # comment` in the simple YAML of configs/ (two-space indents)
 YAML_LINE = re.compile(r"^(?P<indent> *)(?P<key>[\w.]+):(?P<value>[^#]*?)\s*(?:#\s*(?P<comment>.*))?$")
-GROUPS = ("task", "attention", "train", "logger", "experiment", "hparams_search", "hydra/launcher")
+GROUPS = ("task", "model", "attention", "train", "logger", "architecture", "experiment", "hparams_search", "hydra/launcher")
 PLUGIN_OPTIONS = {"hydra/sweeper=optuna": "Hydra's Optuna sweeper: pip install 'copytask[optuna]'"}
 
 
@@ -271,7 +283,7 @@ def config_help(command: str, cfg: DictConfig, choices: dict[str, str]) -> str:
         mark = "*" if choices.get(group) == path.stem else " "
         lines.append(f"  {mark} {f'{group}={path.stem}':<{width}}  {option_summary(path)}")
     comments = yaml_comments(root / "config.yaml")
-    for group in ("task", "attention", "train", "logger"):
+    for group in ("task", "model", "attention", "train", "logger"):
         comments |= yaml_comments(root / group / f"{choices[group]}.yaml", prefix=f"{group}.")
     lines += ["", "keys (key=default: what it means):"]
     for key in dotted_keys(cfg):

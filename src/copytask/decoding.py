@@ -164,6 +164,10 @@ def _decode(run_dir: Path, cfg: DictConfig, sequences: list[list[int]] | None, c
     except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError) as error:
         raise DecodeError(f"cannot load {run_dir / store.CHECKPOINT}: {type(error).__name__}: {error}") from None
     task, vocab_size = cfg.task.name, cfg.task.vocab_size
+    longest = getattr(model, "longest_source", None)
+    asked = length if sequences is None else len(sequences[0])
+    if longest is not None and asked > longest:
+        raise DecodeError(f"{run_dir.name} has learned positions up to length {longest} (model.max_length): it is not defined at length {asked}")
     if sequences is None:
         batch = make_batch(task, count, length, vocab_size, torch.Generator().manual_seed(seed))
     else:
@@ -204,11 +208,11 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
     """The command's text for `decoded` (see the module), and the first sequence's map drawn to `png`."""
     cfg, weights = decoded.config, decoded.weights
     task, heads = cfg.task.name, 1 if weights is None else weights.shape[1]
-    label = store.attention_label(cfg.attention.name, heads)
+    label = store.model_label(cfg)
     trained = f"{cfg.task.min_length}-{cfg.task.length}" if cfg.task.get("variable_length") else cfg.task.length
     print(f"{decoded.run}: {label}, task {task}, trained at length {trained}")
     if weights is None:
-        print("no attention (attention=none): no heatmap")
+        print(f"no attention (attention={cfg.attention.name}): no heatmap")
     else:
         which = f"one map per head ({heads} heads)" if heads > 1 else "the model's attention"
         print(f"attention: {which}; rows output steps, columns source positions; shade = weight "

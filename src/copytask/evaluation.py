@@ -14,10 +14,20 @@ from . import store
 from .data import Batch, make_batch, total_vocab
 from .devices import resolve_device
 from .model import Seq2Seq
+from .model_config import is_transformer, position_rows
+from .transformer import TransformerSeq2Seq
+
 
 def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.Module:
-    """The configured model; `model_class` may be any class with Seq2Seq's constructor and
-    interface (the benchmark passes `reference.ReferenceSeq2Seq`)."""
+    """The configured model: a `TransformerSeq2Seq` for model=transformer, else `model_class`, which
+    may be any class with Seq2Seq's constructor and interface (the benchmark passes
+    `reference.ReferenceSeq2Seq`)."""
+    if is_transformer(cfg):
+        model = cfg.model
+        return TransformerSeq2Seq(
+            total_vocab(cfg.task.vocab_size), model.d_model, model.heads, model.layers, model.ff_size,
+            model.positions, position_rows(cfg), model.dropout,
+        )
     return model_class(
         vocab=total_vocab(cfg.task.vocab_size),
         decoder=cfg.attention.decoder,

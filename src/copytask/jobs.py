@@ -289,7 +289,7 @@ class SweepSummary(Callback):
         analysis_started = time.perf_counter()
         analysed = analysis.analyze(
             [run.folder for run in runs],
-            lengths=sorted({run.config.task.length for run in runs}),
+            lengths=list(config.analysis.lengths or sorted({run.config.task.length for run in runs})),
             eval_size=config.analysis.eval_size,
             threads=config.analysis.threads,
             progress=config.train.progress,

@@ -1,5 +1,6 @@
-"""GRU encoder-decoders: no attention, Bahdanau (additive) and Luong (dot / scaled dot / general /
-concat / torch's multi-head; global or local).
+"""GRU encoder-decoders: no attention (the final state handed over once, or Cho et al.'s RNN
+encoder-decoder), Bahdanau (additive) and Luong (dot / scaled dot / general / concat / torch's
+multi-head; global or local).
 
 Shapes: B batch, T_enc source length, T_dec target length, E embedding size, H hidden size,
 V total vocabulary (content symbols + PAD, BOS, EOS). The encoder's states and final state
@@ -58,6 +59,50 @@ class PlainDecoder(nn.Module):
     def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, position: Tensor):
         state, _ = self.rnn(self.embedding(tokens)[:, None], hidden[None])  # (B, 1, H)
         return self.out(state[:, 0]), None, state[:, 0]
+
+
+class RNNEncDecDecoder(nn.Module):
+    """Cho et al. (2014)'s RNN encoder-decoder ("RNNencdec" in Bahdanau et al., 2014): no attention,
+    but the encoder's fixed summary c (its final state) reaches every step, not only the first.
+
+        s_0 = tanh(V c)                          (section 2.2 of Cho et al.)
+        s_t = GRU(s_{t-1}, [e(y_{t-1}); c])      (c in every gate: W [e; c] = W_e e + C c)
+        p(y_t) = softmax(W_o [s_t; e(y_{t-1}); c] + b_o)
+
+    The readout is Cho et al.'s without its maxout layer. c does not depend on the step, so under
+    teacher forcing the GRU runs over the whole target at once, as the plain decoder's does."""
+
+    def __init__(self, vocab: int, embedding_size: int, hidden_size: int, fused: bool = True):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
+        self.init = nn.Linear(hidden_size, hidden_size)  # V (and a bias)
+        self.rnn = kernels.GRU(embedding_size + hidden_size, hidden_size, fused=fused)
+        self.out = nn.Linear(2 * hidden_size + embedding_size, vocab)
+
+    def memory(self, encoder_states: Tensor) -> Memory:
+        return None
+
+    def initial_state(self, final: Tensor) -> Tensor:
+        """The summary c (B, H) -> s_0 (B, H). The decoder's hidden state carries c beside s_t
+        (`step`'s hidden is (B, 2H): [s_t; c]), so that greedy decoding needs no extra state."""
+        return torch.cat([torch.tanh(self.init(final)), final], dim=-1)
+
+    def _run(self, embedded: Tensor, state: Tensor, summary: Tensor) -> tuple[Tensor, Tensor]:
+        """embedded (B, T, E), state s (B, H), summary c (B, H) -> logits (B, T, V), the last state (B, H)."""
+        summary = summary[:, None].expand(-1, embedded.size(1), -1)  # (B, T, H): the same c at every step
+        states, _ = self.rnn(torch.cat([embedded, summary], dim=-1), state[None])  # (B, T, H)
+        return self.out(torch.cat([states, embedded, summary], dim=-1)), states[:, -1]
+
+    def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
+        state = self.initial_state(final)
+        logits, _ = self._run(self.embedding(tgt_in), *state.chunk(2, dim=-1))
+        return logits, None
+
+    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, position: Tensor):
+        """hidden [s_{t-1}; c] (B, 2H) -> logits (B, V), None, [s_t; c] (B, 2H)."""
+        state, summary = hidden.chunk(2, dim=-1)
+        logits, state = self._run(self.embedding(tokens)[:, None], state, summary)
+        return logits[:, 0], None, torch.cat([state, summary], dim=-1)
 
 
 class BahdanauDecoder(nn.Module):
@@ -172,12 +217,19 @@ class Seq2Seq(nn.Module):
             self.decoder = BahdanauDecoder(vocab, embedding_size, hidden_size, attention_size, fused)
         elif decoder == "luong":
             self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size, heads, fused, local, window)
+        elif decoder == "rnnencdec":
+            self.decoder = RNNEncDecDecoder(vocab, embedding_size, hidden_size, fused)
         else:
             raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
 
     @property
     def attention(self) -> Attention | None:
         return getattr(self.decoder, "attention", None)
+
+    @property
+    def attentions(self) -> list[Attention]:
+        """Every attention a counterfactual replaces: the decoder's one, if it has attention."""
+        return [] if self.attention is None else [self.attention]
 
     def forward(self, src: Tensor, src_lengths: Tensor, tgt_in: Tensor) -> tuple[Tensor, Tensor | None]:
         """Teacher forcing: -> logits (B, T_dec, V), weights (B, T_dec, T_enc) or None."""
@@ -190,6 +242,8 @@ class Seq2Seq(nn.Module):
         """Greedy decoding, each step fed its own previous prediction:
         -> tokens (B, steps), weights (B, steps, T_enc) or None."""
         encoder_states, hidden = self.encoder(src, src_lengths)
+        if isinstance(self.decoder, RNNEncDecDecoder):
+            hidden = self.decoder.initial_state(hidden)
         src_mask = length_mask(src_lengths, src.size(1))
         memory = self.decoder.memory(encoder_states)
         tokens = torch.full((src.size(0),), BOS, dtype=torch.long, device=src.device)

@@ -16,13 +16,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import OmegaConf
 
 from . import analysis, store, tables
-from .analysis_figures import plot_counterfactual, plot_head_weights, plot_length_generalisation
+from .analysis_figures import extrapolates, plot_counterfactual, plot_extrapolation, plot_head_weights, plot_length_generalisation
 from .config import ConfigError
 from .figures import plot_attention
-from .grid import SWEEP_RECORD, GridRun, variable_length_runs
+from .grid import GridRun, variable_length_runs
+from .report_setup import setup_section
 from .result_figures import (
     LONGEST_FIGURE,
     SETTING_GRID_FIGURE,
@@ -40,6 +40,7 @@ REPORT_DIR = "report"
 CURVES_FIGURE = "training_curves"
 COUNTERFACTUAL_FIGURE = "counterfactual.png"
 GENERALISATION_FIGURE = "length_generalisation.png"
+EXTRAPOLATION_FIGURE = "extrapolation.png"
 
 
 def x_column(x: str, loaded: tables.Loaded) -> str:
@@ -124,60 +125,6 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def setup_section(loaded: tables.Loaded, runs_dir: Path) -> list[str]:
-    """What the runs were: every sentence states the values of the runs it describes, one value
-    where all share it, the list where they differ; then what varies, the hardware and the wall time."""
-    table = loaded.table
-    configs = [loaded.runs[run].config for run in table["run"]]
-
-    def values(key: str, show=tables.setting_value) -> str:
-        """`64`, or `16, 32, 64 (per setting)` where the runs differ."""
-        found = sorted({OmegaConf.select(cfg, key) for cfg in configs}, key=lambda value: (value is None, str(type(value)), value))
-        return show(found[0]) if len(found) == 1 else f"{', '.join(map(show, found))} (per setting)"
-
-    attentions = ", ".join(dict.fromkeys(table["attention"]))
-    lengths = ", ".join(map(str, sorted(table["length"].unique())))
-    seeds = ", ".join(map(str, sorted(table["seed"].unique())))
-    varying = [key for key in ("attention", "length", "seed") if table[key].nunique() > 1] + loaded.settings
-    swept = ", ".join(f"`{key}` ({', '.join(map(tables.setting_value, sorted(table[key].unique())))})" for key in varying)
-    chance = ", ".join(f"{100 * value:.1f}%" for value in sorted(table["chance"].unique(), reverse=True))
-    patience = {cfg.train.patience for cfg in configs}
-    early_stop = (
-        "no early stop" if patience == {None}
-        else f"stops early once held-out token accuracy is >= {values('train.target_acc', lambda v: f'{v:.0%}')} "
-        f"at {values('train.patience')} evaluations in a row"
-    )  # fmt: skip
-    encoder = values("model.bidirectional", lambda bidirectional: "bidirectional" if bidirectional else "unidirectional")
-    lines = [
-        "## Setup",
-        "",
-        f"- Task: `{values('task.name')}`, {values('task.vocab_size')} content symbols (chance token accuracy {chance}), "
-        f"lengths {lengths}.",
-        f"- Attention types: {attentions}; seeds: {seeds}. Swept: {swept or 'nothing'}.",
-        f"- Model: GRU encoder-decoder, hidden size {values('model.hidden_size')}, embedding size {values('model.embedding_size')}, "
-        f"{encoder} encoder.",
-        f"- Training: budget {values('train.steps')} steps of batch {values('train.batch_size')}, Adam, {values('train.schedule')} "
-        f"schedule peaking at lr {values('train.lr')}, gradient clipping {values('train.clip')}; {early_stop}. "
-        "Each attention type gets the same.",
-        f"- Evaluation: greedy decoding (no teacher forcing) on {values('train.eval_size')} held-out sequences "
-        f"(seed {values('train.eval_seed')}).",
-        f"- Hardware (from the runs): device {', '.join(map(str, table['device'].unique()))}, "
-        f"torch threads {', '.join(map(str, table['threads'].unique()))}.",
-        f"- Compute: {table['train_seconds'].sum():.0f} s of training summed over {len(table)} runs.",
-    ]
-    record_path = runs_dir / SWEEP_RECORD
-    record = store.read_json(record_path) if record_path.is_file() else {}
-    if "wall_seconds" in record:  # a finished sweep's record, not one still running
-        lines.append(
-            f"- Last sweep in `{runs_dir}`: `{record['command']}` ({record.get('launcher')} launcher) trained "
-            f"{record['trained']} of {record['jobs']} runs in **{record['wall_seconds']:.0f} s wall time**, "
-            f"finished {record['finished']} on {record['machine']} with {record['cpus']} CPUs"
-            + (f" and a {record['gpu']}" if record.get("gpu") else "")
-            + (f"; its analysis took {record['analysis_seconds']:.0f} s of that." if "analysis_seconds" in record else ".")
-        )
-    return lines
-
-
 CAUTION = (
     "**A caution on reading these maps.** An attention map shows where the model put weight, not "
     "why it produced its output. Jain and Wallace (2019, *Attention is not Explanation*) show that "
@@ -195,7 +142,7 @@ def with_settings(table: pd.DataFrame, loaded: tables.Loaded) -> pd.DataFrame:
     return table.merge(loaded.table[["run", *loaded.settings]], on="run", how="left")
 
 
-def evidence_tables(analysed: pd.DataFrame, settings: list[str]) -> list[str]:
+def evidence_tables(analysed: pd.DataFrame, settings: list[str], figure: bool = True) -> list[str]:
     """Markdown: the counterfactual table and the alignment table, per setting, length and
     attention type, mean over seeds, from `with_settings(analysis.analysis_table(...))`."""
     if analysed.empty:
@@ -238,8 +185,7 @@ def evidence_tables(analysed: pd.DataFrame, settings: list[str]) -> list[str]:
         "",
         markdown_table(counterfactual),
         "",
-        f"![accuracy under counterfactual attention]({COUNTERFACTUAL_FIGURE})",
-        "",
+        *([f"![accuracy under counterfactual attention]({COUNTERFACTUAL_FIGURE})", ""] if figure else []),
         "### Alignment",
         "",
         "How often the attention argmax at an output step lands on the source position that step copies, and the mean "
@@ -297,14 +243,20 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
     heatmaps = plot_heatmaps(loaded, out)
     head_heatmaps = plot_head_heatmaps(loaded, out)
     analysed = with_settings(analysis.analysis_table(analyses), loaded)
-    evidence = evidence_tables(analysed, settings)
-    if evidence:
+    # the figure's x axis is the trained length: fixed-length runs only (a grid of variable-length runs has the table alone)
+    fixed_length = not analysed.empty and bool((analysed.train_length == analysed.length.astype(str)).any())
+    evidence = evidence_tables(analysed, settings, figure=fixed_length)
+    if evidence and fixed_length:
         with_chance = analysed.merge(loaded.table[["run", "chance"]], on="run", how="left")
         figures.append(plot_counterfactual(with_chance, out / COUNTERFACTUAL_FIGURE, settings))
     generalisation = analysis.length_generalisation_table(analyses + variable_analyses)
     if not generalisation.empty:
         generalisation = with_settings(generalisation, loaded)
         figures.append(plot_length_generalisation(generalisation, out / GENERALISATION_FIGURE, settings))
+    extrapolation = extrapolates(generalisation)
+    if extrapolation:
+        with_chance = generalisation.merge(loaded.table[["run", "chance"]], on="run", how="left")
+        figures.append(plot_extrapolation(with_chance, out / EXTRAPOLATION_FIGURE, settings))
 
     lines = [
         "# copytask report",
@@ -365,6 +317,17 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
             "(rows) against test length (columns). Evaluation only, nothing retrained.",
             "",
             f"![train length x test length accuracy]({GENERALISATION_FIGURE})",
+            "",
+        ]
+    if extrapolation:
+        lines += [
+            "### Beyond the trained lengths",
+            "",
+            "Greedy token accuracy against test length (`analysis.lengths`), mean over seeds with their range as a band; "
+            "the lengths the models were trained on are shaded. A model with learned positions is not defined past its "
+            "table (`model.max_length`): its line stops there.",
+            "",
+            f"![accuracy against test length]({EXTRAPOLATION_FIGURE})",
             "",
         ]
     if heatmaps or evidence:

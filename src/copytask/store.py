@@ -19,6 +19,7 @@ from filelock import AcquireReturnProxy, FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from .config import flatten
+from .model_config import MODEL_KEYS
 
 METRICS = "metrics.json"
 CONFIG = "config.yaml"
@@ -37,12 +38,22 @@ NOT_IDENTITY = ("runs_dir", "retrain", "train.device", "train.threads", "train.f
 # Keys whose value here is what the code computed before the key existed: at that value a key is left
 # out of the identity, so that adding a key (with such a default) renames no existing run, and giving
 # it explicitly (`attention.heads=1`) is the same run.
-NEUTRAL = {"attention.heads": 1, "attention.local": None}
-# Keys that change nothing unless another key has a value: (key, condition on the config).
+NEUTRAL = {"attention.heads": 1, "attention.local": None, "model.name": "gru"}
+
+
+def _model(config: dict) -> str:
+    return config["model"].get("name") or "gru"  # runs from before the model group are GRU runs
+
+
+# Keys that change nothing unless another key has a value: (key, condition on the config). Each model
+# reads its own keys; the attention group is the GRU's decoder.
 UNUSED_UNLESS = {
     "task.min_length": lambda config: config["task"].get("variable_length"),
     "train.warmup": lambda config: config["train"].get("schedule") == "onecycle",
     "attention.window": lambda config: config["attention"].get("local") is not None,
+    "attention": lambda config: _model(config) == "gru",
+    "model.max_length": lambda config: config["model"].get("positions") == "learned",
+    **{f"model.{key}": (lambda config, name=name: _model(config) == name) for name, keys in MODEL_KEYS.items() for key in keys},
 }
 
 
@@ -80,9 +91,8 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
     """What a run computes: its resolved config without the keys in NOT_IDENTITY, those at their
     NEUTRAL value and those UNUSED_UNLESS another key says so, with numbers in one spelling."""
     config = OmegaConf.to_container(cfg, resolve=True)
-    for dotted, condition in UNUSED_UNLESS.items():
-        if not condition(config):
-            _pop(config, dotted)
+    for dotted in [dotted for dotted, condition in UNUSED_UNLESS.items() if not condition(config)]:  # all read before any goes
+        _pop(config, dotted)
     for dotted, value in NEUTRAL.items():
         if _get(config, dotted) == value:
             _pop(config, dotted)
@@ -104,12 +114,29 @@ def attention_label(name: str, heads: int = 1) -> str:
     return name if heads == 1 else f"{name}-{heads}heads"
 
 
+def architecture(cfg: DictConfig) -> str:
+    """What a run's model is, in a word: a GRU model's attention type (`attention.name`), or
+    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer. Run names
+    start with it; metrics.json records it as `attention`."""
+    if _model(cfg) == "transformer":
+        return "transformer" if cfg.model.positions == "sinusoidal" else f"transformer_{cfg.model.positions}"
+    return cfg.attention.name
+
+
+def model_label(cfg: DictConfig) -> str:
+    """How tables, figures and files name a run's model: `architecture`, with a GRU model's head
+    count where it has several (`attention_label`)."""
+    if _model(cfg) == "transformer":
+        return architecture(cfg)
+    return attention_label(cfg.attention.name, cfg.attention.get("heads", 1))
+
+
 def run_name(cfg: DictConfig) -> str:
-    """Readable and unique: `<attention>-<task><length>-seed<seed>-<hash of the identity>`."""
+    """Readable and unique: `<architecture>-<task><length>-seed<seed>-<hash of the identity>`."""
     digest = hashlib.sha1(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:8]
     task = cfg.task
     lengths = f"{task.min_length}-{task.length}" if task.variable_length else f"{task.length}"
-    return f"{cfg.attention.name}-{task.name}{lengths}-seed{cfg.seed}-{digest}"
+    return f"{architecture(cfg)}-{task.name}{lengths}-seed{cfg.seed}-{digest}"
 
 
 def run_dir(cfg: DictConfig) -> Path:

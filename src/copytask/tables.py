@@ -4,7 +4,7 @@ widened to the held-out set's binomial uncertainty for accuracies).
 Each run's metrics.json, and its analysis.json where `copytask analyze` has written one, is read
 here; a run whose metrics.json is corrupt is skipped with a warning that names it (a corrupt
 analysis.json only loses its analysis), so a half-written or damaged folder never stops
-`compare` or `report`. Runs are labelled by `store.attention_label`: multi-head runs stand apart.
+`compare` or `report`. Runs are labelled by `store.model_label`: multi-head runs stand apart, Transformers read `transformer`.
 
 A sweep is a table: every config key whose value differs between the runs (besides the attention
 type, the length and the seed) is a *setting* column of the table, named by its dotted key
@@ -70,14 +70,15 @@ def target_step(folder: Path, target: float) -> float:
 
 def setting_keys(configs: pd.DataFrame, attention: pd.Series) -> list[str]:
     """The columns of `configs` (one row per run, dotted keys) whose values differ between runs,
-    besides OWN_COLUMNS. An `attention.*` key is a setting only where it varies among runs of one
-    attention type (`attention.size=16,32`): between types it is part of what the type is."""
+    besides OWN_COLUMNS. An `attention.*` or `model.*` key is a setting only where it varies among
+    runs of one attention type or model (`attention.size=16,32`, `model.hidden_size=32,64`): between
+    them it is part of what each is (a GRU has a hidden size, a Transformer a `model.d_model`)."""
     keys = []
     for key in configs.columns:
         values = configs[key]
         if key in OWN_COLUMNS or values.nunique(dropna=False) < 2:
             continue
-        if key.startswith("attention.") and values.groupby(attention.to_numpy()).nunique(dropna=False).max() < 2:
+        if key.startswith(("attention.", "model.")) and values.groupby(attention.to_numpy()).nunique(dropna=False).max() < 2:
             continue
         keys.append(key)
     return keys
@@ -99,7 +100,7 @@ def load(grid: list[GridRun]) -> Loaded:
                 store.warn(f"skipping {run.folder}: {reason}")
                 missing.append((run, reason))
                 continue
-            metrics["attention"] = store.attention_label(metrics["attention"], metrics.get("heads", 1))
+            metrics["attention"] = store.model_label(run.config)
             metrics[TARGET_STEP] = target_step(run.folder, run.config.train.target_acc)
             metrics["eval_size"] = run.config.train.eval_size  # the sequences each accuracy is a share of (`scored`)
             analysis = read_analysis(run.folder)

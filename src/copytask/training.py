@@ -27,6 +27,7 @@ from .data import PAD, Batch
 from .devices import fused_adam, host, resolve_device, run_settings
 from .evaluation import build_model, eval_batch, evaluate, rounded, sample_batch
 from .kernels import runs_fused
+from .model_config import is_transformer
 from .model import Seq2Seq, count_parameters
 
 
@@ -224,8 +225,8 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], t
     store.write_json(folder / store.ATTENTION, samples)
     final = history[-1]
     metrics = {
-        "attention": cfg.attention.name,
-        "heads": cfg.attention.get("heads", 1),
+        "attention": store.architecture(cfg),
+        "heads": cfg.model.heads if is_transformer(cfg) else cfg.attention.get("heads", 1),
         "task": cfg.task.name,
         "length": cfg.task.length,
         "min_length": cfg.task.min_length if cfg.task.variable_length else cfg.task.length,
@@ -257,7 +258,7 @@ def log_heatmap(tracker: loggers.RunLogger, sample: dict, cfg: DictConfig, metri
 
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "attention.png"
-        title = f"{store.attention_label(cfg.attention.name, metrics['heads'])}, length {cfg.task.length}, seed {cfg.seed} (token acc {100 * metrics['token_acc']:.1f}%)"
+        title = f"{store.model_label(cfg)}, length {cfg.task.length}, seed {cfg.seed} (token acc {100 * metrics['token_acc']:.1f}%)"
         plot_attention(sample, cfg.task.vocab_size, cfg.task.name, title, path)
         tracker.log_image(path)
 
@@ -277,4 +278,4 @@ def attention_samples(cfg: DictConfig, heldout: Batch, result: dict) -> dict:
                 "weights": None if weights is None else rounded(weights[i, : length + 1, :length]),
             }
         )
-    return {"attention": cfg.attention.name, "task": cfg.task.name, "samples": samples}
+    return {"attention": store.architecture(cfg), "task": cfg.task.name, "samples": samples}

@@ -17,7 +17,8 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MAX_HEADS, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, ConfigError, config_dir, dotted_keys, unknown_key
+from . import model_config
+from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MAX_HEADS, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key
 from .vocab import total_vocab
 
 
@@ -39,6 +40,11 @@ def validate(cfg: DictConfig) -> None:
     if task.variable_length and task.min_length > task.length:
         raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")
     check_heldout(task.length, task.vocab_size, train.eval_size, task.min_length if task.variable_length else None)
+    try:
+        model_config.check_model(cfg, default_attention())
+        model_config.check_lengths(cfg.analysis.get("lengths"))
+    except model_config.Refused as refused:
+        raise ConfigError(str(refused)) from None
     if attention.decoder not in DECODERS:
         raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
     if model.bidirectional and model.hidden_size % 2:
@@ -64,7 +70,7 @@ def validate(cfg: DictConfig) -> None:
             )
         if attention.window is None:
             raise ConfigError(f"attention.window must be an integer >= 1 with attention.local={attention.local}, got null")
-    if model.hidden_size % attention.heads:
+    if not model_config.is_transformer(cfg) and model.hidden_size % attention.heads:
         raise ConfigError(f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})")
     if not 0 < train.lr < math.inf:  # also refuses nan
         raise ConfigError(f"train.lr must be a positive finite number, got {train.lr!r}")
@@ -149,6 +155,8 @@ def check_heldout(length: int, vocab_size: int, eval_size: int, min_length: int 
 def parameter_count(cfg: DictConfig) -> int:
     """The trainable parameters of the model `train.build_model` builds from `cfg`, counted without
     torch (tests check it against `model.count_parameters`)."""
+    if model_config.is_transformer(cfg):
+        return model_config.transformer_parameter_count(cfg)
     vocab, embedding, hidden = total_vocab(cfg.task.vocab_size), cfg.model.embedding_size, cfg.model.hidden_size
     attention = cfg.attention
 
@@ -170,6 +178,8 @@ def parameter_count(cfg: DictConfig) -> int:
         return count + gru(embedding, hidden) + hidden * vocab + vocab
     if attention.decoder == "bahdanau":
         return count + gru(embedding + hidden, hidden) + 2 * hidden * vocab + vocab  # context into the cell; readout from [s_t; c_t]
+    if attention.decoder == "rnnencdec":  # summary into the GRU input; tanh(V c) the initial state; readout from [s_t; y_{t-1}; c]
+        return count + gru(embedding + hidden, hidden) + hidden * hidden + hidden + (2 * hidden + embedding) * vocab + vocab
     return count + gru(embedding, hidden) + 2 * hidden * hidden + hidden + hidden * vocab + vocab  # Luong: W_c, then the readout
 
 
@@ -184,9 +194,11 @@ def memory_estimate(cfg: DictConfig) -> dict[str, int]:
     their gradients and Adam's two moments, a training step's activations and what autograd saves
     of them (B = train.batch_size, T_enc = task.length, T_dec = T_enc + 1), and the held-out set
     with the attention weights of its evaluation."""
+    if model_config.is_transformer(cfg):
+        return model_config.transformer_memory(cfg)
     task, train, model, attention = cfg.task, cfg.train, cfg.model, cfg.attention
     batch, t_enc, t_dec, heldout = train.batch_size, task.length, task.length + 1, train.eval_size
-    attends = attention.decoder != "plain"
+    attends = attention.score is not None
     # scores, masked scores, weights and a gradient per head; local attention adds its distances, window and Gaussian
     weight_floats = 4 * attention.get("heads", 1) + (3 if attention.get("local") else 0)
     return {
@@ -297,3 +309,8 @@ def remote_job_check(cfg: DictConfig) -> None:
     this machine has the device, which the job checks on its node when it starts."""
     check_device(cfg.train.device, here=False)
     validate(OmegaConf.merge(cfg, {"train": {"device": "cpu"}}))
+
+
+def default_attention() -> DictConfig:
+    """The attention group's default option as the schema composes it (what model=transformer leaves alone)."""
+    return OmegaConf.merge(OmegaConf.structured(AttentionConfig), model_config.default_attention(config_dir()))

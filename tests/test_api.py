@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pandas as pd
@@ -18,7 +17,7 @@ import torch
 import copytask
 from copytask import store
 
-from .conftest import GRID, SRC, TINY, overrides
+from .conftest import SRC, TINY
 
 
 def test_import_copytask_loads_no_heavy_module():

@@ -279,18 +279,18 @@ def select_runs(overrides: list[str], every_run: bool = False, every_run_unless_
     default grid, or with `every_run_unless_recorded` every complete run there); with `every_run`,
     every complete run in runs_dir, whatever grid it came from."""
     grid_given = [override for override in overrides if is_grid_override(override)]
-    if every_run or (every_run_unless_recorded and not grid_given and _recorded(overrides) is None):
-        if grid_given:
-            raise ConfigError(f"--all takes every complete run in runs_dir; give it no grid overrides (got {' '.join(grid_given)})")
-        master, _ = compose_grid(overrides, expand_grid=False)
-        runs = folder_runs(store.complete_runs(Path(master.runs_dir)))
-        return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs")
+    if every_run and grid_given:
+        raise ConfigError(f"--all takes every complete run in runs_dir; give it no grid overrides (got {' '.join(grid_given)})")
     if not grid_given:  # runs_dir first (cheap: no job composed), then the grid recorded there, expanded once
         master, _ = compose_grid(overrides, expand_grid=False)
-        if (recorded := recorded_overrides(Path(master.runs_dir))) is not None:
+        recorded = None if every_run else recorded_overrides(Path(master.runs_dir))
+        if recorded is not None:
             master, grid = compose_grid([*recorded, *overrides])
             command = shlex.join(["python", "-m", "copytask", "sweep", *recorded])
             return selection(master, grid, [*recorded, *overrides], command, recorded_in=master.runs_dir)
+        if every_run or every_run_unless_recorded:
+            runs = folder_runs(store.complete_runs(Path(master.runs_dir)))
+            return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs")
     master, grid = compose_grid(overrides)
     return selection(master, grid, overrides, sweep_command(master))
 
@@ -304,11 +304,6 @@ def selection(master: DictConfig, runs: list[GridRun], overrides: list[str], com
     trials = search_trials(master)
     of = f"the last search in {recorded_in}: {command}" if recorded_in is not None else f"the search: {command}"
     return Selection(master, runs, overrides, f"the {len(trials)} trials ({len(runs)} runs) of {of}", trials)
-
-
-def _recorded(overrides: list[str]) -> list[str] | None:
-    master, _ = compose_grid(overrides, expand_grid=False)
-    return recorded_overrides(Path(master.runs_dir))
 
 
 def nothing_done(command: str, selection: Selection) -> str:

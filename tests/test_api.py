@@ -85,6 +85,19 @@ def test_a_folder_without_a_sweep_record_gives_every_complete_run(runs_copy):
         copytask.compare(runs_copy / "nowhere")
 
 
+def test_a_skipped_run_is_a_warning_the_caller_filters_and_the_command_line_prints_in_one_line(runs_copy, capsys):
+    corrupt = sorted(store.complete_runs(runs_copy))[0]
+    (corrupt / store.METRICS).write_text("{")
+    with pytest.warns(copytask.CopytaskWarning, match=f"skipping .*{corrupt.name}: corrupt metrics.json"):
+        assert len(copytask.results(runs_copy)) == 7
+    assert capsys.readouterr().err == ""  # the library prints nothing of its own
+
+    command = [sys.executable, "-m", "copytask", "compare", f"runs_dir={runs_copy}"]
+    err = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, check=True).stderr
+    [line] = [line for line in err.splitlines() if corrupt.name in line]
+    assert line.startswith(f"copytask: warning: skipping {corrupt}: corrupt metrics.json")
+
+
 def test_load_run_and_decode_give_a_model_and_arrays(runs_copy):
     folder = next(folder for folder in store.complete_runs(runs_copy) if folder.name.startswith("luong_general-copy3"))
     model, cfg = copytask.load_run(folder)

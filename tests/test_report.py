@@ -19,7 +19,7 @@ from copytask.grid import compose_grid, variable_length_runs
 from .conftest import TINY, overrides
 
 
-def test_report_skips_corrupt_and_half_written_runs_with_a_warning(runs_copy, capsys):
+def test_report_skips_corrupt_and_half_written_runs_with_a_warning(runs_copy):
     table = pd.read_csv(runs_copy / "results.csv")
     corrupt, half_written = table["run"].iloc[0], table["run"].iloc[5]
     metrics = runs_copy / corrupt / store.METRICS
@@ -27,11 +27,12 @@ def test_report_skips_corrupt_and_half_written_runs_with_a_warning(runs_copy, ca
     (runs_copy / half_written / store.METRICS).unlink()  # killed before it finished
     shutil.rmtree(runs_copy / "report")
 
-    assert main(["report", *overrides(runs_copy)]) == 0
+    with pytest.warns(store.CopytaskWarning) as warned:
+        assert main(["report", *overrides(runs_copy)]) == 0
 
-    err = capsys.readouterr().err
-    assert re.search(rf"warning: skipping \S*{corrupt}: corrupt metrics.json", err)
-    assert re.search(rf"warning: skipping \S*{half_written}: incomplete", err)
+    messages = "\n".join(str(warning.message) for warning in warned)
+    assert re.search(rf"^skipping \S*{corrupt}: corrupt metrics.json", messages, re.M)
+    assert re.search(rf"^skipping \S*{half_written}: incomplete", messages, re.M)
     reported = pd.read_csv(runs_copy / "results.csv")
     assert len(reported) == len(table) - 2 and not {corrupt, half_written} & set(reported["run"])
     markdown = (runs_copy / "report" / "report.md").read_text()
@@ -40,13 +41,13 @@ def test_report_skips_corrupt_and_half_written_runs_with_a_warning(runs_copy, ca
     assert (runs_copy / "report" / "accuracy_vs_length.png").stat().st_size > 0
 
 
-def test_report_on_a_corrupt_attention_file_warns_and_goes_on(runs_copy, capsys):
+def test_report_on_a_corrupt_attention_file_warns_and_goes_on(runs_copy):
     table = pd.read_csv(runs_copy / "results.csv")
     run = table[table["attention"] == "luong_general"].sort_values("seed")["run"].iloc[0]
     (runs_copy / run / store.ATTENTION).write_text("{")
 
-    assert main(["report", *overrides(runs_copy)]) == 0
-    assert f"skipping attention_samples.json of {runs_copy / run}" in capsys.readouterr().err
+    with pytest.warns(store.CopytaskWarning, match=re.escape(f"skipping attention_samples.json of {runs_copy / run}")):
+        assert main(["report", *overrides(runs_copy)]) == 0
 
 
 @pytest.mark.parametrize("exists", [True, False])
@@ -152,15 +153,15 @@ def test_compare_train_missing_runs_the_missing_runs_first(runs_copy, capsys):
     assert len(parse_compare(output)) == 4  # then the full table
 
 
-def test_report_without_analysis_says_it_is_missing_and_how_to_make_it(runs_copy, capsys):
+def test_report_without_analysis_says_it_is_missing_and_how_to_make_it(runs_copy):
     runs = sorted(store.complete_runs(runs_copy))
     (runs[0] / store.ANALYSIS).write_text("{")  # corrupt: warned, then treated as missing
     for folder in runs[1:]:
         (folder / store.ANALYSIS).unlink()
 
-    assert main(["report", *overrides(runs_copy)]) == 0
+    with pytest.warns(store.CopytaskWarning, match=re.escape(f"skipping analysis.json of {runs[0]}")):
+        assert main(["report", *overrides(runs_copy)]) == 0
 
-    assert f"skipping analysis.json of {runs[0]}" in capsys.readouterr().err
     markdown = (runs_copy / "report" / "report.md").read_text()
     assert "**Analysis missing** for 8 of 8 runs" in markdown
     assert f"python -m copytask analyze runs_dir={runs_copy}" in markdown
@@ -168,15 +169,15 @@ def test_report_without_analysis_says_it_is_missing_and_how_to_make_it(runs_copy
     assert pd.read_csv(runs_copy / "results.csv")["align_hit"].isna().all()
 
 
-def test_a_failing_analysis_is_named_and_the_others_go_on(runs_copy, capsys):
+def test_a_failing_analysis_is_named_and_the_others_go_on(runs_copy):
     runs = sorted(store.complete_runs(runs_copy))
     for folder in runs:
         (folder / store.ANALYSIS).unlink()
     (runs[1] / store.CHECKPOINT).write_bytes(b"not a checkpoint")
 
-    assert analysis.analyze(runs, eval_size=8, progress=False) == len(runs) - 1
+    with pytest.warns(store.CopytaskWarning, match=re.escape(f"analysis of {runs[1]} failed")):
+        assert analysis.analyze(runs, eval_size=8, progress=False) == len(runs) - 1
 
-    assert f"analysis of {runs[1]} failed" in capsys.readouterr().err
     assert [folder for folder in runs if not (folder / store.ANALYSIS).is_file()] == [runs[1]]
 
 

@@ -26,12 +26,14 @@ _PUBLIC = {
     "ConfigError": "config",
     "RunInProgress": "training",
     "NonFiniteLoss": "training",
+    "CopytaskWarning": "store",
 }
 __all__ = list(_PUBLIC)
 
 if TYPE_CHECKING:
     from .api import SweepError, compare, compose, decode, load_run, report, results, sweep, train
     from .config import ConfigError
+    from .store import CopytaskWarning
     from .training import NonFiniteLoss, RunInProgress
 
 

@@ -86,10 +86,15 @@ def run_hydra(args: list[str], multirun: bool = False) -> int:
     return 0
 
 
+def format_warning(message, category, *args, **kwargs) -> str:
+    """A warning as one line: `copytask: warning: ...` for copytask's own, `Category: ...` for others'."""
+    return f"copytask: warning: {message}\n" if issubclass(category, store.CopytaskWarning) else f"{category.__name__}: {message}\n"
+
+
 def entry() -> int:
     """The `copytask` command (and `python -m copytask`): `main`, with warnings in one line each, as
     copytask's own messages are (set for the command's own process only, not for library use)."""
-    warnings.formatwarning = lambda message, category, *args, **kwargs: f"{category.__name__}: {message}\n"
+    warnings.formatwarning = format_warning
     # cuBLAS reads it once, at its first call: set before anything runs, inherited by the jobs a sweep launches (copytask.devices)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
     return main()

@@ -43,6 +43,12 @@ class SweepFailed(SystemExit):
         super().__init__(1)
 
 
+def warn(message: str) -> None:
+    """A line of the job's or the sweep summary's own output (these print, as the command does: a
+    job may run in a launcher's worker, where no caller's warning filters apply)."""
+    print(f"copytask: warning: {message}", file=sys.stderr)
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_job(cfg: DictConfig) -> float | None:
     """One job: train the run, print its line, and return its objective (metrics.json's OBJECTIVE,
@@ -74,7 +80,7 @@ def run_job(cfg: DictConfig, multirun: bool) -> float | None:
     try:
         metrics = train(cfg)  # validates first: a trial a search proposes that cannot run fails here, before training
     except RunInProgress as busy:
-        store.warn(f"{busy}; skipped")
+        warn(f"{busy}; skipped")
         return None
     except Exception as error:
         if multirun:  # recorded for the sweep summary, not swallowed
@@ -278,10 +284,10 @@ class SweepSummary(Callback):
         for run in unfinished:  # first: nothing after this may hide which jobs failed
             print(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}", file=sys.stderr)
         for run in elsewhere:
-            store.warn(f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)")
+            warn(f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)")
         trained_on = [store.read_json(run.folder / store.METRICS).get("device") for run, status in zip(runs, statuses) if status == "complete"]
         if warning := devices.cpu_despite_gpus(config.hydra.launcher.get("gpus_per_node"), trained_on):
-            store.warn(warning)
+            warn(warning)
         trained = sum(
             store.is_complete(run.folder) and (run.folder / store.METRICS).stat().st_mtime >= self.started_at
             for run in runs
@@ -329,7 +335,7 @@ class SweepSummary(Callback):
                     reporting.x_column(config.report.x, loaded)
                     x = config.report.x
                 except ConfigError as error:
-                    store.warn(f"{error}; the report puts task.length on the x axis")
+                    warn(f"{error}; the report puts task.length on the x axis")
                     x = "task.length"
                 written = reporting.write_report(runs, loaded, runs_dir, x)
             print(reporting.written_line(written, time.perf_counter() - report_started))

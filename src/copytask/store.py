@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +57,14 @@ UNUSED_UNLESS = {
 }
 
 
+class CopytaskWarning(UserWarning):
+    """A run or file that copytask skipped or could not read; the message names its folder."""
+
+
 def warn(message: str) -> None:
-    """One line on stderr; callers name the offending run (its folder) in `message`."""
-    print(f"copytask: warning: {message}", file=sys.stderr)
+    """A CopytaskWarning, shown where the caller's filters say (the command line prints it as one
+    `copytask: warning: ...` line); callers name the offending run (its folder) in `message`."""
+    warnings.warn(message, CopytaskWarning, stacklevel=3)
 
 
 def _pop(config: dict, dotted: str) -> None:

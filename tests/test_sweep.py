@@ -160,6 +160,23 @@ def test_slurm_preset_passes_cluster_settings_and_sets_torch_threads():
     assert params["setup"] == ["export OMP_NUM_THREADS=4"]  # torch in the job uses the CPUs it was given
 
 
+@pytest.mark.parametrize(
+    "extra, builds",
+    [([], True), (["train.fused=false"], False), (["model=transformer"], False), (["hydra/launcher=slurm"], False)],
+)
+def test_a_sweep_on_this_machines_cpu_builds_the_kernels_before_its_bar_starts(tmp_path, monkeypatch, extra, builds):
+    """A fresh machine's compile (30-80 s) inside the first jobs would count as training in the ETA."""
+    from copytask import jobs, kernel_build
+
+    calls = []
+    monkeypatch.setattr(kernel_build, "kernel", lambda: calls.append("build"))
+    monkeypatch.setattr(jobs.SweepProgress, "__init__", lambda self, *args, **kwargs: calls.append("bar"))
+    monkeypatch.setattr(jobs, "expand", lambda config: [])  # the grid's runs: what the bar is given, not what this test is about
+    master, _ = compose_grid([*TINY, f"runs_dir={tmp_path}", "task.length=3,4", "train.device=cpu", *extra])
+    jobs.SweepSummary().on_multirun_start(master)
+    assert calls == (["build", "bar"] if builds else ["bar"])
+
+
 def test_a_sweep_shows_one_progress_bar_for_all_its_runs(tmp_path):
     tiny = [override for override in TINY if override != "train.progress=false"]
     process = run_cli("sweep", *tiny, "train.progress=true", "attention=none", "task.length=3,4", "seed=0", f"runs_dir={tmp_path}")

@@ -31,7 +31,7 @@ from . import loggers, store
 from .config import ConfigError, config_dir
 from .grid import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun, expand, search_trials, sweep_command, trial_runs
 from .hydra_internals import override_args, own_global_hydra, proposes_jobs
-from .validation import analysis_device
+from .validation import analysis_device, remote_launcher
 
 
 class SweepFailed(SystemExit):
@@ -115,6 +115,17 @@ def run_hydra(args: list[str], multirun: bool = False) -> None:
     finally:
         sys.argv = argv
         root.handlers[:], root.level = handlers, level
+
+
+def builds_kernels_here(config: DictConfig) -> bool:
+    """Whether a sweep's jobs train with the fused CPU kernels on this machine (not on a SLURM
+    node, not on a GPU, not with train.fused=false, not for the Transformer), so that the sweep
+    builds them first."""
+    if not config.train.fused or config.model.name != "gru" or remote_launcher(config.hydra.launcher.get("_target_")):
+        return False
+    from .devices import resolve_device
+
+    return resolve_device(config.train.device).type == "cpu"
 
 
 def cpu_model() -> str:
@@ -241,6 +252,10 @@ class SweepSummary(Callback):
         self.begun = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "started_at": self.started_at}
         store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | self.begun)
         loggers.prepare(config)
+        if builds_kernels_here(config):
+            from . import kernel_build
+
+            kernel_build.kernel()  # a fresh machine's one-time compile (30-80 s), before the bar starts, so its ETA measures training
         if proposes_jobs(config.hydra):
             self.progress = TrialProgress(Path(config.hydra.sweep.dir), config.hydra.sweeper.get("n_trials"), enabled=config.train.progress)
         else:

@@ -223,3 +223,20 @@ def test_the_sweep_bar_weighs_each_run_by_its_length_and_budget(runs_copy):
     progress.close()
     assert progress.finished() == (4, 4 * 10 * 3)  # the four short runs are a third of the work, not half
     assert sum(progress.costs) == 4 * 10 * 3 + 4 * 10 * 6
+
+
+def test_the_sweep_bar_credits_the_steps_a_run_in_training_has_done(runs_copy):
+    from copytask.grid import select_runs
+    from copytask.jobs import SweepProgress
+
+    runs = select_runs(overrides(runs_copy)).runs
+    training, killed = [run for run in runs if run.config.task.length == 6][:2]
+    for run in (training, killed):
+        (run.folder / store.METRICS).unlink()
+        store.write_progress(run.folder, 4, 10)
+    with store.lock_run(training.folder):  # held as a training process holds it; the killed run's lock is free
+        progress = SweepProgress(runs, enabled=False)
+        progress.close()
+        done, work = progress.finished()
+    assert done == len(runs) - 2 and work == sum(progress.costs) - 10 * 6 - 0.6 * 10 * 6  # 4 of 10 steps of one run
+    assert progress.bar.n == work

@@ -18,6 +18,17 @@ from .conftest import TINY, run_cli
 RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store.ATTENTION}
 
 
+def test_a_run_records_its_progress_while_it_trains_and_not_once_complete(make_config, monkeypatch):
+    recorded = []
+    write_progress = store.write_progress
+    monkeypatch.setattr(store, "write_progress", lambda folder, step, steps: recorded.append(
+        (step, steps, store.is_complete(folder))) or write_progress(folder, step, steps))
+    cfg = make_config(*TINY, "train.steps=6", "train.eval_every=2", "train.target_acc=1.0", "train.patience=5")
+    training.train(cfg)
+    assert recorded == [(2, 6, False), (4, 6, False), (6, 6, False)]
+    assert not (store.run_dir(cfg) / store.PROGRESS).exists() and store.read_progress(store.run_dir(cfg)) == 0.0
+
+
 def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
     result = run_cli("train", *TINY, "attention=bahdanau", f"runs_dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

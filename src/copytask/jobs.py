@@ -155,9 +155,10 @@ def expected_cost(run: GridRun) -> float:
 
 class SweepProgress:
     """One progress bar for a whole sweep: the work done, each finished run (complete, or failed
-    during this sweep) weighted by its `expected_cost`, so that the ETA follows the work left
-    rather than the runs left; the runs finished of the grid beside it. A thread polls the run
-    folders, so it works the same under every launcher, in-process or not."""
+    during this sweep) weighted by its `expected_cost` and each run in training by the share of
+    its steps done, so that the ETA follows the work left rather than the runs left; the runs
+    finished of the grid beside it. A thread polls the run folders, so it works the same under
+    every launcher, in-process or not."""
 
     def __init__(self, runs: list[GridRun], enabled: bool, interval: float = 2.0) -> None:
         self.runs, self.started_at = runs, time.time()
@@ -168,10 +169,10 @@ class SweepProgress:
         """Draw the bar at what is finished now and start the thread that moves it."""
         from tqdm.auto import tqdm
 
-        done, cost = self.finished()
+        self.done, cost = self.finished()
         clock = "[{elapsed}<{remaining}]" if total is not None else "[{elapsed}]"  # no total (a sweeper that does not say): no ETA
         # smoothing=0: the rate since the start, not tqdm's moving average, which a few large steps (one per run) throw about
-        self.bar = tqdm(total=total, initial=cost, desc=self.runs_done(done), disable=not enabled, dynamic_ncols=True,
+        self.bar = tqdm(total=total, initial=cost, desc=self.runs_done(self.done), disable=not enabled, dynamic_ncols=True,
                         mininterval=interval, smoothing=0,
                         bar_format=("{desc}: {percentage:3.0f}%|{bar}| " if total is not None else "{desc} ") + clock)
         self.stop = threading.Event()
@@ -182,20 +183,25 @@ class SweepProgress:
         return f"sweep ({done}/{len(self.runs)} runs)"
 
     def finished(self) -> tuple[int, float]:
-        """How many runs have finished, and their expected cost together."""
-
-        def done(run: GridRun) -> bool:
+        """How many runs have finished, and the work done: their expected cost together, plus the
+        share of its step budget that each run in training has done, so that a long run moves the
+        bar while it trains rather than all at once at its end."""
+        done, work = 0, 0.0
+        for run, cost in zip(self.runs, self.costs):
             status = run.status()
-            return status == "complete" or status == "failed" and (run.folder / store.FAILED).stat().st_mtime >= self.started_at
-
-        finished = [cost for run, cost in zip(self.runs, self.costs) if done(run)]
-        return len(finished), sum(finished)
+            if status == "complete" or status == "failed" and (run.folder / store.FAILED).stat().st_mtime >= self.started_at:
+                done, work = done + 1, work + cost
+            elif status == "running":
+                work += cost * store.read_progress(run.folder)
+        return done, work
 
     def update(self) -> bool:
-        """Move the bar to the runs finished now; whether anything changed."""
+        """Move the bar to the work done now; whether anything changed."""
         done, cost = self.finished()
-        if cost == self.bar.n:
+        cost = max(cost, self.bar.n)  # never back: a run killed in training keeps what it was credited
+        if (done, cost) == (self.done, self.bar.n):
             return False
+        self.done = done
         self.bar.set_description_str(self.runs_done(done), refresh=False)
         self.bar.update(cost - self.bar.n)
         return True

@@ -28,6 +28,7 @@ CHECKPOINT = "checkpoint.pt"
 ATTENTION = "attention_samples.json"
 FAILED = "failed.json"
 ANALYSIS = "analysis.json"  # derived by `copytask analyze`, the one file added after training
+PROGRESS = "progress.json"  # while a run trains: its last evaluated step, for a sweep's bar; gone once it is complete
 
 
 # Keys that change where or how fast a run computes, or what it saves, not what it computes (results
@@ -202,10 +203,11 @@ def complete_runs(runs_dir: Path) -> list[Path]:
     return sorted(folder for folder in folders if is_complete(folder))
 
 
-def atomic_write(path: Path, data: str | bytes) -> None:
+def atomic_write(path: Path, data: str | bytes, durable: bool = True) -> None:
     """Write to a temporary file beside `path`, flush it to disk, then rename it into place: a
     crash leaves the old file or the whole new one, never a part. The file gets the permissions
-    the umask gives, as open() would: mkstemp's 600 would hide results from the rest of a group."""
+    the umask gives, as open() would: mkstemp's 600 would hide results from the rest of a group.
+    `durable=False` skips the flush to disk, for a file that only readers of the moment need."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
@@ -215,7 +217,8 @@ def atomic_write(path: Path, data: str | bytes) -> None:
             f.flush()
             # Without this a crash soon after the rename can leave `path` empty on disk (ext4,
             # xfs): a zero-length metrics.json where a finished run should be.
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -228,3 +231,17 @@ def write_json(path: Path, obj: Any) -> None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def write_progress(folder: Path, step: int, steps: int) -> None:
+    """Record that the run training in `folder` has reached `step` of its `steps`."""
+    atomic_write(folder / PROGRESS, json.dumps({"step": step, "steps": steps}), durable=False)
+
+
+def read_progress(folder: Path) -> float:
+    """The share of its step budget that the run training in `folder` has done (0 if unknown)."""
+    try:
+        progress = read_json(folder / PROGRESS)
+        return min(max(progress["step"] / progress["steps"], 0.0), 1.0)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):  # not written yet, or gone as it finished
+        return 0.0

@@ -193,6 +193,7 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], t
         if step % cfg.train.eval_every == 0 or step == steps:
             if first := int(nonfinite_step):
                 bar.close()
+                (folder / store.PROGRESS).unlink(missing_ok=True)
                 raise NonFiniteLoss(
                     f"{folder.name}: the training loss became NaN or inf at step {first} (the run diverged: "
                     f"try a lower train.lr); stopped at step {step}, nothing saved"
@@ -211,11 +212,13 @@ def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], t
             loss_sum.zero_()
             loss_count = 0
             bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", acc=f"{result['token_acc']:.3f}")
+            store.write_progress(folder, step, steps)  # a sweep's bar credits the work of runs in training
             hits = hits + 1 if result["token_acc"] >= cfg.train.target_acc else 0
             if cfg.train.patience and hits >= cfg.train.patience:
                 break
     bar.close()
     train_seconds = time.perf_counter() - started
+    (folder / store.PROGRESS).unlink(missing_ok=True)
 
     store.atomic_write(folder / store.HISTORY, pd.DataFrame(history).to_csv(index=False))
     buffer = io.BytesIO()

@@ -35,7 +35,6 @@ DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
 SCORES = ("additive", "dot", "scaled_dot", "general", "multihead")  # how a decoder state scores an encoder state
 MULTI_HEAD_SCORES = ("dot", "scaled_dot", "general", "multihead")  # a dot product splits into per-head ones; additive does not
 LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
-MAX_HEADS = 8
 DEVICES = ("auto", "cpu", "cuda")
 # CUBLAS_WORKSPACE_CONFIG values that make cuBLAS deterministic (PyTorch's reproducibility notes); the first is what the CLI sets
 DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")

@@ -40,7 +40,19 @@ class Encoder(nn.Module):
         return states, final
 
 
-class PlainDecoder(nn.Module):
+class Decoder(nn.Module):
+    """What `Seq2Seq` asks of a decoder: `forward` (teacher forcing), `step` (one greedy step), and
+    these two, which by default pass the encoder's output through: `memory`, what every step reads
+    of the encoder states (None: nothing), and `initial_state`, the first step's hidden state."""
+
+    def memory(self, encoder_states: Tensor) -> Memory:
+        return None
+
+    def initial_state(self, final: Tensor) -> Tensor:
+        return final
+
+
+class PlainDecoder(Decoder):
     """No attention: the encoder's final state, as the initial state, is all the decoder sees."""
 
     def __init__(self, vocab: int, embedding_size: int, hidden_size: int, fused: bool = True):
@@ -48,9 +60,6 @@ class PlainDecoder(nn.Module):
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
         self.rnn = kernels.GRU(embedding_size, hidden_size, fused=fused)
         self.out = nn.Linear(hidden_size, vocab)
-
-    def memory(self, encoder_states: Tensor) -> Memory:
-        return None
 
     def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
         states, _ = self.rnn(self.embedding(tgt_in), final[None])  # (B, T_dec, H)
@@ -61,7 +70,7 @@ class PlainDecoder(nn.Module):
         return self.out(state[:, 0]), None, state[:, 0]
 
 
-class RNNEncDecDecoder(nn.Module):
+class RNNEncDecDecoder(Decoder):
     """Cho et al. (2014)'s RNN encoder-decoder ("RNNencdec" in Bahdanau et al., 2014): no attention,
     but the encoder's fixed summary c (its final state) reaches every step, not only the first.
 
@@ -78,9 +87,6 @@ class RNNEncDecDecoder(nn.Module):
         self.init = nn.Linear(hidden_size, hidden_size)  # V (and a bias)
         self.rnn = kernels.GRU(embedding_size + hidden_size, hidden_size, fused=fused)
         self.out = nn.Linear(2 * hidden_size + embedding_size, vocab)
-
-    def memory(self, encoder_states: Tensor) -> Memory:
-        return None
 
     def initial_state(self, final: Tensor) -> Tensor:
         """The summary c (B, H) -> s_0 (B, H). The decoder's hidden state carries c beside s_t
@@ -105,7 +111,7 @@ class RNNEncDecDecoder(nn.Module):
         return logits[:, 0], None, torch.cat([state, summary], dim=-1)
 
 
-class BahdanauDecoder(nn.Module):
+class BahdanauDecoder(Decoder):
     """Query is the state *before* the step, s_{t-1}; the context c_t is part of the GRU input,
     so the decoder must run step by step even under teacher forcing."""
 
@@ -148,7 +154,7 @@ class BahdanauDecoder(nn.Module):
         return self.out(torch.cat([hidden, context], dim=-1)), weights, hidden
 
 
-class LuongDecoder(nn.Module):
+class LuongDecoder(Decoder):
     """Query is the state *after* the step, s_t; no input feeding, so the GRU never depends on
     attention: under teacher forcing it runs over the whole target at once and attention is
     one batched product over all steps. Output: tanh(W_c [s_t; c_t]) -> vocabulary."""
@@ -241,9 +247,8 @@ class Seq2Seq(nn.Module):
     def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor | None]:
         """Greedy decoding, each step fed its own previous prediction:
         -> tokens (B, steps), weights (B, steps, T_enc) or None."""
-        encoder_states, hidden = self.encoder(src, src_lengths)
-        if isinstance(self.decoder, RNNEncDecDecoder):
-            hidden = self.decoder.initial_state(hidden)
+        encoder_states, final = self.encoder(src, src_lengths)
+        hidden = self.decoder.initial_state(final)
         src_mask = length_mask(src_lengths, src.size(1))
         memory = self.decoder.memory(encoder_states)
         tokens = torch.full((src.size(0),), BOS, dtype=torch.long, device=src.device)

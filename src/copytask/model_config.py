@@ -27,16 +27,17 @@ MODEL_KEYS = {
 NULLABLE = ("model.max_length",)  # a key of the chosen model that may be null (null: task.length)
 POSITIONS = ("sinusoidal", "learned")
 MINIMUM = {"model.layers": 1, "model.heads": 1, "model.d_model": 1, "model.ff_size": 1, "model.max_length": 1}
-MAX_HEADS = 8
+MAX_HEADS = 8  # heads of a multi-head attention (attention.heads) or of the Transformer (model.heads)
 
 
 class Refused(ValueError):
     """A model config that cannot run; the message names the key, the value and what is allowed."""
 
 
-def model_name(cfg: DictConfig) -> str:
-    """`model.name`; runs from before the `model` group have none and are GRU runs."""
-    return cfg.model.get("name") or "gru"
+def model_name(cfg: DictConfig | dict) -> str:
+    """`model.name` of a config (or of its plain-dict form); runs from before the `model` group
+    have none and are GRU runs."""
+    return cfg["model"].get("name") or "gru"
 
 
 def is_transformer(cfg: DictConfig) -> bool:
@@ -86,13 +87,6 @@ def check_lengths(lengths: list[int] | None) -> None:
         raise Refused(f"analysis.lengths must be null or a list of integers >= 1, e.g. [5,10,20,40,80], got {list(lengths)}")
 
 
-def longest_covered(cfg: DictConfig) -> int | None:
-    """The longest source a run's model is defined at: its learned position table's; None (any) otherwise."""
-    if is_transformer(cfg) and cfg.model.positions == "learned":
-        return position_rows(cfg) - 1
-    return None
-
-
 def transformer_parameter_count(cfg: DictConfig) -> int:
     """The trainable parameters of `transformer.TransformerSeq2Seq` for `cfg`: nn.Transformer (its
     layers and final norms), the source and target embeddings, a learned position table, the readout."""
@@ -110,24 +104,22 @@ def transformer_parameter_count(cfg: DictConfig) -> int:
     return count
 
 
-FLOAT = 4
+FLOAT, LONG = 4, 8  # bytes of a float32 number and of a token id
 
 
-def transformer_memory(cfg: DictConfig) -> dict[str, int]:
-    """Roughly the bytes a Transformer run needs at its peak (see `config.memory_estimate`)."""
-    task, train, model = cfg.task, cfg.train, cfg.model
-    batch, t_enc, t_dec, d = train.batch_size, task.length, task.length + 1, model.d_model
+def transformer_activations(cfg: DictConfig) -> dict[str, int]:
+    """Roughly the bytes of a Transformer training step's activations, by what needs them (the
+    entries of `validation.memory_estimate` that are the Transformer's own)."""
+    task, model = cfg.task, cfg.model
+    batch, t_enc, t_dec, d = cfg.train.batch_size, task.length, task.length + 1, model.d_model
     positions = (t_enc + t_dec) * model.layers
     # per position and layer: about a dozen d-wide activations and the feed-forward block's, forward and gradient
     activations = 2 * batch * positions * (12 * d + 2 * model.ff_size) * FLOAT
     # scores and weights per head: encoder self, decoder self and cross attention
     weights = 4 * batch * model.heads * model.layers * (t_enc * t_enc + t_dec * t_dec + t_dec * t_enc) * FLOAT
     return {
-        "the parameters, their gradients and Adam's moments": 4 * transformer_parameter_count(cfg) * FLOAT,
         "the layers' activations (B x (T_enc + T_dec) x model.layers x model.d_model)": activations,
         "the attention weights (B x model.heads x model.layers x T^2)": weights,
-        "the logits (B x T_dec x vocabulary)": 3 * batch * t_dec * total_vocab(task.vocab_size) * FLOAT,
-        "the held-out set and its attention weights (train.eval_size x T_dec x T_enc)": train.eval_size * (4 * t_dec * 8 + t_dec * t_enc * FLOAT),
     }
 
 

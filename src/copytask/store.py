@@ -19,7 +19,7 @@ from filelock import AcquireReturnProxy, FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from .config import flatten
-from .model_config import MODEL_KEYS
+from .model_config import MODEL_KEYS, is_transformer, model_name
 
 METRICS = "metrics.json"
 CONFIG = "config.yaml"
@@ -42,19 +42,15 @@ NOT_IDENTITY = ("runs_dir", "retrain", "train.device", "train.threads", "train.f
 NEUTRAL = {"attention.heads": 1, "attention.local": None, "model.name": "gru"}
 
 
-def _model(config: dict) -> str:
-    return config["model"].get("name") or "gru"  # runs from before the model group are GRU runs
-
-
 # Keys that change nothing unless another key has a value: (key, condition on the config). Each model
 # reads its own keys; the attention group is the GRU's decoder.
 UNUSED_UNLESS = {
     "task.min_length": lambda config: config["task"].get("variable_length"),
     "train.warmup": lambda config: config["train"].get("schedule") == "onecycle",
     "attention.window": lambda config: config["attention"].get("local") is not None,
-    "attention": lambda config: _model(config) == "gru",
+    "attention": lambda config: model_name(config) == "gru",
     "model.max_length": lambda config: config["model"].get("positions") == "learned",
-    **{f"model.{key}": (lambda config, name=name: _model(config) == name) for name, keys in MODEL_KEYS.items() for key in keys},
+    **{f"model.{key}": (lambda config, name=name: model_name(config) == name) for name, keys in MODEL_KEYS.items() for key in keys},
 }
 
 
@@ -124,7 +120,7 @@ def architecture(cfg: DictConfig) -> str:
     """What a run's model is, in a word: a GRU model's attention type (`attention.name`), or
     `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer. Run names
     start with it; metrics.json records it as `attention`."""
-    if _model(cfg) == "transformer":
+    if is_transformer(cfg):
         return "transformer" if cfg.model.positions == "sinusoidal" else f"transformer_{cfg.model.positions}"
     return cfg.attention.name
 
@@ -132,7 +128,7 @@ def architecture(cfg: DictConfig) -> str:
 def model_label(cfg: DictConfig) -> str:
     """How tables, figures and files name a run's model: `architecture`, with a GRU model's head
     count where it has several (`attention_label`)."""
-    if _model(cfg) == "transformer":
+    if is_transformer(cfg):
         return architecture(cfg)
     return attention_label(cfg.attention.name, cfg.attention.get("heads", 1))
 

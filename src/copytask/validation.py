@@ -18,7 +18,8 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from . import model_config
-from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MAX_HEADS, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key
+from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key
+from .model_config import FLOAT, LONG, MAX_HEADS
 from .vocab import total_vocab
 
 
@@ -92,7 +93,7 @@ def validate(cfg: DictConfig) -> None:
     check_logger(cfg.get("logger"))
 
 
-# At most this share of fresh training rows may be held-out sequences: `train.training_batch` draws
+# At most this share of fresh training rows may be held-out sequences: `training.training_batch` draws
 # those again, about 1 / (1 - share) draws per row.
 MAX_HELDOUT_SHARE = 0.5
 
@@ -153,7 +154,7 @@ def check_heldout(length: int, vocab_size: int, eval_size: int, min_length: int 
 
 
 def parameter_count(cfg: DictConfig) -> int:
-    """The trainable parameters of the model `train.build_model` builds from `cfg`, counted without
+    """The trainable parameters of the model `evaluation.build_model` builds from `cfg`, counted without
     torch (tests check it against `model.count_parameters`)."""
     if model_config.is_transformer(cfg):
         return model_config.transformer_parameter_count(cfg)
@@ -183,7 +184,6 @@ def parameter_count(cfg: DictConfig) -> int:
     return count + gru(embedding, hidden) + 2 * hidden * hidden + hidden + hidden * vocab + vocab  # Luong: W_c, then the readout
 
 
-FLOAT, LONG = 4, 8  # bytes of a float32 number and of a token id
 # Floats a training step keeps per (row, position, hidden unit) of the GRUs: the input's share of
 # the gates (3), the gates (3), the state, the Luong combination, and the gradients of the largest.
 GRU_FLOATS = 10
@@ -194,23 +194,28 @@ def memory_estimate(cfg: DictConfig) -> dict[str, int]:
     their gradients and Adam's two moments, a training step's activations and what autograd saves
     of them (B = train.batch_size, T_enc = task.length, T_dec = T_enc + 1), and the held-out set
     with the attention weights of its evaluation."""
-    if model_config.is_transformer(cfg):
-        return model_config.transformer_memory(cfg)
-    task, train, model, attention = cfg.task, cfg.train, cfg.model, cfg.attention
+    task, train, model = cfg.task, cfg.train, cfg.model
     batch, t_enc, t_dec, heldout = train.batch_size, task.length, task.length + 1, train.eval_size
-    attends = attention.score is not None
-    # scores, masked scores, weights and a gradient per head; local attention adds its distances, window and Gaussian
-    weight_floats = 4 * attention.get("heads", 1) + (3 if attention.get("local") else 0)
+    if model_config.is_transformer(cfg):
+        attends, activations = True, model_config.transformer_activations(cfg)
+    else:
+        attention = cfg.attention
+        attends = attention.score is not None
+        # scores, masked scores, weights and a gradient per head; local attention adds its distances, window and Gaussian
+        weight_floats = 4 * attention.get("heads", 1) + (3 if attention.get("local") else 0)
+        activations = {
+            "the embeddings (B x (T_enc + T_dec) x model.embedding_size)": 2 * batch * (t_enc + t_dec) * model.embedding_size * FLOAT,
+            "the GRU states (B x (T_enc + T_dec) x model.hidden_size)": GRU_FLOATS * batch * (t_enc + t_dec) * model.hidden_size * FLOAT,
+            "the attention weights (B x T_dec x T_enc)": attends * weight_floats * batch * t_dec * t_enc * FLOAT,
+            # the (B, T_dec, T_enc, attention.size) sum and its tanh, saved for the backward pass
+            "the additive scores (B x T_dec x T_enc x attention.size)": (
+                2 * batch * t_dec * t_enc * attention.size * FLOAT if attention.score == "additive" else 0
+            ),
+        }
     return {
         "the parameters, their gradients and Adam's moments": 4 * parameter_count(cfg) * FLOAT,
-        "the embeddings (B x (T_enc + T_dec) x model.embedding_size)": 2 * batch * (t_enc + t_dec) * model.embedding_size * FLOAT,
-        "the GRU states (B x (T_enc + T_dec) x model.hidden_size)": GRU_FLOATS * batch * (t_enc + t_dec) * model.hidden_size * FLOAT,
+        **activations,
         "the logits (B x T_dec x vocabulary)": 3 * batch * t_dec * total_vocab(task.vocab_size) * FLOAT,
-        "the attention weights (B x T_dec x T_enc)": attends * weight_floats * batch * t_dec * t_enc * FLOAT,
-        # the (B, T_dec, T_enc, attention.size) sum and its tanh, saved for the backward pass
-        "the additive scores (B x T_dec x T_enc x attention.size)": (
-            2 * batch * t_dec * t_enc * attention.size * FLOAT if attention.score == "additive" else 0
-        ),
         # its token ids (source, decoder input, target, decoded output) and, with attention, the weights kept
         "the held-out set and its attention weights (train.eval_size x T_dec x T_enc)": heldout * (4 * t_dec * LONG + attends * t_dec * t_enc * FLOAT),
     }

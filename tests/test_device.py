@@ -343,3 +343,16 @@ def test_flops_are_counted_on_a_cpu_copy_of_the_step(monkeypatch):
     assert flops > 0 and len(counted_on) == 1 and counted_on[0] is not setup[0]
     assert all(p.device.type == "cpu" for p in counted_on[0].parameters())
     assert all(torch.equal(value, before[name]) for name, value in setup[0].state_dict().items())
+
+
+def test_a_cpu_run_on_a_gpu_machine_leaves_cuda_untouched(make_config, monkeypatch):
+    """Forking every GPU's random state initialises CUDA on each of them, in every CPU job."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    touched = []
+    for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, name=name, **kwargs: touched.append(name))
+    before = torch.random.get_rng_state()
+    metrics = train(make_config(*TINY, "train.device=cpu"))
+    assert metrics["device"] == "cpu" and touched == []
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's CPU random state, as it was

@@ -105,8 +105,9 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
         elif folder.exists():  # leftovers of an interrupted or failed run: no one else writes here while we hold the lock
             shutil.rmtree(folder)
         try:
-            with loggers.open_run(cfg, folder.name) as tracker, torch_state(cfg.train.threads), run_settings(cfg.train.device):  # the tracker closes before the run is complete
-                metrics = _train_locked(cfg, folder, model_class, tracker)
+            device = resolve_device(cfg.train.device)
+            with loggers.open_run(cfg, folder.name) as tracker, torch_state(cfg.train.threads, device), run_settings(device):  # the tracker closes before the run is complete
+                metrics = _train_locked(cfg, folder, device, model_class, tracker)
             store.write_json(folder / store.METRICS, metrics)  # last: marks the run complete
         except BaseException:
             if previous is not None:  # the finished run comes back: a failed retrain loses nothing
@@ -141,11 +142,13 @@ def thread_count(threads: int | None) -> int:
 
 
 @contextmanager
-def torch_state(threads: int | None) -> Iterator[None]:
-    """Inside: `thread_count(threads)` torch CPU threads and torch's global random state forked, so
-    that the model's initialisation can draw from it; after: both as they were."""
+def torch_state(threads: int | None, device: torch.device) -> Iterator[None]:
+    """Inside: `thread_count(threads)` torch CPU threads and torch's global random state forked (the
+    CPU's, and `device`'s own if it is a GPU), so that the run can seed and draw from it; after:
+    both as they were. Only the run's device: forking every GPU's state would start CUDA on each of
+    them, also for a CPU run on a GPU machine."""
     previous_threads = torch.get_num_threads()
-    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         try:
             torch.set_num_threads(thread_count(threads))
             yield
@@ -153,14 +156,16 @@ def torch_state(threads: int | None) -> Iterator[None]:
             torch.set_num_threads(previous_threads)
 
 
-def _train_locked(cfg: DictConfig, folder: Path, model_class: type[nn.Module], tracker: loggers.RunLogger) -> dict:
+def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_class: type[nn.Module], tracker: loggers.RunLogger) -> dict:
     """`train`'s work, in a fresh `folder`, under the run's lock: every file but metrics.json, whose
     content it returns. `tracker` gets what the folder gets."""
     folder.mkdir(parents=True)
     store.atomic_write(folder / store.CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
 
-    device = resolve_device(cfg.train.device)
-    torch.manual_seed(cfg.seed)  # the model's initialisation; `torch_state` restores the caller's random state
+    # the model's initialisation (on the CPU) and, on a GPU, its own draws; `torch_state` restores the caller's random state
+    torch.random.default_generator.manual_seed(cfg.seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     model = build_model(cfg, model_class).to(device)
     tracker.log_params(store.flat_identity(cfg))

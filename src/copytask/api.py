@@ -72,11 +72,14 @@ def sweep(overrides: Sequence[str] = (), runs_dir: str | Path | None = None) -> 
     check_grid(overrides)
     try:
         run_hydra(overrides, multirun=True)
+        failed_jobs = False
     except SweepFailed:
-        loaded = load(select_runs(overrides).runs)
-        failed = [run.folder.name for run, _ in loaded.missing]
-        raise SweepError(f"{len(failed)} of {len(loaded.runs) + len(failed)} runs failed: {', '.join(failed)}", loaded.table) from None
-    return load(select_runs(overrides).runs).table
+        failed_jobs = True
+    loaded = load(select_runs(overrides).runs)
+    if failed_jobs:  # a run another process is still training has not failed (the sweep's summary counts it apart)
+        failed = [run.folder.name for run, _ in loaded.missing if run.status() != "running"]
+        raise SweepError(f"{len(failed)} of {len(loaded.runs) + len(loaded.missing)} runs failed: {', '.join(failed)}", loaded.table)
+    return loaded.table
 
 
 def select(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False) -> Selection:

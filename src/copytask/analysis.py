@@ -160,7 +160,7 @@ def length_generalisation(model: Seq2Seq, cfg: DictConfig, lengths: list[int], e
     at each test length. A model with learned positions is not defined past its table: such a length
     gets no accuracy (None) and a `note` saying why, never a number from positions it does not have."""
     device, rows = next(model.parameters()).device, []
-    longest = getattr(model, "longest_source", None)
+    longest = model.longest_source
     for length in lengths:
         if longest is not None and length > longest:
             note = f"not defined: the learned position table covers lengths up to {longest} (model.max_length)"

@@ -134,7 +134,8 @@ def decode(
 ) -> Decoded:
     """Greedy-decode `symbols` (`"g d d c"` or `gddc`) with the model of the run in `run_dir`, or
     `random` sequences of `length` symbols (default: the trained length) drawn from `seed`, on
-    the CPU. DecodeError (a ConfigError) for a request that cannot be answered, before torch loads."""
+    the CPU. DecodeError (a ConfigError) for a request that cannot be answered: a bad request
+    before torch loads, an unreadable checkpoint or a length the model is not defined at after."""
     run_dir = Path(run_dir)
     cfg = read_run(run_dir)
     text = (symbols or "").strip()
@@ -164,7 +165,7 @@ def _decode(run_dir: Path, cfg: DictConfig, sequences: list[list[int]] | None, c
     except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError) as error:
         raise DecodeError(f"cannot load {run_dir / store.CHECKPOINT}: {type(error).__name__}: {error}") from None
     task, vocab_size = cfg.task.name, cfg.task.vocab_size
-    longest = getattr(model, "longest_source", None)
+    longest = model.longest_source
     asked = length if sequences is None else len(sequences[0])
     if longest is not None and asked > longest:
         raise DecodeError(f"{run_dir.name} has learned positions up to length {longest} (model.max_length): it is not defined at length {asked}")
@@ -172,10 +173,9 @@ def _decode(run_dir: Path, cfg: DictConfig, sequences: list[list[int]] | None, c
         batch = make_batch(task, count, length, vocab_size, torch.Generator().manual_seed(seed))
     else:
         batch = task_batch(task, torch.tensor(sequences), torch.tensor([len(sequences[0])]))
-    with torch.no_grad():
-        tokens, weights = model.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))  # weights: mean over heads
-        heads = model.attention.heads if model.attention is not None else 1
-        maps = head_weights(model, batch) if heads > 1 else (weights[:, None] if weights is not None else None)
+    tokens, weights = model.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))  # weights: mean over heads
+    heads = model.attention.heads if model.attention is not None else 1
+    maps = head_weights(model, batch) if heads > 1 else (weights[:, None] if weights is not None else None)
     hits, symbols, exact = sequence_scores(tokens, batch)
     return Decoded(
         run_dir.name, cfg, batch.src.numpy(), batch.src_lengths.numpy(), tokens.numpy(), batch.tgt_out.numpy(),

@@ -12,7 +12,8 @@
   overrides, and a value of each searched key (one the Optuna sweeper cannot take is a ConfigError);
 - `own_global_hydra()`: a block with no GlobalHydra, after which the caller's is back as it was.
 
-All need an initialised GlobalHydra (inside a Hydra app, or `initialize_config_dir`).
+`compose`, `sweep_jobs`, `compose_job`, `search_space` and `search_samples` need an initialised
+GlobalHydra (inside a Hydra app, or `initialize_config_dir`).
 tests/test_hydra_internals.py checks each against a small known case, so a Hydra release that
 changes them fails there, loudly, before anything else does.
 """

@@ -257,7 +257,7 @@ def bahdanau_backward(
 
 @bahdanau_backward.register_fake
 def _(grad_states, grad_contexts, grad_weights, weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh):
-    (steps, batch, source, attention), embedding = u.shape, w_ih.size(1) - before.size(2)
+    (_, batch, source, attention), embedding = u.shape, w_ih.size(1) - before.size(2)
     keys = u.new_empty(batch, source, attention)
     like = [inputs[..., :embedding], before[0], keys, values, w_q, v, w_ih, w_ih[:, 0], w_hh, w_hh[:, 0]]
     return tuple(t.new_empty(t.shape) for t in like)

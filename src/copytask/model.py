@@ -237,6 +237,11 @@ class Seq2Seq(nn.Module):
         """Every attention a counterfactual replaces: the decoder's one, if it has attention."""
         return [] if self.attention is None else [self.attention]
 
+    @property
+    def longest_source(self) -> int | None:
+        """The longest source the model is defined at: any (as for the Transformer's sinusoids)."""
+        return None
+
     def forward(self, src: Tensor, src_lengths: Tensor, tgt_in: Tensor) -> tuple[Tensor, Tensor | None]:
         """Teacher forcing: -> logits (B, T_dec, V), weights (B, T_dec, T_enc) or None."""
         encoder_states, final = self.encoder(src, src_lengths)

@@ -48,7 +48,7 @@ def x_column(x: str, loaded: tables.Loaded) -> str:
     the length or a numeric setting of the grid."""
     column = "length" if x == "task.length" else x
     table = loaded.table
-    numeric = [key for key in loaded.settings if pd.api.types.is_numeric_dtype(table[key]) and not pd.api.types.is_bool_dtype(table[key])]
+    numeric = [key for key in loaded.settings if tables.numeric(table[key])]
     if column != "length" and column not in numeric:
         raise ConfigError(f"report.x must be task.length or a numeric key swept in this grid ({', '.join(['task.length', *numeric])}), got {x!r}")
     return column

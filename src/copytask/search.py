@@ -92,10 +92,6 @@ def best_line(table: pd.DataFrame, settings: list[str]) -> str:
     )
 
 
-def numeric(values: pd.Series) -> bool:
-    return pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)
-
-
 def plot_objective_by_trial(table: pd.DataFrame, chance: float, path: Path) -> Path:
     """The objective of each trial (dots) and the best so far (a step line), in %; a failed trial
     is an x on the bottom edge."""
@@ -125,7 +121,7 @@ def plot_objective_by_key(table: pd.DataFrame, settings: list[str], chance: floa
     image = None
     for axis, key in zip(axes, keys):
         values = done[key]
-        if numeric(values):
+        if tables.numeric(values):
             x, best_x = values.astype(float), top[key].astype(float)
             positive = (x > 0).all()
             if positive and x.max() / x.min() >= 10:
@@ -164,7 +160,7 @@ def search_setup(table: pd.DataFrame, loaded: tables.Loaded, runs_dir: Path) -> 
     ranges = []
     for key in loaded.settings:
         values = table[key].dropna()
-        if numeric(values):
+        if tables.numeric(values):
             ranges.append(f"`{key}` {tables.setting_value(values.min())} to {tables.setting_value(values.max())}")
         else:
             ranges.append(f"`{key}` {', '.join(sorted(values.map(tables.setting_value).unique()))}")

@@ -199,6 +199,11 @@ def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
     return summary
 
 
+def numeric(values: pd.Series) -> bool:
+    """Whether a column holds numbers (booleans are not: True and False are no axis)."""
+    return pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)
+
+
 def setting_value(value: object) -> str:
     """A setting's value as a table or a title shows it: `1e-3` rather than `0.001000`, `-` for none."""
     if value is None or (isinstance(value, float) and math.isnan(value)):

@@ -25,7 +25,8 @@ from .vocab import total_vocab
 
 def validate(cfg: DictConfig) -> None:
     """Refuse bad values before anything is trained or written: ConfigError naming the key, the
-    value and what is allowed. Types are the schema's (checked by Hydra); this checks ranges."""
+    value and what is allowed. Types are the schema's (checked by Hydra); this checks the rest (see
+    the module's docstring)."""
     task, train, model, attention = cfg.task, cfg.train, cfg.model, cfg.attention
     unknown = sorted(set(dotted_keys(cfg)) - set(SCHEMA_KEYS))
     if unknown:  # added with `+key=value`: nothing would read it, yet it would rename the run

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from copytask import store, validation
+from copytask import validation
 from copytask import training
 from copytask.config import ConfigError
 from copytask.validation import heldout_share, validate
@@ -49,7 +49,6 @@ def test_a_heldout_set_that_leaves_too_few_training_sequences_is_refused_naming_
         validate(cfg)
     message = str(refused.value)
     assert "\n" not in message and f"train.eval_size={cfg.train.eval_size}" in message and advice in message
-    assert not store.run_dir(cfg).exists()
 
 
 def test_the_advice_of_a_refusal_is_accepted(make_config):
@@ -145,7 +144,7 @@ def test_every_preset_fits_a_small_machine(preset, monkeypatch):
     assert len(grid) >= 36
 
 
-@pytest.mark.parametrize("attention", ["none", "bahdanau", "luong_dot", "luong_general", "luong_concat", "scaled_dot", "multihead", "luong_local", "luong_local_m"])
+@pytest.mark.parametrize("attention", ["none", "rnnencdec", "bahdanau", "luong_dot", "luong_general", "luong_concat", "scaled_dot", "multihead", "luong_local", "luong_local_m"])
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_the_estimates_parameter_count_is_the_models(make_config, attention, bidirectional):
     from copytask.model import count_parameters

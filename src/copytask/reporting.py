@@ -234,11 +234,10 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
     setting_grid = x == "length" and len(others) == 1 and pd.api.types.is_numeric_dtype(summary[others[0]])
     if setting_grid:
         figures += plot_setting_grid(summary, others[0], out)
-    curves = []
+    curves, attentions = [], list(dict.fromkeys(loaded.table["attention"]))
     for values, runs in groups(loaded.table, settings):
         suffix, title = setting_suffix(settings, values), setting_title(settings, values)
         if histories := run_histories(loaded, runs):
-            attentions = list(dict.fromkeys(loaded.table["attention"]))
             curves.append((title, plot_curves(histories, attentions, title, out / f"{CURVES_FIGURE}{suffix}.png")))
     heatmaps = plot_heatmaps(loaded, out)
     head_heatmaps = plot_head_heatmaps(loaded, out)

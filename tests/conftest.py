@@ -72,3 +72,18 @@ def runs_copy(swept, tmp_path) -> Path:
     copy = tmp_path / "runs"
     shutil.copytree(swept[0], copy)
     return copy
+
+
+@pytest.fixture
+def fails_at_length_4(monkeypatch):
+    """A job's training that raises for task.length=4 and trains every other run."""
+    from copytask import training
+
+    real_train = training.train
+
+    def train(cfg):
+        if cfg.task.length == 4:
+            raise RuntimeError("injected failure at length 4")
+        return real_train(cfg)
+
+    monkeypatch.setattr(training, "train", train)  # what the job imports when it runs

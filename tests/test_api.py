@@ -121,17 +121,7 @@ def test_sweep_returns_the_results_table_and_names_failed_runs(tmp_path):
         copytask.sweep([*TINY, "task.length=3,0"], runs_dir=runs_dir)
 
 
-def test_a_sweep_with_a_failed_job_raises_naming_it_with_the_other_runs_results(tmp_path, monkeypatch):
-    from copytask import training
-
-    real_train = training.train
-
-    def train(cfg):
-        if cfg.task.length == 4:
-            raise RuntimeError("injected failure at length 4")
-        return real_train(cfg)
-
-    monkeypatch.setattr(training, "train", train)  # what the job imports when it runs
+def test_a_sweep_with_a_failed_job_raises_naming_it_with_the_other_runs_results(tmp_path, fails_at_length_4):
     with pytest.raises(copytask.SweepError, match=r"^1 of 2 runs failed: none-copy4-seed0-") as failed:
         copytask.sweep([*TINY, "attention=none", "task.length=4,3", "seed=0"], runs_dir=tmp_path)
     assert failed.value.table["length"].tolist() == [3]

@@ -9,7 +9,6 @@ import pandas as pd
 import pytest
 
 from copytask import cli, store
-from copytask import training
 from copytask.grid import compose_grid
 
 from .conftest import TINY, overrides, run_cli
@@ -84,15 +83,7 @@ def test_resume_retrains_exactly_the_removed_run(runs_copy):
     assert "8/8 runs complete (1 trained now)" in process.stdout
 
 
-def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, monkeypatch, capsys):
-    real_train = training.train
-
-    def train(cfg):
-        if cfg.task.length == 4:
-            raise RuntimeError("injected failure at length 4")
-        return real_train(cfg)
-
-    monkeypatch.setattr(training, "train", train)  # what the job imports when it runs
+def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, fails_at_length_4, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["sweep", *TINY, f"runs_dir={tmp_path}", "attention=none", "task.length=4,3", "seed=0"])
 

@@ -231,7 +231,7 @@ def memory(attentions: list[str], length: int, overrides: list[str], steps: int)
 
 def time_to_target(attentions: list[str], length: int, overrides: list[str], settings: str, runs_dir: Path) -> pd.DataFrame:
     """Train each attention type with each implementation, with TARGET_SETTINGS[settings], until
-    the target accuracy is first reached on the held-out set. -> seconds and steps to it (NaN if
+    the target accuracy is first reached on the validation set. -> seconds and steps to it (NaN if
     never reached within the budget) and the seconds trained in all."""
     rows = []
     for attention in attentions:
@@ -242,7 +242,7 @@ def time_to_target(attentions: list[str], length: int, overrides: list[str], set
             shutil.rmtree(folder, ignore_errors=True)  # measure afresh, never reuse a finished run
             train(cfg, cls)
             history = pd.read_csv(folder / store.HISTORY)
-            hit = history[history.token_acc >= cfg.train.target_acc].head(1)
+            hit = history[history.val_token_acc >= cfg.train.target_acc].head(1)
             rows.append(
                 {
                     "attention": attention,

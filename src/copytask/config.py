@@ -96,6 +96,8 @@ class TrainConfig:
     eval_every: int = MISSING
     eval_size: int = MISSING
     eval_seed: int = MISSING
+    val_size: int = MISSING
+    val_seed: int = MISSING
     target_acc: float = MISSING
     patience: Optional[int] = MISSING
     device: str = MISSING
@@ -147,13 +149,13 @@ MINIMUM = {
     "seed": 0, "task.length": 1, "task.vocab_size": 2,  # one symbol would make copying trivial
     "task.min_length": 1, "model.embedding_size": 1, "model.hidden_size": 1, "attention.size": 1,
     "attention.heads": 1, "attention.window": 1, "train.steps": 1, "train.batch_size": 1,
-    "train.eval_every": 1, "train.eval_size": 1, "train.eval_seed": 0, "train.patience": 1,
+    "train.eval_every": 1, "train.eval_size": 1, "train.eval_seed": 0, "train.val_size": 1, "train.val_seed": 0, "train.patience": 1,
     "train.threads": 1, "train.attention_samples": 0, "analysis.eval_size": 1, "analysis.threads": 1,
     **model_config.MINIMUM,
 }
 # The largest value of an integer key where there is one: torch's generators take 64-bit seeds,
 # and OpenMP would start every thread asked for.
-MAXIMUM = {"seed": 2**64 - 1, "train.eval_seed": 2**64 - 1, "train.threads": 1024, "analysis.threads": 1024}
+MAXIMUM = {"seed": 2**64 - 1, "train.eval_seed": 2**64 - 1, "train.val_seed": 2**64 - 1, "train.threads": 1024, "analysis.threads": 1024}
 TYPES = {"Integer": "an integer", "Float": "a number", "bool": "true or false"}  # as OmegaConf names them
 
 

@@ -58,11 +58,11 @@ def read_analysis(folder: Path) -> dict | None:
 
 
 def target_step(folder: Path, target: float) -> float:
-    """The first evaluation step whose greedy token accuracy reached `target` (the run's
-    train.target_acc), from its history.csv; NaN if none did (or the history cannot be read)."""
+    """The first evaluation step whose greedy token accuracy on the validation set reached `target`
+    (the run's train.target_acc), from its history.csv; NaN if none did (or the history cannot be read)."""
     try:
         history = pd.read_csv(folder / store.HISTORY)
-        hit = history["step"][history["token_acc"] >= target]
+        hit = history["step"][history["val_token_acc"] >= target]
     except (OSError, ValueError, KeyError):  # pandas' parser and empty-data errors are ValueErrors
         return math.nan
     return float(hit.iloc[0]) if len(hit) else math.nan

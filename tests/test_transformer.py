@@ -24,7 +24,7 @@ TINY_TRANSFORMER = [*TINY, "model=transformer", "model.d_model=8", "model.heads=
 def trained_a_little(model: nn.Module, cfg, steps: int = 30) -> nn.Module:
     """A few Adam steps on the copy task: weights away from their initialisation, so that argmaxes differ
     between steps and positions and the tests below test something."""
-    from copytask.evaluation import sample_batch
+    from copytask.splits import sample_batch
     from copytask.training import train_step
 
     generator = torch.Generator().manual_seed(0)

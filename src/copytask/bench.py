@@ -51,7 +51,8 @@ from .data import Batch
 from .model import Seq2Seq
 from .reference import ReferenceSeq2Seq
 from .devices import fused_adam, resolve_device, run_settings
-from .evaluation import build_model, sample_batch
+from .evaluation import build_model
+from .splits import sample_batch
 from .jobs import cpu_model
 from .training import train, train_step
 

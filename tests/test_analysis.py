@@ -172,6 +172,9 @@ def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, caps
     assert torch.tensor(attended["head_weights"]["weights"]).shape == (2, 5, 4)
     baseline = store.read_json(folders["none"] / store.ANALYSIS)
     assert "counterfactual" not in baseline and [row["test_length"] for row in baseline["per_length"]] == [2, 3]
+    # length 2 has 81 sequences, some trained on or validating: fewer than 64 are held out, and it says so
+    [note] = baseline["per_length_notes"]
+    assert "of the 81 sequences of length 2" in note and baseline["per_length"][0]["count"] < analysis.PER_LENGTH_SIZE
 
     # analysed runs are skipped: a second analyze leaves the files alone
     stamps = {f: (f / store.ANALYSIS).stat().st_mtime_ns for f in folders.values()}
@@ -180,6 +183,7 @@ def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, caps
     assert stamps == {f: (f / store.ANALYSIS).stat().st_mtime_ns for f in folders.values()}
     printed = capsys.readouterr().out
     assert "luong_general-2heads" in printed and "length generalisation" in printed
+    assert "held-out sets at short lengths" in printed and note in printed
 
 
 def test_analyze_skips_a_corrupt_run_with_a_warning_naming_it(analysed_runs, tmp_path):

@@ -370,6 +370,17 @@ def per_length_table(analyses: Iterable[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def heldout_notes(analyses: Iterable[dict]) -> dict[str, list[str]]:
+    """Each note of a length scored on fewer held-out sequences than asked (or not at all), with the
+    runs it is about (`length_generalisation` and `per_length_notes`)."""
+    fewer = {}
+    for a in analyses:
+        notes = [row["note"] for row in a["length_generalisation"] if "note" in row and not row["note"].startswith("not defined")]
+        for note in [*notes, *a.get("per_length_notes", [])]:
+            fewer.setdefault(note, []).append(a["run"])
+    return fewer
+
+
 def _by_length(level: pd.Index) -> pd.Index:
     """Sort key: train lengths ("5", "10", "5-80") by their longest length, not as text."""
     return level.map(lambda value: int(value.split("-")[-1])) if level.name == "train_length" else level
@@ -403,4 +414,6 @@ def summary(analyses: list[dict], settings: pd.DataFrame | None = None) -> str:
         "length generalisation: greedy token accuracy, train length (rows) x test length (columns)\n"
         + matrix.to_string(float_format=number)
     )
+    if fewer := heldout_notes(analyses):
+        parts.append("held-out sets at short lengths:\n" + "\n".join(f"{note} ({len(runs)} runs)" for note, runs in fewer.items()))
     return "\n\n".join(parts)

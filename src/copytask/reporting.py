@@ -355,12 +355,7 @@ def heldout_lines(analyses: list[dict]) -> list[str]:
     """report.md's account of what holding sequences out did: the lengths scored on fewer held-out
     sequences than asked (or not at all, where training drew every one) and, for variable-length
     runs, how the held-out sets changed training's length mix. Nothing where neither happened."""
-    fewer = {}
-    for a in analyses:
-        notes = [row["note"] for row in a["length_generalisation"] if "note" in row]
-        for note in [*notes, *a.get("per_length_notes", [])]:
-            if not note.startswith("not defined"):
-                fewer.setdefault(note, []).append(a["run"])
+    fewer = analysis.heldout_notes(analyses)
     mixes = {a["run"]: a["length_mix"] for a in analyses if a.get("length_mix")}
     if not fewer and not mixes:
         return []

@@ -7,6 +7,7 @@ from copytask.model import Seq2Seq, count_parameters
 # Seq2Seq's arguments for each attention config (configs/attention/), at a tiny size
 ATTENTION = {
     "none": dict(decoder="plain"),
+    "rnnencdec": dict(decoder="rnnencdec"),
     "bahdanau": dict(decoder="bahdanau", score="additive", attention_size=12),
     "luong_dot": dict(decoder="luong", score="dot"),
     "luong_general": dict(decoder="luong", score="general"),
@@ -16,7 +17,8 @@ ATTENTION = {
     "luong_local": dict(decoder="luong", score="general", local="predictive", window=2),
     "luong_local_m": dict(decoder="luong", score="general", local="monotonic", window=2),
 }
-WEIGHTS_SUM_TO_ONE = [name for name in ATTENTION if name not in ("none", "luong_local")]  # local-p: the paper's Gaussian
+NO_ATTENTION = ("none", "rnnencdec")
+WEIGHTS_SUM_TO_ONE = [name for name in ATTENTION if name not in (*NO_ATTENTION, "luong_local")]  # local-p: the paper's Gaussian
 
 
 def make_model(name: str, bidirectional: bool = True) -> Seq2Seq:
@@ -30,7 +32,7 @@ def test_forward_shapes(name):
     batch = make_batch("copy", 3, 7, 6, torch.Generator().manual_seed(0))
     logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
     assert logits.shape == (3, 8, total_vocab(6))
-    if name == "none":
+    if name in NO_ATTENTION:
         assert weights is None
     else:
         assert weights.shape == (3, 8, 7)
@@ -119,3 +121,31 @@ def test_attention_adds_parameters_and_none_has_no_attention():
     sizes = {name: count_parameters(make_model(name)) for name in ATTENTION}
     assert make_model("none").attention is None
     assert sizes["luong_dot"] < sizes["luong_general"] and sizes["none"] < sizes["luong_dot"]
+
+
+def test_rnnencdec_is_cho_et_als_decoder():
+    """Cho et al. (2014), appendix A.1, written out by hand one step at a time: the summary
+    c = tanh(V h_N), s_0 = tanh(V' c), C c in both gates and inside the reset-gated term of the
+    candidate, and the readout W_o [s_t; e(y_{t-1}); c] (without the paper's maxout)."""
+    model = make_model("rnnencdec")
+    decoder = model.decoder
+    batch = make_batch("copy", 3, 5, 6, torch.Generator().manual_seed(4), min_length=2)
+    with torch.no_grad():
+        _, final = model.encoder(batch.src, batch.src_lengths)  # h_N (B, H)
+        logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
+        w_r, w_z, w = decoder.input_gates.weight.chunk(3)
+        b_wr, b_wz, b_w = decoder.input_gates.bias.chunk(3)
+        u_r, u_z, u = decoder.state_gates.weight.chunk(3)
+        b_ur, b_uz, b_u = decoder.state_gates.bias.chunk(3)
+        c_r, c_z, c = decoder.summary_gates.weight.chunk(3)
+        summary = torch.tanh(final @ decoder.summary.weight.T + decoder.summary.bias)
+        state = torch.tanh(summary @ decoder.init.weight.T + decoder.init.bias)
+        for t in range(batch.tgt_in.size(1)):
+            embedded = decoder.embedding.weight[batch.tgt_in[:, t]]
+            r = torch.sigmoid(embedded @ w_r.T + b_wr + state @ u_r.T + b_ur + summary @ c_r.T)
+            z = torch.sigmoid(embedded @ w_z.T + b_wz + state @ u_z.T + b_uz + summary @ c_z.T)
+            candidate = torch.tanh(embedded @ w.T + b_w + r * (state @ u.T + b_u + summary @ c.T))
+            state = z * state + (1 - z) * candidate
+            by_hand = torch.cat([state, embedded, summary], dim=-1) @ decoder.out.weight.T + decoder.out.bias
+            torch.testing.assert_close(logits[:, t], by_hand, atol=1e-5, rtol=1e-4)
+    assert weights is None and model.attention is None  # no attention: the summary is the bottleneck

@@ -180,8 +180,8 @@ def parameter_count(cfg: DictConfig) -> int:
         return count + gru(embedding, hidden) + hidden * vocab + vocab
     if attention.decoder == "bahdanau":
         return count + gru(embedding + hidden, hidden) + 2 * hidden * vocab + vocab  # context into the cell; readout from [s_t; c_t]
-    if attention.decoder == "rnnencdec":  # summary into the GRU input; tanh(V c) the initial state; readout from [s_t; y_{t-1}; c]
-        return count + gru(embedding + hidden, hidden) + hidden * hidden + hidden + (2 * hidden + embedding) * vocab + vocab
+    if attention.decoder == "rnnencdec":  # V and V' (c and s_0); the GRU's W, U and C (as a cell on [e; c]); readout from [s_t; e(y_{t-1}); c]
+        return count + 2 * (hidden * hidden + hidden) + gru(embedding + hidden, hidden) + (2 * hidden + embedding) * vocab + vocab
     return count + gru(embedding, hidden) + 2 * hidden * hidden + hidden + hidden * vocab + vocab  # Luong: W_c, then the readout
 
 

@@ -1,8 +1,11 @@
 import pytest
 import torch
 
+from copytask import store
+from copytask.config import ConfigError
 from copytask.data import make_batch, total_vocab
 from copytask.model import Seq2Seq, count_parameters
+from copytask.validation import validate
 
 # Seq2Seq's arguments for each attention config (configs/attention/), at a tiny size
 ATTENTION = {
@@ -149,3 +152,25 @@ def test_rnnencdec_is_cho_et_als_decoder():
             by_hand = torch.cat([state, embedded, summary], dim=-1) @ decoder.out.weight.T + decoder.out.bias
             torch.testing.assert_close(logits[:, t], by_hand, atol=1e-5, rtol=1e-4)
     assert weights is None and model.attention is None  # no attention: the summary is the bottleneck
+
+
+def test_rnnencdec_runs_are_named_apart_from_those_of_its_earlier_equations(make_config):
+    """attention.variant=cho2014 is part of an rnnencdec run's identity: the runs made before the
+    decoder computed Cho et al.'s equations (commit 0cb4bce) are never read as new ones, and no other
+    run is renamed."""
+    cfg = make_config("attention=rnnencdec")
+    validate(cfg)
+    assert store.identity(cfg)["attention"]["variant"] == "cho2014"
+    assert store.run_name(cfg) != "rnnencdec-copy20-seed0-19c01655"  # its name at commit 0cb4bce
+    assert store.run_name(make_config("attention=none")) == "none-copy20-seed0-cbad3463"  # unchanged
+    assert "variant" not in store.identity(make_config("attention=none"))["attention"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["attention=rnnencdec", "attention.variant=null"], "attention.variant must be cho2014 with attention.decoder=rnnencdec, got None"),
+    (["attention=bahdanau", "attention.variant=cho2014"], "attention.variant must be null with attention.decoder=bahdanau, got 'cho2014'"),
+])
+def test_a_variant_no_decoder_computes_is_refused(make_config, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        validate(make_config(*overrides))
+

@@ -18,7 +18,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from . import model_config
-from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key
+from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, VARIANTS, AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key
 from .model_config import FLOAT, LONG, MAX_HEADS
 from .vocab import total_vocab
 
@@ -49,6 +49,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(refused)) from None
     if attention.decoder not in DECODERS:
         raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
+    if attention.variant != VARIANTS.get(attention.decoder):  # the one set of equations each decoder computes
+        expected = VARIANTS.get(attention.decoder) or "null"
+        raise ConfigError(f"attention.variant must be {expected} with attention.decoder={attention.decoder}, got {attention.variant!r}")
     if model.bidirectional and model.hidden_size % 2:
         raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
     if attention.score not in (None, *SCORES):

@@ -50,8 +50,8 @@ def validate(cfg: DictConfig) -> None:
     if attention.decoder not in DECODERS:
         raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
     if attention.variant != VARIANTS.get(attention.decoder):  # the one set of equations each decoder computes
-        expected = VARIANTS.get(attention.decoder) or "null"
-        raise ConfigError(f"attention.variant must be {expected} with attention.decoder={attention.decoder}, got {attention.variant!r}")
+        expected, got = VARIANTS.get(attention.decoder) or "null", "null" if attention.variant is None else repr(attention.variant)
+        raise ConfigError(f"attention.variant must be {expected} with attention.decoder={attention.decoder}, got {got}")
     if model.bidirectional and model.hidden_size % 2:
         raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
     if attention.score not in (None, *SCORES):

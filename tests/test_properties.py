@@ -91,6 +91,7 @@ VALID = {
     "task.min_length": st.integers(1, 6),
     "attention.heads": st.integers(1, 4),
     "attention.window": st.integers(1, 4),
+    "attention.variant": st.sampled_from(["null", "cho2014"]),  # cho2014 with attention=rnnencdec only
     "model.hidden_size": st.sampled_from([1, 2, 4, 6, 8, 12]),
     "model.embedding_size": st.integers(1, 8),
     "model.bidirectional": st.booleans().map(str).map(str.lower),

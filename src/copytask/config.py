@@ -32,6 +32,10 @@ class ConfigError(ValueError):
 
 TASKS = ("copy", "reverse")
 DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
+# attention.variant: which equations a decoder computes, where they changed after its runs were made, so that
+# those runs' folders are not read as the new ones'. rnnencdec became Cho et al.'s (2014, appendix A.1) in
+# issue 26; its earlier runs (the encoder's raw final state fed into the GRU's input) have no variant.
+VARIANTS = {"rnnencdec": "cho2014"}
 SCORES = ("additive", "dot", "scaled_dot", "general", "multihead")  # how a decoder state scores an encoder state
 MULTI_HEAD_SCORES = ("dot", "scaled_dot", "general", "multihead")  # a dot product splits into per-head ones; additive does not
 LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
@@ -83,6 +87,7 @@ class AttentionConfig:
     heads: int = 1
     local: Optional[str] = None
     window: Optional[int] = None
+    variant: Optional[str] = None
 
 
 @dataclass

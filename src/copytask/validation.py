@@ -18,7 +18,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from . import model_config
-from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key
+from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, VARIANTS, AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key
 from .model_config import FLOAT, LONG, MAX_HEADS
 from .vocab import total_vocab
 
@@ -49,6 +49,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(refused)) from None
     if attention.decoder not in DECODERS:
         raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
+    if attention.variant != VARIANTS.get(attention.decoder):  # the one set of equations each decoder computes
+        expected, got = VARIANTS.get(attention.decoder) or "null", "null" if attention.variant is None else repr(attention.variant)
+        raise ConfigError(f"attention.variant must be {expected} with attention.decoder={attention.decoder}, got {got}")
     if model.bidirectional and model.hidden_size % 2:
         raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
     if attention.score not in (None, *SCORES):
@@ -182,8 +185,8 @@ def parameter_count(cfg: DictConfig) -> int:
         return count + gru(embedding, hidden) + hidden * vocab + vocab
     if attention.decoder == "bahdanau":
         return count + gru(embedding + hidden, hidden) + 2 * hidden * vocab + vocab  # context into the cell; readout from [s_t; c_t]
-    if attention.decoder == "rnnencdec":  # summary into the GRU input; tanh(V c) the initial state; readout from [s_t; y_{t-1}; c]
-        return count + gru(embedding + hidden, hidden) + hidden * hidden + hidden + (2 * hidden + embedding) * vocab + vocab
+    if attention.decoder == "rnnencdec":  # V and V' (c and s_0); the GRU's W, U and C (as a cell on [e; c]); readout from [s_t; e(y_{t-1}); c]
+        return count + 2 * (hidden * hidden + hidden) + gru(embedding + hidden, hidden) + (2 * hidden + embedding) * vocab + vocab
     return count + gru(embedding, hidden) + 2 * hidden * hidden + hidden + hidden * vocab + vocab  # Luong: W_c, then the readout
 
 

@@ -26,7 +26,7 @@ def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.M
         model = cfg.model
         return TransformerSeq2Seq(
             total_vocab(cfg.task.vocab_size), model.d_model, model.heads, model.layers, model.ff_size,
-            model.positions, position_rows(cfg), model.dropout,
+            model.positions, position_rows(cfg), model.dropout, fused=cfg.train.get("fused", True),
         )
     return model_class(
         vocab=total_vocab(cfg.task.vocab_size),

@@ -126,7 +126,7 @@ class TransformerSeq2Seq(nn.Module):
         layers = self.transformer.decoder.layers
         assert not any(layer.norm_first for layer in [*layers, *encoder.layers]), "the layers here are post-norm"
         # each layer's own nn.MultiheadAttention, read through Attention (the same parameters, not a copy)
-        self.cross_attentions = nn.ModuleList(Attention("multihead", d_model, d_model, heads=heads, mha=layer.multihead_attn) for layer in layers)
+        self.cross_attentions = nn.ModuleList(Attention("multihead", d_model, d_model, heads=heads, fused=fused, mha=layer.multihead_attn) for layer in layers)
         self.out = nn.Linear(d_model, vocab)
 
     @property

@@ -3,6 +3,8 @@ definitions, decoding, masks, parameter counts and configs, and a tiny run throu
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from copytask.validation import parameter_count, validate
 from copytask.data import BOS, PAD, length_mask, make_batch
 from copytask.evaluation import build_model
 from copytask.model import count_parameters
-from copytask.transformer import scaled_dot_product
+from copytask.transformer import SinusoidalPositions, scaled_dot_product
 
 from .conftest import TINY, run_cli
 
@@ -343,3 +345,39 @@ def test_scaled_embeddings_start_on_the_scale_of_the_positions(make_config):
     ratio = scaled.pow(2).mean().sqrt() / positions.pow(2).mean().sqrt()
     assert 0.5 < ratio < 2
     assert model.src_embedding.weight[0].abs().max() == 0 == model.tgt_embedding.weight[0].abs().max()  # PAD stays zero
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fixed", "mixed"])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_greedy_is_the_teacher_forced_argmax_also_for_a_model_that_emits_pad(make_config, mixed, positions):
+    """Any model, not only a trained one (which never emits PAD): the readout's PAD bias raised until
+    about a third of the teacher-forced argmaxes are PAD, so that greedy decoding feeds PADs back in
+    mid-sequence. Masking the decoder's keys by token value (tgt_in == PAD) made the two differ."""
+    cfg = make_config("task.length=8", *SMALL, f"model.positions={positions}")
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 8, cfg.task.vocab_size, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
+        others = logits.clone()
+        others[..., PAD] = float("-inf")
+        model.out.bias[PAD] += (others.max(-1).values - logits[..., PAD]).quantile(0.3)
+        tokens, weights = model.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))
+        fed = torch.cat([torch.full_like(tokens[:, :1], BOS), tokens[:, :-1]], dim=1)
+        forced, forced_weights = model(batch.src, batch.src_lengths, fed)
+    assert (fed[:, 1:-1] == PAD).sum() >= 3 and (tokens != PAD).any()  # PADs fed back with steps after them
+    assert torch.equal(forced.argmax(-1), tokens)
+    torch.testing.assert_close(weights, forced_weights, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("d", [32, 7])
+def test_sinusoidal_positions_are_the_papers_formula(d):
+    """PE[pos, 2i] = sin(pos / 10000^(2i / d)), PE[pos, 2i + 1] = cos(pos / 10000^(2i / d)) (Vaswani et
+    al., 2017, section 3.5), written out in float64: sin and cos swapped, or another base, fails."""
+    table = SinusoidalPositions(d)(torch.arange(100))
+    assert table.shape == (100, d)
+    for position in (0, 1, 2, 7, 40, 99):
+        for column in range(d):
+            angle = position / 10000 ** (2 * (column // 2) / d)
+            want = math.sin(angle) if column % 2 == 0 else math.cos(angle)
+            assert table[position, column].item() == pytest.approx(want, abs=2e-5), (position, column)

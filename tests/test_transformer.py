@@ -15,6 +15,7 @@ from copytask.validation import parameter_count, validate
 from copytask.data import BOS, PAD, length_mask, make_batch
 from copytask.evaluation import build_model
 from copytask.model import count_parameters
+from copytask.reference import ReferenceTransformer, reference_transformer_state
 from copytask.transformer import SinusoidalPositions, scaled_dot_product
 
 from .conftest import TINY, run_cli
@@ -381,3 +382,32 @@ def test_sinusoidal_positions_are_the_papers_formula(d):
             angle = position / 10000 ** (2 * (column // 2) / d)
             want = math.sin(angle) if column % 2 == 0 else math.cos(angle)
             assert table[position, column].item() == pytest.approx(want, abs=2e-5), (position, column)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fixed", "mixed"])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_the_tutorials_transformer_computes_the_same_numbers(make_config, mixed, positions):
+    """reference.ReferenceTransformer (separate q/k/v projections, masked softmax, no cache) loaded
+    with a trained project model's state_dict: the same logits, weights and gradients (a training
+    step, the project on its kernel where it builds) and the same greedy output."""
+    cfg = make_config("task.length=7", *SMALL, f"model.positions={positions}")
+    torch.manual_seed(0)
+    project = trained_a_little(build_model(cfg), cfg).train()
+    reference = build_model(cfg, transformer_class=ReferenceTransformer)
+    reference.load_state_dict(project.state_dict())  # strict: every name translated, none left over
+    batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 7, cfg.task.vocab_size, torch.Generator().manual_seed(4))
+    logits = project(batch.src, batch.src_lengths, batch.tgt_in)[0]
+    want = reference(batch.src, batch.src_lengths, batch.tgt_in)[0]
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)
+    grads = reference_transformer_state(loss_and_gradients(project, logits, batch))
+    for name, grad in loss_and_gradients(reference, want, batch).items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    project.eval()
+    with torch.no_grad():
+        _, weights = project(batch.src, batch.src_lengths, batch.tgt_in)
+        _, want_weights = reference(batch.src, batch.src_lengths, batch.tgt_in)
+        tokens, greedy_weights = project.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))
+        want_tokens, want_greedy_weights = reference.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))
+    torch.testing.assert_close(weights, want_weights, atol=1e-5, rtol=1e-4)
+    assert torch.equal(tokens, want_tokens) and len(set(tokens.flatten().tolist())) > 2
+    torch.testing.assert_close(greedy_weights, want_greedy_weights, atol=1e-5, rtol=1e-4)

@@ -12,6 +12,9 @@ rows per step.
   step, as `model.BahdanauDecoder` computes it);
 - `additive_scores`: the additive score of every (decoder step, source position) pair, which
   Luong's concat score needs under teacher forcing (`attention.Attention.additive_scores`).
+- `attention`: multi-head scaled dot-product attention, the Transformer's self- and
+  cross-attention in a training step (`transformer.TransformerSeq2Seq`): not a recurrence, but
+  at its sizes (heads of 8 features) torch's attention runs far below the matmul rate.
 
 They are used for float32 on CPU; everywhere else (CUDA, float64, `fused=False`, no C++
 compiler) the torch code runs. They agree with it to float rounding, NaN and inf included

@@ -69,9 +69,8 @@ def sweep(overrides: Sequence[str] = (), runs_dir: str | Path | None = None) -> 
     from .jobs import SweepFailed, run_hydra
 
     overrides = [*overrides, *([runs_dir_override(runs_dir)] if runs_dir is not None else [])]
-    check_grid(overrides)
     try:
-        run_hydra(overrides, multirun=True)
+        run_hydra(overrides, multirun=True, quiet=True)  # the jobs' and the summary's lines go to the caller's logging only
         failed_jobs = False
     except SweepFailed:
         failed_jobs = True
@@ -120,7 +119,12 @@ def compare(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), a
     a search (`hparams_search=baseline`), its trials best first (`search.trial_table`: objective,
     best so far, the searched settings, the run's accuracies)."""
     selection = select(runs_dir, overrides, all_runs)
-    loaded = load(selection, "compare")
+    return comparison(selection, load(selection, "compare"))
+
+
+def comparison(selection: Selection, loaded: Loaded) -> pd.DataFrame:
+    """`compare`'s table for a selection already loaded (what the command line prints, after it
+    has said which runs these are and which are missing)."""
     if selection.is_search:
         from .search import ranked, trial_table
 

@@ -293,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="own: each implementation its usual optimiser settings; same: both the project's")
     parser.add_argument("--csv", type=Path, default=Path("runs/bench/bench.csv"))
     parser.add_argument("--quick", action="store_true", help=f"a smoke run of seconds: {QUICK}")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # Overrides first: argparse would take one after a list option (--memory-attentions a b key=value) as one of its values.
+    overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
+    args = parser.parse_args([*overrides, *(arg for arg in argv if arg not in overrides)])
     if args.quick:
         args.lengths, args.repeats, args.warmup, args.gemm_size = QUICK["lengths"], QUICK["repeats"], QUICK["warmup"], QUICK["gemm_size"]
         args.memory_steps, args.memory_attentions = 1, QUICK["memory_attentions"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import pickle
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from . import store
-from .config import ConfigError
+from .config import ConfigError, refuse
 from .vocab import EOS, parse_symbols, symbol
 
 SHADES = " ░▒▓█"  # attention weight 0, 0.25, 0.5, 0.75, 1 (each weight rounded to the nearest)
@@ -190,18 +189,13 @@ def main(args: list[str]) -> int:
     except SystemExit as done:  # --help
         return done.code or 0
     except DecodeError as error:
-        return _refuse(error)
+        return refuse(error)
     try:
         decoded = decode(options.run_dir, " ".join(options.symbols), options.random, options.length, options.seed)
     except ValueError as error:  # DecodeError, and parse_symbols' refusals
-        return _refuse(error)
+        return refuse(error)
     print_decoded(decoded, options.png)
     return 0
-
-
-def _refuse(error: Exception) -> int:
-    print(f"copytask: error: {error}", file=sys.stderr)
-    return 2
 
 
 def print_decoded(decoded: Decoded, png: Path | None) -> None:

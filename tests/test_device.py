@@ -208,7 +208,7 @@ def test_a_checkpoint_saved_on_a_gpu_loads_on_the_cpu(trained_run, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="CUDA"):
         torch.load(checkpoint, weights_only=True)  # the tags are real: without map_location it wants a GPU
-    _, model = evaluation.load_run(trained_run, device="cpu")
+    model, _ = evaluation.load_run(trained_run, device="cpu")
     for name, value in model.state_dict().items():
         assert value.device.type == "cpu" and torch.equal(value, before[name]), name
 

@@ -36,9 +36,9 @@ from tqdm.auto import tqdm
 from . import store
 from .attention import Attention, Intervention
 from .data import Batch, copied_positions, make_batch
-from .evaluation import eval_batch, evaluate, load_run, rounded, sequence_scores
-from .model import Seq2Seq
+from .evaluation import Model, eval_batch, evaluate, load_run, rounded, sequence_scores
 from .devices import resolve_device, run_settings
+from .training import torch_threads
 
 COUNTERFACTUALS = ("uniform", "permuted", "fixed")
 ALIGNMENT = ("hit", "mass", "adjacent")
@@ -91,7 +91,7 @@ def intervention(attention: Attention, replace: Intervention) -> Iterator[None]:
         attention.intervention = None
 
 
-def counterfactual_accuracy(model: Seq2Seq, batch: Batch, seed: int = 0) -> dict[str, float]:
+def counterfactual_accuracy(model: Model, batch: Batch, seed: int = 0) -> dict[str, float]:
     """Greedy token accuracy on `batch` under each counterfactual in COUNTERFACTUALS. The replaced
     weights act at every decoding step, so later steps see the consequences of earlier ones, and in
     every attention of the model (`model.attentions`: a Transformer's every cross-attention layer)."""
@@ -128,7 +128,7 @@ def alignment(weights: Tensor, batch: Batch, task: str) -> dict[str, float]:
     }
 
 
-def head_weights(model: Seq2Seq, batch: Batch) -> Tensor:
+def head_weights(model: Model, batch: Batch) -> Tensor:
     """Each head's weights in greedy decoding: -> (B, heads, T_dec, T_enc), T_dec = batch's target length."""
     attention = model.attention
     recorded = []
@@ -155,7 +155,7 @@ def heldout_batch(cfg: DictConfig, eval_size: int | None) -> Batch:
     return eval_batch(cfg).select(slice(0, eval_size))
 
 
-def length_generalisation(model: Seq2Seq, cfg: DictConfig, lengths: list[int], eval_size: int | None = None) -> list[dict]:
+def length_generalisation(model: Model, cfg: DictConfig, lengths: list[int], eval_size: int | None = None) -> list[dict]:
     """Greedy accuracy on the held-out set (the run's eval seed, its first `eval_size` sequences)
     at each test length. A model with learned positions is not defined past its table: such a length
     gets no accuracy (None) and a `note` saying why, never a number from positions it does not have."""
@@ -194,7 +194,7 @@ def per_length_batch(cfg: DictConfig, per_length: int = PER_LENGTH_SIZE) -> Batc
     return make_batch(task.name, size, task.length, task.vocab_size, generator, task.min_length)
 
 
-def per_length_accuracy(model: Seq2Seq, batch: Batch) -> pd.DataFrame:
+def per_length_accuracy(model: Model, batch: Batch) -> pd.DataFrame:
     """Greedy accuracy on a mixed-length `batch`, one row per length (see `accuracy_by_length`)."""
     batch = batch.to(next(model.parameters()).device)
     return accuracy_by_length(batch, evaluate(model, batch)["tokens"])
@@ -206,7 +206,7 @@ def per_length_accuracy(model: Seq2Seq, batch: Batch) -> pd.DataFrame:
 def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, device: str = "auto") -> dict:
     """Everything above for one run folder, on `device` -> the content of its analysis.json. Fixed-length
     evaluations use the first `eval_size` sequences of the run's held-out set (None: all)."""
-    cfg, model = load_run(folder, device)
+    model, cfg = load_run(folder, device)
     device = next(model.parameters()).device
     task = cfg.task
     analysis = {
@@ -283,10 +283,8 @@ def analyze(
     if lengths is None:
         lengths = sorted(set(trained.values()))
     device = resolve_device(device)
-    analysed, previous_threads = 0, torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
+    analysed = 0
+    with torch_threads(threads):
         for folder in tqdm(folders, desc="analyze", unit="run", disable=not progress, dynamic_ncols=True):
             if is_analysed(folder, lengths, eval_size, device.type):
                 continue
@@ -297,8 +295,6 @@ def analyze(
                 analysed += 1
             except Exception as error:  # noqa: BLE001 - one run's failure must not stop the others
                 store.warn(f"analysis of {folder} failed: {type(error).__name__}: {error}")
-    finally:
-        torch.set_num_threads(previous_threads)
     return analysed
 
 

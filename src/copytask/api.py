@@ -27,9 +27,8 @@ from .grid import Selection, check_grid, nothing_done, select_runs
 
 if TYPE_CHECKING:  # heavy imports happen where they are needed: `import copytask` stays fast
     import pandas as pd
-    from torch import nn
-
     from .decoding import Decoded
+    from .evaluation import Model
     from .tables import Loaded
 
 
@@ -155,12 +154,11 @@ def write_report(selection: Selection, loaded: Loaded, x: str | None = None) -> 
     return [save(loaded, runs_dir), *reporting.write_report(selection.runs, loaded, runs_dir, x)]
 
 
-def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, DictConfig]:
+def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Model, DictConfig]:
     """A finished run's trained model on `device`, in eval mode, and its resolved config."""
     from .evaluation import load_run as load
 
-    cfg, model = load(Path(run_dir), device)
-    return model, cfg
+    return load(Path(run_dir), device)
 
 
 def decode(run_dir: str | Path, symbols: str | None = None, random: int | None = None, length: int | None = None, seed: int = 0) -> Decoded:

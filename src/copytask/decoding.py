@@ -160,7 +160,7 @@ def _decode(run_dir: Path, cfg: DictConfig, sequences: list[list[int]] | None, c
     from .evaluation import load_run, sequence_scores
 
     try:
-        _, model = load_run(run_dir, device="cpu")  # a few sequences: the CPU is quick enough
+        model, _ = load_run(run_dir, device="cpu")  # a few sequences: the CPU is quick enough
     except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError) as error:
         raise DecodeError(f"cannot load {run_dir / store.CHECKPOINT}: {type(error).__name__}: {error}") from None
     task, vocab_size = cfg.task.name, cfg.task.vocab_size

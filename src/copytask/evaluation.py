@@ -17,6 +17,8 @@ from .model import Seq2Seq
 from .model_config import is_transformer, position_rows
 from .transformer import TransformerSeq2Seq
 
+Model = Seq2Seq | TransformerSeq2Seq  # what `build_model` makes, and what training, the analysis and decode take
+
 
 def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.Module:
     """The configured model: a `TransformerSeq2Seq` for model=transformer, else `model_class`, which
@@ -110,12 +112,13 @@ def _pad_to(t: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
 
 
-def load_run(folder: Path, device: str = "cpu") -> tuple[DictConfig, Seq2Seq]:
-    """A finished run's resolved config and its trained model on `device` (auto: a GPU where there
-    is one), in eval mode. The checkpoint loads onto the CPU first, wherever it was saved."""
+def load_run(folder: Path, device: str = "cpu") -> tuple[Model, DictConfig]:
+    """A finished run's trained model on `device` (auto: a GPU where there is one), in eval mode,
+    and its resolved config (the order of `copytask.load_run`). The checkpoint loads onto the CPU
+    first, wherever it was saved."""
     cfg = OmegaConf.load(Path(folder) / store.CONFIG)
     with torch.random.fork_rng(devices=[]):  # the initialisation, overwritten at once, draws from the global generator
         model = build_model(cfg)
     checkpoint = torch.load(Path(folder) / store.CHECKPOINT, map_location="cpu", weights_only=True)
     model.load_state_dict(checkpoint["model"])
-    return cfg, model.to(resolve_device(device)).eval()
+    return model.to(resolve_device(device)).eval(), cfg

@@ -6,8 +6,9 @@ results and summary, write its report, load a trained model and decode with it.
     metrics = copytask.train(cfg)
     copytask.compare("runs")
 
-They return values (dicts, DataFrames, paths, arrays) and print nothing but progress; the command
-line (`copytask.cli`) is a thin layer over the same functions. Calling them changes no process-wide
+They return values (dicts, DataFrames, paths, arrays) and print nothing but progress bars (on
+stderr); what a sweep says as it goes goes to the `copytask` logger (`store.log`), to which the
+library adds no handler. The command line (`copytask.cli`) is a thin layer over the same functions. Calling them changes no process-wide
 state: torch's thread count and random state, matplotlib's backend and a Hydra instance the caller
 initialised are as they were. Bad input raises `ConfigError`, whose message is the command line's
 one line; a run another process is training raises `RunInProgress`.
@@ -33,8 +34,8 @@ if TYPE_CHECKING:  # heavy imports happen where they are needed: `import copytas
 
 
 class SweepError(RuntimeError):
-    """A sweep ended with failed jobs (each named on stderr, with a failed.json in its run folder);
-    `table` holds the results of the runs that did complete."""
+    """A sweep ended with failed jobs (each logged at ERROR to the `copytask` logger, with a
+    failed.json in its run folder); `table` holds the results of the runs that did complete."""
 
     def __init__(self, message: str, table: pd.DataFrame) -> None:
         super().__init__(message)
@@ -62,8 +63,9 @@ def sweep(overrides: Sequence[str] = (), runs_dir: str | Path | None = None) -> 
     """Train the grid of `python -m copytask sweep <overrides>` (in `runs_dir`, if given), through
     Hydra's launcher as the command does (`hydra/launcher=parallel` for two jobs at a time),
     skipping complete runs; every job is checked before the first starts. Ends with the sweep's
-    analysis, results.csv and report, and returns the results table (`results`). SweepError if
-    any job failed, after everything else is written."""
+    analysis, results.csv and report, and returns the results table (`results`); the jobs' and the
+    summary's lines go to the `copytask` logger only (Hydra configures no logging here). SweepError
+    if any job failed, after everything else is written."""
     from .tables import load
     from .jobs import SweepFailed, run_hydra
 

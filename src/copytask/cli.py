@@ -19,7 +19,7 @@ from typing import Iterator
 
 from . import api, store
 from .config import DETERMINISTIC_CUBLAS, ConfigError, config_help, refuse
-from .grid import Selection, compose_grid, folder_runs, nothing_done
+from .grid import Selection, compose_grid, folder_runs, nothing_done, select_runs
 from .model_config import Refused, check_lengths
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
@@ -36,7 +36,8 @@ commands:
                                            baseline's settings: pip install 'copytask[optuna]')
   compare  per setting and length, the baseline and each attention side by side (mean, 95%
            interval over seeds, chance, params, gap); takes the sweep's overrides, or with none
-           but runs_dir, the grid of the last sweep in runs_dir; never trains unless asked
+           but runs_dir, the grid of the last sweep in runs_dir (every complete run there where
+           none was recorded); never trains unless asked
              python -m copytask compare experiment=quick
              python -m copytask compare runs_dir=runs/capacity   (the last sweep there)
              python -m copytask compare --missing          (only list the grid's missing runs)
@@ -181,13 +182,14 @@ def analyze(overrides: list[str]) -> int:
 
 def selection_for(command: str, overrides: list[str], flags: set[str]) -> Selection:
     """The runs `compare` or `report` look at, as the API's functions select them (`api.select`),
-    said in one line. ConfigError where none of them is complete, unless the missing runs are to
-    be listed or trained: answered before pandas, matplotlib and torch are imported."""
+    said in one line; for listing or training the missing runs, a grid's (the default one where
+    runs_dir has no recorded sweep). ConfigError where none of them is complete, unless the missing
+    runs are to be listed or trained: answered before pandas, matplotlib and torch are imported."""
     listing = bool({"--missing", "--train-missing"} & flags)
     master, _ = compose_grid(overrides, expand_grid=False)
     if not listing and not Path(master.runs_dir).is_dir():  # before any grid is composed
         raise ConfigError(f"nothing to {command}: {master.runs_dir} does not exist")
-    selection = api.select(overrides=overrides, all_runs="--all" in flags)
+    selection = select_runs(overrides, every_run="--all" in flags) if listing else api.select(overrides=overrides, all_runs="--all" in flags)
     print(f"{command}: {selection.source}")
     if not listing and not any(run.status() == "complete" for run in selection.runs):
         raise ConfigError(nothing_done(command, selection))

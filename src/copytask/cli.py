@@ -96,10 +96,10 @@ def printed_log() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m copytask ...` in this process; -> the exit status."""
     with printed_log():
-        return command(sys.argv[1:] if argv is None else list(argv))
+        return run_command(sys.argv[1:] if argv is None else list(argv))
 
 
-def command(args: list[str]) -> int:
+def run_command(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0

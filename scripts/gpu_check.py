@@ -113,7 +113,7 @@ def main() -> int:
         cfg = config("luong_general", "cuda", "cuda")
         tokens = {}
         for device in ("cuda", "cpu"):
-            _, model = evaluation.load_run(folder, device=device)
+            model, _ = evaluation.load_run(folder, device=device)
             tokens[device] = evaluation.evaluate(model, splits.test_batch(cfg).to(device))["tokens"].cpu()
         agree = f"{int((tokens['cuda'] == tokens['cpu']).all(1).sum())} of {len(tokens['cpu'])}"
         analysis.analyze([folder], lengths=[LENGTH], eval_size=128, progress=False, device="cuda")

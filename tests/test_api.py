@@ -98,6 +98,50 @@ def test_a_skipped_run_is_a_warning_the_caller_filters_and_the_command_line_prin
     assert line.startswith(f"copytask: warning: skipping {corrupt}: corrupt metrics.json")
 
 
+def command_and_api(runs_dir, capsys, *flags: str) -> dict:
+    """`compare` and `report` run on the command line and through the API on `runs_dir`: the runs
+    each selects and the tables they give."""
+    from copytask.api import load, select
+    from copytask.cli import main
+    from copytask.tables import comparison_table
+
+    all_runs = "--all" in flags
+    capsys.readouterr()
+    assert main(["compare", *flags, f"runs_dir={runs_dir}"]) == 0
+    printed = capsys.readouterr().out
+    assert main(["report", *flags, f"runs_dir={runs_dir}"]) == 0
+    reported = sorted(pd.read_csv(runs_dir / "results.csv")["run"])
+    table = copytask.compare(runs_dir, all_runs=all_runs)
+    written = copytask.report(runs_dir, all_runs=all_runs)
+    return {
+        "compare": printed, "api compare": comparison_table(table, load(select(runs_dir, all_runs=all_runs)).settings).to_string(index=False),
+        "report": reported, "api report": sorted(pd.read_csv(written[0])["run"]), "results": sorted(copytask.results(runs_dir, all_runs=all_runs)["run"]),
+    }  # fmt: skip
+
+
+def test_the_command_line_and_the_api_select_the_same_runs_and_give_the_same_tables(runs_copy, tmp_path, capsys):
+    extra = copytask.compose([*TINY, f"runs_dir={runs_copy}", "attention=bahdanau", "task.length=3"])  # a run outside the grid
+    copytask.train(extra)
+    grid = sorted(folder.name for folder in store.complete_runs(runs_copy) if folder != store.run_dir(extra))
+    everything = sorted([*grid, store.run_dir(extra).name])
+
+    recorded = command_and_api(runs_copy, capsys)  # the sweep recorded there: its grid
+    assert recorded["compare"].endswith(recorded["api compare"] + "\n") and recorded["report"] == recorded["api report"] == recorded["results"] == grid
+    every = command_and_api(runs_copy, capsys, "--all")  # --all: every complete run
+    assert every["compare"].endswith(every["api compare"] + "\n") and every["report"] == every["api report"] == every["results"] == everything
+    assert "bahdanau" in every["api compare"] and "bahdanau" not in recorded["api compare"]
+
+    (runs_copy / "sweep.json").unlink()  # no sweep recorded: every complete run, as --all
+    unrecorded = command_and_api(runs_copy, capsys)
+    assert unrecorded["compare"] == every["compare"]
+    assert unrecorded["report"] == unrecorded["api report"] == everything
+
+    trained = tmp_path / "trained"  # `train` only, into a fresh folder
+    copytask.train(copytask.compose([*TINY, f"runs_dir={trained}"]))
+    only = command_and_api(trained, capsys)
+    assert only["compare"].endswith(only["api compare"] + "\n") and len(only["report"]) == 1 and only["report"] == only["api report"]
+
+
 def test_load_run_and_decode_give_a_model_and_arrays(runs_copy):
     folder = next(folder for folder in store.complete_runs(runs_copy) if folder.name.startswith("luong_general-copy3"))
     model, cfg = copytask.load_run(folder)
@@ -119,6 +163,19 @@ def test_sweep_returns_the_results_table_and_names_failed_runs(tmp_path):
     assert sorted(table["seed"]) == [0, 1] and (runs_dir / "results.csv").is_file()
     with pytest.raises(copytask.ConfigError, match="task.length must be an integer >= 1, got 0"):
         copytask.sweep([*TINY, "task.length=3,0"], runs_dir=runs_dir)
+
+
+def test_a_sweep_prints_nothing_and_logs_its_lines_for_a_caller_who_asks(tmp_path, capfd, caplog):
+    """The jobs' lines and the summary's go to the `copytask` logger, which the library gives no
+    handler: stdout stays empty (the progress bars are on stderr), and a caller's logging gets the lines."""
+    with caplog.at_level("INFO", logger="copytask"):
+        copytask.sweep([*TINY, "attention=none", "task.length=3", "seed=0,1", "train.progress=true"], runs_dir=tmp_path)
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert "sweep (2/2 runs)" in err  # the sweep's bar
+    lines = [record.getMessage() for record in caplog.records if record.name == "copytask"]
+    assert sum("greedy token acc" in line for line in lines) == 2
+    assert [line.split(":")[0] for line in lines[2:]] == ["analysis", "report", "sweep"]
 
 
 def test_a_sweep_with_a_failed_job_raises_naming_it_with_the_other_runs_results(tmp_path, fails_at_length_4):
@@ -148,6 +205,8 @@ before = states()
 initialize_config_dir(config_dir=own_configs, version_base="1.3")
 hydra = GlobalHydra.instance().hydra
 argv, handlers = list(sys.argv), list(logging.getLogger().handlers)
+import warnings
+formatwarning = warnings.formatwarning
 
 import copytask
 for module in pkgutil.iter_modules(copytask.__path__):
@@ -169,7 +228,8 @@ print(json.dumps({
     "numpy_rng": before[2] == after[2],
     "hydra": GlobalHydra.instance().hydra is hydra and compose("mine").greeting == "hello",
     "argv": sys.argv == argv,
-    "logging": logging.getLogger().handlers == handlers,
+    "logging": logging.getLogger().handlers == handlers and logging.getLogger("copytask").handlers == [],
+    "warnings": warnings.formatwarning is formatwarning,
 }))
 """
 
@@ -187,4 +247,4 @@ def test_the_api_leaves_the_callers_process_as_it_found_it(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     state = json.loads(done.stdout.strip().splitlines()[-1])
     assert state == {"backend": "svg", "threads": 3, "torch_rng": True, "python_rng": True, "numpy_rng": True,
-                     "hydra": True, "argv": True, "logging": True}  # fmt: skip
+                     "hydra": True, "argv": True, "logging": True, "warnings": True}  # fmt: skip

@@ -1,5 +1,5 @@
 """The package's modules import one way, lowest first, counting imports inside functions: no
-module imports one above it in LAYERS, so there is no import circle (DESIGN.md)."""
+module imports one above it in LAYERS, so there is no import circle (README, Layout)."""
 
 from __future__ import annotations
 

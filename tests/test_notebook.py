@@ -4,6 +4,8 @@ its tables, its figures and a decoded sequence."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -33,3 +35,14 @@ def test_the_notebook_runs_and_shows_its_tables_figures_and_a_decoded_sequence(t
     assert len(figures) == 2  # accuracy against length and the attention map, inline
     assert "input  a b c" in printed and "token accuracy" in printed
     assert (tmp_path / "runs" / "report" / "report.md").is_file()
+
+
+def test_what_the_notebook_writes_run_from_examples_is_ignored_by_git():
+    """Run from examples/ (as Jupyter starts it there), its RUNS_DIR is examples/runs/notebook."""
+    root = NOTEBOOK.parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = ["examples/runs/notebook/report/report.md", "examples/runs/notebook/none-copy5-seed0-0/metrics.json", "runs/quick/results.csv"]
+    done = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=root, capture_output=True, text=True)
+    assert done.stdout.split() == written
+    assert subprocess.run(["git", "check-ignore", "-q", "--no-index", "runs/.gitkeep"], cwd=root).returncode == 1  # the folder itself stays

@@ -37,16 +37,16 @@ from typing import Iterable, Iterator
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from . import store
 from .attention import Attention, Intervention
 from .data import Batch, copied_positions
-from .evaluation import evaluate, load_run, output_mask, rounded, sequence_scores
+from .evaluation import Model, evaluate, load_run, output_mask, rounded, sequence_scores
 from .splits import heldout_at_length, test_batch, training_length_mix, training_sequences
-from .model import Seq2Seq
 from .devices import resolve_device, run_settings
+from .training import torch_threads
 
 COUNTERFACTUALS = ("uniform", "permuted", "fixed")
 ALIGNMENT = ("hit", "mass", "adjacent")
@@ -99,7 +99,7 @@ def intervention(attention: Attention, replace: Intervention) -> Iterator[None]:
         attention.intervention = None
 
 
-def counterfactual_accuracy(model: Seq2Seq, batch: Batch, seed: int = 0) -> dict[str, float]:
+def counterfactual_accuracy(model: Model, batch: Batch, seed: int = 0) -> dict[str, float]:
     """Greedy token accuracy on `batch` under each counterfactual in COUNTERFACTUALS. The replaced
     weights act at every decoding step, so later steps see the consequences of earlier ones, and in
     every attention of the model (`model.attentions`: a Transformer's every cross-attention layer)."""
@@ -137,7 +137,7 @@ def alignment(weights: Tensor, tokens: Tensor, batch: Batch, task: str) -> dict[
     }
 
 
-def head_weights(model: Seq2Seq, batch: Batch) -> Tensor:
+def head_weights(model: Model, batch: Batch) -> Tensor:
     """Each head's weights in greedy decoding: -> (B, heads, T_dec, T_enc), T_dec = batch's target length."""
     attention = model.attention
     recorded = []
@@ -160,7 +160,7 @@ def heldout_batch(cfg: DictConfig, eval_size: int | None) -> Batch:
 
 
 def length_generalisation(
-    model: nn.Module, cfg: DictConfig, lengths: list[int], eval_size: int | None = None, trained: set[bytes] | None = None
+    model: Model, cfg: DictConfig, lengths: list[int], eval_size: int | None = None, trained: set[bytes] | None = None
 ) -> list[dict]:
     """Greedy accuracy at each test length on `eval_size` (None: train.eval_size) held-out sequences of
     that length (`splits.heldout_at_length`; `trained`: the run's training sequences, needed at a
@@ -224,7 +224,7 @@ def per_length_batch(cfg: DictConfig, trained: set[bytes], per_length: int = PER
     return whole.select(order), notes
 
 
-def per_length_accuracy(model: nn.Module, batch: Batch) -> pd.DataFrame:
+def per_length_accuracy(model: Model, batch: Batch) -> pd.DataFrame:
     """Greedy accuracy on a mixed-length `batch`, one row per length (see `accuracy_by_length`)."""
     batch = batch.to(next(model.parameters()).device)
     return accuracy_by_length(batch, evaluate(model, batch)["tokens"])
@@ -236,7 +236,7 @@ def per_length_accuracy(model: nn.Module, batch: Batch) -> pd.DataFrame:
 def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, device: str = "auto") -> dict:
     """Everything above for one run folder, on `device` -> the content of its analysis.json. Fixed-length
     evaluations use the first `eval_size` sequences of the run's held-out set (None: all)."""
-    cfg, model = load_run(folder, device)
+    model, cfg = load_run(folder, device)
     device = next(model.parameters()).device
     task = cfg.task
     # the sequences its training drew, replayed, where an evaluation set could hold some
@@ -318,10 +318,8 @@ def analyze(
     if lengths is None:
         lengths = sorted(set(trained.values()))
     device = resolve_device(device)
-    analysed, previous_threads = 0, torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
+    analysed = 0
+    with torch_threads(threads):
         for folder in tqdm(folders, desc="analyze", unit="run", disable=not progress, dynamic_ncols=True):
             if is_analysed(folder, lengths, eval_size, device.type):
                 continue
@@ -332,8 +330,6 @@ def analyze(
                 analysed += 1
             except Exception as error:  # noqa: BLE001 - one run's failure must not stop the others
                 store.warn(f"analysis of {folder} failed: {type(error).__name__}: {error}")
-    finally:
-        torch.set_num_threads(previous_threads)
     return analysed
 
 

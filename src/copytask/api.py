@@ -6,8 +6,9 @@ results and summary, write its report, load a trained model and decode with it.
     metrics = copytask.train(cfg)
     copytask.compare("runs")
 
-They return values (dicts, DataFrames, paths, arrays) and print nothing but progress; the command
-line (`copytask.cli`) is a thin layer over the same functions. Calling them changes no process-wide
+They return values (dicts, DataFrames, paths, arrays) and print nothing but progress bars (on
+stderr); what a sweep says as it goes goes to the `copytask` logger (`store.log`), to which the
+library adds no handler. The command line (`copytask.cli`) is a thin layer over the same functions. Calling them changes no process-wide
 state: torch's thread count and random state, matplotlib's backend and a Hydra instance the caller
 initialised are as they were. Bad input raises `ConfigError`, whose message is the command line's
 one line; a run another process is training raises `RunInProgress`.
@@ -27,15 +28,14 @@ from .grid import Selection, check_grid, nothing_done, select_runs
 
 if TYPE_CHECKING:  # heavy imports happen where they are needed: `import copytask` stays fast
     import pandas as pd
-    from torch import nn
-
     from .decoding import Decoded
+    from .evaluation import Model
     from .tables import Loaded
 
 
 class SweepError(RuntimeError):
-    """A sweep ended with failed jobs (each named on stderr, with a failed.json in its run folder);
-    `table` holds the results of the runs that did complete."""
+    """A sweep ended with failed jobs (each logged at ERROR to the `copytask` logger, with a
+    failed.json in its run folder); `table` holds the results of the runs that did complete."""
 
     def __init__(self, message: str, table: pd.DataFrame) -> None:
         super().__init__(message)
@@ -63,15 +63,15 @@ def sweep(overrides: Sequence[str] = (), runs_dir: str | Path | None = None) -> 
     """Train the grid of `python -m copytask sweep <overrides>` (in `runs_dir`, if given), through
     Hydra's launcher as the command does (`hydra/launcher=parallel` for two jobs at a time),
     skipping complete runs; every job is checked before the first starts. Ends with the sweep's
-    analysis, results.csv and report, and returns the results table (`results`). SweepError if
-    any job failed, after everything else is written."""
+    analysis, results.csv and report, and returns the results table (`results`); the jobs' and the
+    summary's lines go to the `copytask` logger only (Hydra configures no logging here). SweepError
+    if any job failed, after everything else is written."""
     from .tables import load
     from .jobs import SweepFailed, run_hydra
 
     overrides = [*overrides, *([runs_dir_override(runs_dir)] if runs_dir is not None else [])]
-    check_grid(overrides)
     try:
-        run_hydra(overrides, multirun=True)
+        run_hydra(overrides, multirun=True, quiet=True)  # the jobs' and the summary's lines go to the caller's logging only
         failed_jobs = False
     except SweepFailed:
         failed_jobs = True
@@ -120,7 +120,12 @@ def compare(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), a
     a search (`hparams_search=baseline`), its trials best first (`search.trial_table`: objective,
     best so far, the searched settings, the run's accuracies)."""
     selection = select(runs_dir, overrides, all_runs)
-    loaded = load(selection, "compare")
+    return comparison(selection, load(selection, "compare"))
+
+
+def comparison(selection: Selection, loaded: Loaded) -> pd.DataFrame:
+    """`compare`'s table for a selection already loaded (what the command line prints, after it
+    has said which runs these are and which are missing)."""
     if selection.is_search:
         from .search import ranked, trial_table
 
@@ -151,12 +156,11 @@ def write_report(selection: Selection, loaded: Loaded, x: str | None = None) -> 
     return [save(loaded, runs_dir), *reporting.write_report(selection.runs, loaded, runs_dir, x)]
 
 
-def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, DictConfig]:
+def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Model, DictConfig]:
     """A finished run's trained model on `device`, in eval mode, and its resolved config."""
     from .evaluation import load_run as load
 
-    cfg, model = load(Path(run_dir), device)
-    return model, cfg
+    return load(Path(run_dir), device)
 
 
 def decode(run_dir: str | Path, symbols: str | None = None, random: int | None = None, length: int | None = None, seed: int = 0) -> Decoded:

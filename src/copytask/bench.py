@@ -285,7 +285,8 @@ def wide(long: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """`python -m copytask bench`'s options and overrides (`--quick` filled in)."""
     parser = argparse.ArgumentParser(prog="python -m copytask bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.threads=1 train.device=cuda")
     parser.add_argument("--lengths", type=int, nargs="+", default=[20, 80])
@@ -300,12 +301,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="own: each implementation its usual optimiser settings; same: both the project's")
     parser.add_argument("--csv", type=Path, default=Path("runs/bench/bench.csv"))
     parser.add_argument("--quick", action="store_true", help=f"a smoke run of seconds: {QUICK}")
-    args = parser.parse_args(argv)
+    # Overrides first: argparse would take one after a list option (--memory-attentions a b key=value) as one of its values.
+    overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
+    args = parser.parse_args([*overrides, *(arg for arg in argv if arg not in overrides)])
     if args.quick:
         args.lengths, args.repeats, args.warmup, args.gemm_size = QUICK["lengths"], QUICK["repeats"], QUICK["warmup"], QUICK["gemm_size"]
         args.memory_steps, args.memory_attentions = 1, QUICK["memory_attentions"]
         args.overrides = [*QUICK["overrides"], *args.overrides]
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
     cfg = bench_config(ATTENTIONS[0], args.lengths[0], args.overrides)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

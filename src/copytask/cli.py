@@ -8,15 +8,18 @@ taken off argv before Hydra parses it. Every refusal of bad input is one line,
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from . import api, store
-from .config import DETERMINISTIC_CUBLAS, ConfigError, config_help
-from .grid import Selection, check_grid, compose_grid, folder_runs, nothing_done, select_runs
+from .config import DETERMINISTIC_CUBLAS, ConfigError, config_help, refuse
+from .grid import Selection, compose_grid, folder_runs, nothing_done, select_runs
 from .model_config import Refused, check_lengths
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
@@ -33,7 +36,8 @@ commands:
                                            baseline's settings: pip install 'copytask[optuna]')
   compare  per setting and length, the baseline and each attention side by side (mean, 95%
            interval over seeds, chance, params, gap); takes the sweep's overrides, or with none
-           but runs_dir, the grid of the last sweep in runs_dir; never trains unless asked
+           but runs_dir, the grid of the last sweep in runs_dir (every complete run there where
+           none was recorded); never trains unless asked
              python -m copytask compare experiment=quick
              python -m copytask compare runs_dir=runs/capacity   (the last sweep there)
              python -m copytask compare --missing          (only list the grid's missing runs)
@@ -65,43 +69,37 @@ COMMANDS = ("train", "sweep", "compare", "report", "analyze", "decode", "bench",
 COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report": ("--all",)}
 
 
-def refuse(error: Exception) -> int:
-    print(f"copytask: error: {error}", file=sys.stderr)
-    return 2
-
-
-def run_hydra(args: list[str], multirun: bool = False) -> int:
-    """`train` or `sweep` through Hydra, after every job's config is composed and validated (unless
-    a Hydra flag such as --cfg or --help asks for something else than a run)."""
-    from .hydra_internals import override_args
-    from .jobs import run_hydra
-
-    try:
-        override_args(args)  # a flag Hydra does not have: one line, not argparse's usage block
-        if not any(arg.startswith("-") for arg in args):
-            check_grid(args, multirun)
-    except ConfigError as error:
-        return refuse(error)
-    run_hydra(args, multirun)
-    return 0
-
-
-def format_warning(message, category, *args, **kwargs) -> str:
-    """A warning as one line: `copytask: warning: ...` for copytask's own, `Category: ...` for others'."""
-    return f"copytask: warning: {message}\n" if issubclass(category, store.CopytaskWarning) else f"{category.__name__}: {message}\n"
-
-
 def entry() -> int:
     """The `copytask` command (and `python -m copytask`): `main`, with warnings in one line each, as
     copytask's own messages are (set for the command's own process only, not for library use)."""
-    warnings.formatwarning = format_warning
+    warnings.formatwarning = store.format_warning
     # cuBLAS reads it once, at its first call: set before anything runs, inherited by the jobs a sweep launches (copytask.devices)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
     return main()
 
 
+@contextmanager
+def printed_log() -> Iterator[None]:
+    """Inside: what the library logs (`store.log`: the jobs' and the sweep's lines) printed as bare
+    lines (`store.Lines`) and nowhere else; after: the logger as it was."""
+    logger = store.log
+    saved = logger.handlers[:], logger.level, logger.propagate
+    logger.handlers[:], logger.propagate = [store.Lines()], False
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.handlers[:], logger.propagate = saved[0], saved[2]
+        logger.setLevel(saved[1])
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else list(argv)
+    """`python -m copytask ...` in this process; -> the exit status."""
+    with printed_log():
+        return run_command(sys.argv[1:] if argv is None else list(argv))
+
+
+def run_command(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
@@ -113,10 +111,14 @@ def main(argv: list[str] | None = None) -> int:
             return refuse(error)
         print(config_help(command, run.config, dict(master.hydra.runtime.choices)))
         return 0
-    if command == "train":
-        return run_hydra(rest)
-    if command == "sweep":
-        return run_hydra(rest, multirun=True)
+    if command in ("train", "sweep"):
+        from .jobs import run_hydra  # Hydra's app and launchers: only for the commands that run them
+
+        try:
+            run_hydra(rest, multirun=command == "sweep")
+        except ConfigError as error:
+            return refuse(error)
+        return 0
     if command == "analyze":
         return analyze(rest)
     if command in ("compare", "report") and {"-h", "--help"} & set(rest):
@@ -179,14 +181,15 @@ def analyze(overrides: list[str]) -> int:
 
 
 def selection_for(command: str, overrides: list[str], flags: set[str]) -> Selection:
-    """The runs `compare` or `report` look at (`grid.select_runs`), said in one line. ConfigError
-    where none of them is complete, unless the missing runs are to be listed or trained: answered
-    before pandas, matplotlib and torch are imported."""
+    """The runs `compare` or `report` look at, as the API's functions select them (`api.select`),
+    said in one line; for listing or training the missing runs, a grid's (the default one where
+    runs_dir has no recorded sweep). ConfigError where none of them is complete, unless the missing
+    runs are to be listed or trained: answered before pandas, matplotlib and torch are imported."""
     listing = bool({"--missing", "--train-missing"} & flags)
     master, _ = compose_grid(overrides, expand_grid=False)
     if not listing and not Path(master.runs_dir).is_dir():  # before any grid is composed
         raise ConfigError(f"nothing to {command}: {master.runs_dir} does not exist")
-    selection = select_runs(overrides, every_run="--all" in flags)
+    selection = select_runs(overrides, every_run="--all" in flags) if listing else api.select(overrides=overrides, all_runs="--all" in flags)
     print(f"{command}: {selection.source}")
     if not listing and not any(run.status() == "complete" for run in selection.runs):
         raise ConfigError(nothing_done(command, selection))
@@ -208,27 +211,27 @@ def compare(overrides: list[str], flags: set[str]) -> int:
         return 0
     status = 0
     if unfinished and "--train-missing" in flags:
-        from .jobs import SweepFailed
+        from .jobs import SweepFailed, run_hydra
 
         print(f"{len(unfinished)} of {len(selection.runs)} runs missing: running the sweep first")
         try:
             run_hydra(selection.overrides, multirun=True)
         except SweepFailed:  # it has named the failed jobs; compare what there is
             status = 1
-        selection = select_runs(selection.overrides)
+        selection = api.select(overrides=selection.overrides)
     loaded = api.load(selection, "compare")
     if loaded.missing:
         print(describe_missing(loaded.missing, len(selection.runs)))
         print(f"train them with: {sweep_command(selection.master)}  (or compare --train-missing)")
+    table = api.comparison(selection, loaded)
     if selection.is_search:
-        from .search import best, best_table, trial_table
+        from .search import best, best_table
 
-        trials = trial_table(selection.trials, loaded)
-        print(f"the best {len(best(trials))} of {len(trials)} trials by validation greedy token accuracy (the objective), in %; every trial: report's trials.csv")
-        print(best_table(trials, loaded.settings).to_string(index=False))
+        print(f"the best {len(best(table))} of {len(table)} trials by validation greedy token accuracy (the objective), in %; every trial: report's trials.csv")
+        print(best_table(table, loaded.settings).to_string(index=False))
         return status
     print(table_note(list(dict.fromkeys(loaded.table["task"]))))
-    print(comparison_table(api.summary(loaded), loaded.settings).to_string(index=False))
+    print(comparison_table(table, loaded.settings).to_string(index=False))
     return status
 
 

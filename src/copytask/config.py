@@ -13,6 +13,7 @@ import difflib
 import itertools
 import os
 import re
+import sys
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,6 +29,12 @@ from . import model_config
 
 class ConfigError(ValueError):
     """A config value that cannot be run; the message names the value and what is allowed."""
+
+
+def refuse(error: Exception | str) -> int:
+    """A command's refusal of bad input: one line on stderr, `copytask: error: ...`; -> exit status 2."""
+    print(f"copytask: error: {error}", file=sys.stderr)
+    return 2
 
 
 TASKS = ("copy", "reverse")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import pickle
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from . import store
-from .config import ConfigError
+from .config import ConfigError, refuse
 from .vocab import EOS, parse_symbols, symbol
 
 SHADES = " ░▒▓█"  # attention weight 0, 0.25, 0.5, 0.75, 1 (each weight rounded to the nearest)
@@ -161,7 +160,7 @@ def _decode(run_dir: Path, cfg: DictConfig, sequences: list[list[int]] | None, c
     from .evaluation import load_run, sequence_scores
 
     try:
-        _, model = load_run(run_dir, device="cpu")  # a few sequences: the CPU is quick enough
+        model, _ = load_run(run_dir, device="cpu")  # a few sequences: the CPU is quick enough
     except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""  # torch's key mismatches span lines
         raise DecodeError(f"cannot load {run_dir / store.CHECKPOINT}: {type(error).__name__}: {first}") from None
@@ -191,18 +190,13 @@ def main(args: list[str]) -> int:
     except SystemExit as done:  # --help
         return done.code or 0
     except DecodeError as error:
-        return _refuse(error)
+        return refuse(error)
     try:
         decoded = decode(options.run_dir, " ".join(options.symbols), options.random, options.length, options.seed)
     except ValueError as error:  # DecodeError, and parse_symbols' refusals
-        return _refuse(error)
+        return refuse(error)
     print_decoded(decoded, options.png)
     return 0
-
-
-def _refuse(error: Exception) -> int:
-    print(f"copytask: error: {error}", file=sys.stderr)
-    return 2
 
 
 def print_decoded(decoded: Decoded, png: Path | None) -> None:

@@ -20,6 +20,8 @@ from .model import Seq2Seq
 from .model_config import is_transformer, position_rows
 from .transformer import TransformerSeq2Seq
 
+Model = Seq2Seq | TransformerSeq2Seq  # what `build_model` makes, and what training, the analysis and decode take
+
 
 def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq, transformer_class: type[nn.Module] = TransformerSeq2Seq) -> nn.Module:
     """The configured model: `transformer_class` for model=transformer, else `model_class`, which may
@@ -53,7 +55,7 @@ EVAL_CHUNK = 128
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batch: Batch, chunk_size: int | None = None) -> dict:
+def evaluate(model: Model, batch: Batch, chunk_size: int | None = None) -> dict:
     """Greedy decoding (no teacher forcing) on `batch`, scored by `sequence_scores`: token accuracy
     over the content positions, exact-sequence accuracy (every symbol and the EOS right) and the
     share of outputs that ended early (an EOS before the target's end). Also returns the decoded
@@ -123,12 +125,13 @@ def _pad_to(t: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
 
 
-def load_run(folder: Path, device: str = "cpu") -> tuple[DictConfig, Seq2Seq]:
-    """A finished run's resolved config and its trained model on `device` (auto: a GPU where there
-    is one), in eval mode. The checkpoint loads onto the CPU first, wherever it was saved."""
+def load_run(folder: Path, device: str = "cpu") -> tuple[Model, DictConfig]:
+    """A finished run's trained model on `device` (auto: a GPU where there is one), in eval mode,
+    and its resolved config (the order of `copytask.load_run`). The checkpoint loads onto the CPU
+    first, wherever it was saved."""
     cfg = OmegaConf.load(Path(folder) / store.CONFIG)
     with torch.random.fork_rng(devices=[]):  # the initialisation, overwritten at once, draws from the global generator
         model = build_model(cfg)
     checkpoint = torch.load(Path(folder) / store.CHECKPOINT, map_location="cpu", weights_only=True)
     model.load_state_dict(checkpoint["model"])
-    return cfg, model.to(resolve_device(device)).eval()
+    return model.to(resolve_device(device)).eval(), cfg

@@ -29,6 +29,9 @@ OBJECTIVE = "val_token_acc"  # what a job returns to an optimising sweeper: vali
 # <hydra.sweep.dir>/<job number>/trial.json: what each trial of a search ran and returned, written by its job
 # (one file per job: jobs in other processes never append to one shared file)
 TRIAL_RECORD = "trial.json"
+# What `copytask.sweep` adds to its Hydra command line so that Hydra configures no logging (jobs.run_hydra);
+# not part of the command that starts the sweep (`sweep_command`)
+QUIET_HYDRA = ("hydra/hydra_logging=none", "hydra/job_logging=none")
 
 @dataclass(frozen=True)
 class GridRun:
@@ -318,5 +321,5 @@ def nothing_done(command: str, selection: Selection) -> str:
 
 def sweep_command(master: DictConfig) -> str:
     """The command line that starts this sweep."""
-    hydra_overrides = [o for o in master.hydra.overrides.hydra if o != "hydra.mode=MULTIRUN"]
+    hydra_overrides = [o for o in master.hydra.overrides.hydra if o != "hydra.mode=MULTIRUN" and o not in QUIET_HYDRA]
     return shlex.join(["python", "-m", "copytask", "sweep", *master.hydra.overrides.task, *hydra_overrides])

@@ -2,6 +2,11 @@
 a command line is handed to it (`run_hydra`), and the end of a sweep (`SweepSummary`, a Hydra
 callback that analyses the grid's runs and writes results.csv and the report).
 
+What they say as they go (each job's line, the summary's lines, failed jobs) goes to the `copytask`
+logger (`store.log`), warnings through `store.warn`: the library prints nothing, the command line
+prints the lines (`store.Lines`), and so does a job under Hydra's job logging
+(configs/hydra/job_logging/copytask.yaml) in whichever process its launcher runs it.
+
 A sweep is a Hydra multirun, so every launcher works (basic, joblib, submitit). Its grid is
 `grid.compose_grid`'s, checked whole (`grid.check_grid`) before the first job starts. A sweeper
 that proposes its jobs as it goes (Optuna: `hparams_search=baseline`) has no grid: each trial is
@@ -29,7 +34,7 @@ from omegaconf import DictConfig, open_dict
 
 from . import loggers, store
 from .config import ConfigError, config_dir
-from .grid import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun, expand, search_trials, sweep_command, trial_runs
+from .grid import OBJECTIVE, QUIET_HYDRA, SWEEP_RECORD, TRIAL_RECORD, GridRun, check_grid, expand, search_trials, sweep_command, trial_runs
 from .hydra_internals import override_args, own_global_hydra, proposes_jobs
 from .validation import analysis_device, remote_launcher
 
@@ -43,15 +48,9 @@ class SweepFailed(SystemExit):
         super().__init__(1)
 
 
-def warn(message: str) -> None:
-    """A line of the job's or the sweep summary's own output (these print, as the command does: a
-    job may run in a launcher's worker, where no caller's warning filters apply)."""
-    print(f"copytask: warning: {message}", file=sys.stderr)
-
-
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_job(cfg: DictConfig) -> float | None:
-    """One job: train the run, print its line, and return its objective (metrics.json's OBJECTIVE,
+    """One job: train the run, log its line, and return its objective (metrics.json's OBJECTIVE,
     validation greedy token accuracy), also when the run was complete and is skipped: an optimising
     sweeper (hydra/sweeper=optuna) maximises it, the basic sweeper ignores it. Alone (`train`), a
     refusal exits 2 and a diverged run 1; in a sweep a failure is recorded in the run folder, the
@@ -60,7 +59,8 @@ def hydra_job(cfg: DictConfig) -> float | None:
     `Study.tell` raise, which ends the search with a traceback.) A trial of a search also writes
     its TRIAL_RECORD, which is how the search's summary, compare and report find its runs."""
     hydra = HydraConfig.get()
-    objective = run_job(cfg, multirun=hydra.mode == RunMode.MULTIRUN)
+    with store.one_line_warnings():  # a launcher's worker has none of the command's settings
+        objective = run_job(cfg, multirun=hydra.mode == RunMode.MULTIRUN)
     if hydra.mode == RunMode.MULTIRUN and proposes_jobs(hydra):
         trial = {"trial": hydra.job.num, "run": store.run_dir(cfg).name, "overrides": list(hydra.overrides.task), "objective": objective}
         store.write_json(Path(hydra.runtime.output_dir) / TRIAL_RECORD, trial)
@@ -80,32 +80,39 @@ def run_job(cfg: DictConfig, multirun: bool) -> float | None:
     try:
         metrics = train(cfg)  # validates first: a trial a search proposes that cannot run fails here, before training
     except RunInProgress as busy:
-        warn(f"{busy}; skipped")
+        store.warn(f"{busy}; skipped")
         return None
     except Exception as error:
         if multirun:  # recorded for the sweep summary, not swallowed
             store.write_json(folder / store.FAILED, {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})
-            print(f"copytask: job failed: {folder.name}: {error}", file=sys.stderr)
+            store.log.error(f"copytask: job failed: {folder.name}: {error}")
             return None
         if not isinstance(error, (ConfigError, NonFiniteLoss)):
             raise
-        print(f"copytask: error: {error}", file=sys.stderr)
+        store.log.error(f"copytask: error: {error}")
         sys.exit(2 if isinstance(error, ConfigError) else 1)
-    print(f"{folder.name}: already complete, skipped (retrain=true trains it again)" if skipped else summary_line(metrics, folder))
+    store.log.info(f"{folder.name}: already complete, skipped (retrain=true trains it again)" if skipped else summary_line(metrics, folder))
     return metrics[OBJECTIVE]
 
 
-def run_hydra(args: list[str], multirun: bool = False) -> None:
+def run_hydra(args: list[str], multirun: bool = False, quiet: bool = False) -> None:
     """`python -m copytask train <args>` (or `sweep`, with `multirun`) in this process: Hydra reads
-    `args`, overrides and its own flags, as from the command line. sys.argv, the logging Hydra sets
-    up and a Hydra instance the caller initialised are as they were afterwards. A sweep with failed
-    jobs raises SweepFailed."""
+    `args`, overrides and its own flags, as from the command line, after every job's config is
+    composed and validated (ConfigError, one line, before anything runs; unless a Hydra flag such as
+    --cfg or --help asks for something else than a run). `quiet`: Hydra configures no logging, so
+    that the lines go only where the caller's logging sends them (the library's sweep). sys.argv, the
+    logging Hydra sets up and a Hydra instance the caller initialised are as they were afterwards.
+    A sweep with failed jobs raises SweepFailed."""
+    overrides = override_args(args)  # a flag Hydra does not have: one line, not argparse's usage block
+    if len(overrides) == len(args):
+        check_grid(args, multirun)
     if multirun:
         # Hydra's parser accepts overrides before flags but not on both sides of one, so the mode
         # override goes after every flag. (Not `--multirun`: that clashes with `--cfg`.)
-        overrides = override_args(args)
         flags = [arg for arg in args if arg not in overrides]
         args = [*flags, *overrides, "hydra.mode=MULTIRUN"]
+    if quiet:
+        args = [*args, *QUIET_HYDRA]
     argv, root = sys.argv, logging.getLogger()
     handlers, level = root.handlers[:], root.level
     sys.argv = [argv[0] if argv else "copytask", *args]
@@ -247,7 +254,7 @@ class TrialProgress(SweepProgress):
 class SweepSummary(Callback):
     """At the end of a sweep: name the failed jobs, analyse the grid's complete runs (the report
     reads analysis.json, it never evaluates a model), write results.csv and the report (and give
-    its figures to the experiment tracker), print the wall time, and exit non-zero if any job of
+    its figures to the experiment tracker), log the wall time, and exit non-zero if any job of
     this sweep has no results. At its start: record the sweep, and prepare the tracker's store."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -285,8 +292,7 @@ class SweepSummary(Callback):
         except SweepFailed:
             raise
         except Exception as error:  # noqa: BLE001 - reported, then a non-zero exit
-            traceback.print_exc()
-            print(f"copytask: error: the end of the sweep failed: {type(error).__name__}: {error}", file=sys.stderr)
+            store.log.exception(f"copytask: error: the end of the sweep failed: {type(error).__name__}: {error}")
             raise SystemExit(1) from error
 
     def summarise(self, config: DictConfig) -> None:
@@ -302,12 +308,12 @@ class SweepSummary(Callback):
         elsewhere = [run for run, status in zip(runs, statuses) if status == "running"]
         unfinished = [run for run, status in zip(runs, statuses) if status not in ("complete", "running")]
         for run in unfinished:  # first: nothing after this may hide which jobs failed
-            print(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}", file=sys.stderr)
+            store.log.error(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}")
         for run in elsewhere:
-            warn(f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)")
+            store.warn(f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)")
         trained_on = [store.read_json(run.folder / store.METRICS).get("device") for run, status in zip(runs, statuses) if status == "complete"]
         if warning := devices.cpu_despite_gpus(config.hydra.launcher.get("gpus_per_node"), trained_on):
-            warn(warning)
+            store.warn(warning)
         trained = sum(
             store.is_complete(run.folder) and (run.folder / store.METRICS).stat().st_mtime >= self.started_at
             for run in runs
@@ -322,7 +328,7 @@ class SweepSummary(Callback):
             device=analysis_device(config.train.device, config.hydra.launcher.get("_target_")),
         )
         analysis_seconds = time.perf_counter() - analysis_started
-        print(f"analysis: {analysed} runs analysed in {analysis_seconds:.1f} s (eval_size {config.analysis.eval_size})")
+        store.log.info(f"analysis: {analysed} runs analysed in {analysis_seconds:.1f} s (eval_size {config.analysis.eval_size})")
         wall_seconds = time.perf_counter() - self.started
         store.write_json(
             runs_dir / SWEEP_RECORD,
@@ -355,14 +361,14 @@ class SweepSummary(Callback):
                     reporting.x_column(config.report.x, loaded)
                     x = config.report.x
                 except ConfigError as error:
-                    warn(f"{error}; the report puts task.length on the x axis")
+                    store.warn(f"{error}; the report puts task.length on the x axis")
                     x = "task.length"
                 written = reporting.write_report(runs, loaded, runs_dir, x)
-            print(reporting.written_line(written, time.perf_counter() - report_started))
+            store.log.info(reporting.written_line(written, time.perf_counter() - report_started))
             loggers.log_report(config, written)
         if trials is not None:
-            print(f"search: {search.best_line(search.trial_table(trials, loaded), loaded.settings)}")
-        print(
+            store.log.info(f"search: {search.best_line(search.trial_table(trials, loaded), loaded.settings)}")
+        store.log.info(
             f"sweep: {len(runs) - len(unfinished) - len(elsewhere)}/{len(runs)} runs complete ({trained} trained now), "
             f"{len(unfinished)} failed" + (f", {len(elsewhere)} being trained by another process" if elsewhere else "")
             + f"; {wall_seconds:.1f} s wall time"

@@ -87,7 +87,7 @@ def plot_accuracy(summary: pd.DataFrame, settings: list[str], x: str, stem: Path
                     axis.plot(series[x], mean, linestyle=linestyle, marker=marker, color=colour[attention], label=name)
                     axis.fill_between(series[x], low, high, color=colour[attention], alpha=0.2, linewidth=0)
                 else:  # a band over one point is not drawn at all: an error bar is
-                    spread = None if low.isna().all() else [mean - low, high - mean]
+                    spread = None if low.isna().all() else [(mean - low).to_numpy(), (high - mean).to_numpy()]  # arrays: pandas 2.x warns at matplotlib's float() of a Series
                     axis.errorbar(series[x], mean, yerr=spread, marker=marker, capsize=4, color=colour[attention], label=name)
             if x == "length" and not others:
                 plot_per_length(axis, per_length, metric, colour)

@@ -1,4 +1,5 @@
-"""Run folders: identity, atomic writes, and loading finished runs into a table.
+"""Run folders: identity, atomic writes, and loading finished runs into a table; and copytask's
+two channels to the person running it, in one place: warnings (`warn`) and log lines (`log`).
 
 A run's identity is its resolved config (less the keys that change where or how fast it runs,
 not what it computes). Its folder `runs_dir/<name>/` is complete once a readable `metrics.json`
@@ -9,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import sys
 import uuid
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from filelock import AcquireReturnProxy, FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
@@ -62,6 +66,44 @@ def warn(message: str) -> None:
     """A CopytaskWarning, shown where the caller's filters say (the command line prints it as one
     `copytask: warning: ...` line); callers name the offending run (its folder) in `message`."""
     warnings.warn(message, CopytaskWarning, stacklevel=3)
+
+
+def format_warning(message, category, *args, **kwargs) -> str:
+    """A warning as one line: `copytask: warning: ...` for copytask's own, `Category: ...` for others'."""
+    return f"copytask: warning: {message}\n" if issubclass(category, CopytaskWarning) else f"{category.__name__}: {message}\n"
+
+
+@contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """Inside: warnings shown as `format_warning`'s one line; after: shown as before. What a job
+    does, in whichever process its launcher runs it (a worker has none of the command's settings)."""
+    previous = warnings.formatwarning
+    warnings.formatwarning = format_warning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
+
+
+# What a sweep and its jobs say as they go (each job's summary line, the analysis, report and sweep
+# lines at the end; errors for failed jobs). The library adds no handler: a caller sees them once it
+# configures logging, and errors only (Python's last-resort handler, on stderr) where it has not. The
+# command line prints them as `Lines` does, and so does each job through Hydra's job logging
+# (configs/hydra/job_logging/copytask.yaml), in every launcher's worker too.
+log = logging.getLogger("copytask")
+
+
+class Lines(logging.Handler):
+    """Log records as bare lines, as the command line prints: below WARNING on stdout, the rest on
+    stderr (the streams looked up at each line, so a redirected stdout is followed)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001 - logging's own contract: a handler never raises
+            self.handleError(record)
 
 
 def _pop(config: dict, dotted: str) -> None:

@@ -112,18 +112,25 @@ def thread_count(threads: int | None) -> int:
 
 
 @contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Inside: `threads` torch CPU threads (None: as they are); after: as they were."""
+    previous = torch.get_num_threads()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextmanager
 def torch_state(threads: int | None, device: torch.device) -> Iterator[None]:
     """Inside: `thread_count(threads)` torch CPU threads and torch's global random state forked (the
     CPU's, and `device`'s own if it is a GPU), so that the run can seed and draw from it; after:
     both as they were. Only the run's device: forking every GPU's state would start CUDA on each of
     them, also for a CPU run on a GPU machine."""
-    previous_threads = torch.get_num_threads()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        try:
-            torch.set_num_threads(thread_count(threads))
-            yield
-        finally:
-            torch.set_num_threads(previous_threads)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch_threads(thread_count(threads)):
+        yield
 
 
 def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_class: type[nn.Module], tracker: loggers.RunLogger) -> dict:

@@ -61,7 +61,7 @@ def load(folder: Path, cfg: DictConfig) -> dict[str, Any] | None:
             raise ValueError("it was written by a run with another config")
         state["progress"]["step"]  # noqa: B018 - every checkpoint has it
     except Exception as error:  # noqa: BLE001 - torch.load and unpickling raise many types for a damaged file
-        set_aside(path, f"{type(error).__name__}: {error}")
+        set_aside(path, error)
         return None
     return state
 
@@ -85,13 +85,16 @@ def restore(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.opti
         if device.type == "cuda" and state["cuda_rng"] is not None:
             torch.cuda.set_rng_state(state["cuda_rng"], device)
     except (RuntimeError, KeyError, ValueError, TypeError) as error:
-        set_aside(folder / store.RESUME, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        set_aside(folder / store.RESUME, error)
         raise UnusableCheckpoint(folder.name) from error
     return state["progress"]
 
 
-def set_aside(path: Path, reason: str) -> None:
-    """Rename an unreadable checkpoint out of the way (kept for a look, not read again) and warn in one line."""
+def set_aside(path: Path, error: Exception) -> None:
+    """Rename an unreadable checkpoint out of the way (kept for a look, not read again) and warn in
+    one line, with the first line of `error` (torch's can run to a page)."""
+    lines = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
     aside = path.with_name(store.UNREADABLE_RESUME)
     path.replace(aside)
     store.warn(f"{path.parent.name}: its checkpoint {path.name} is unreadable ({reason}); set aside as {aside.name}, training from step 0")

@@ -111,8 +111,10 @@ def submit_jobs(submitit: Any, launcher: Any, jobs: list[tuple[int, list[str], P
             return executor.map_array(launcher, *zip(*arguments))
     except submitit.core.utils.FailedJobError as error:
         reason = [line for line in str(error).splitlines() if line.strip()]
-        print(f"copytask: error: SLURM refused the sweep's {len(jobs)} jobs, nothing was submitted: "
-              f"{reason[-1] if reason else error}", file=sys.stderr)
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"copytask: error: SLURM refused the sweep's {len(jobs)} jobs, nothing was submitted: "
+                   f"{reason[-1] if reason else error}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
@@ -130,7 +132,10 @@ class SweepLog:
 
 
 def note(line: str) -> None:
-    print(f"copytask: note: {line}", file=sys.stderr)
+    """A line for the terminal, above the sweep's bar."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"copytask: note: {line}", file=sys.stderr)
 
 
 @contextlib.contextmanager

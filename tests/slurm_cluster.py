@@ -15,10 +15,13 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from filelock import FileLock
 
 PACKAGES = ("slurm-wlm", "munge")
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -31,20 +34,28 @@ def unavailable() -> str | None:
         return "COPYTASK_SLURM_TESTS=0"
     if os.name != "posix" or os.geteuid() != 0:
         return f"the SLURM tests start munged, slurmctld and slurmd, which needs root; {HOW}"
-    if all(shutil.which(daemon, path="/usr/sbin:/usr/bin:/sbin:/bin") for daemon in DAEMONS):
+    if installed():
         return None
     if shutil.which("apt-get") is None:
         return f"slurm-wlm and munge are not installed and there is no apt-get to install them; {HOW}"
     return None
 
 
+def installed() -> bool:
+    return all(shutil.which(daemon, path="/usr/sbin:/usr/bin:/sbin:/bin") for daemon in DAEMONS)
+
+
 def install() -> None:
-    """apt-get install slurm-wlm and munge where a daemon is missing (about a minute, once per machine)."""
-    if all(shutil.which(daemon, path="/usr/sbin:/usr/bin:/sbin:/bin") for daemon in DAEMONS):
+    """apt-get install slurm-wlm and munge where a daemon is missing (about a minute, once per
+    machine), one test process at a time (pytest-xdist's workers would race for dpkg's lock)."""
+    if installed():
         return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
-    subprocess.run(["apt-get", "install", "-y", "-qq", *PACKAGES], check=True, env=env, capture_output=True)
+    with FileLock(Path(tempfile.gettempdir()) / "copytask-slurm-install.lock"):
+        if installed():
+            return
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", *PACKAGES], check=True, env=env, capture_output=True)
 
 
 def free_port() -> int:

@@ -23,6 +23,8 @@ from copytask.grid import compose_grid
 from . import slurm_cluster
 from .conftest import SRC, TINY, run_cli
 
+# Under pytest-xdist each worker that runs some of these starts its own one-node SLURM (own ports,
+# own folder): they do not share one.
 pytestmark = pytest.mark.skipif(bool(slurm_cluster.unavailable()), reason=f"no SLURM: {slurm_cluster.unavailable()}")
 
 # One CPU per job, so two jobs run at once on a two-core node; 1 GB each.

@@ -43,8 +43,11 @@ ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEU
           "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESV_DEL_HOLD", "PREEMPTED"}
 # a job missing from squeue this long after submission has left the queue (squeue forgets ended jobs after MinJobAge)
 QUEUE_GRACE_SECONDS = 30.0
-# after a job ends, how long its result file may take to appear on a shared filesystem (submitit waits as long)
+# after a job ends, how long its result file may take to appear on a shared filesystem (submitit waits as
+# long); less after a state that says the job died, when there is none to wait for but a slow filesystem's
 RESULT_GRACE_SECONDS = 15.0
+DIED = {"CANCELLED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE"}
+DIED_GRACE_SECONDS = 5.0
 
 
 def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
@@ -208,7 +211,7 @@ def wait(jobs: list[Any], folder_of: dict[str, Path], say: SweepLog, interval: f
             state = states.get(job.job_id)
             if state is None and now - submitted < QUEUE_GRACE_SECONDS or state in ACTIVE:
                 continue
-            if now - ended_at.setdefault(job.job_id, now) >= RESULT_GRACE_SECONDS:
+            if now - ended_at.setdefault(job.job_id, now) >= (DIED_GRACE_SECONDS if state in DIED else RESULT_GRACE_SECONDS):
                 record_failure(folder_of[job.job_id], f"SLURM job {job.job_id} ended {state or 'and left the queue'} without a result", job, say)
                 values[job.job_id] = None
         time.sleep(interval)

@@ -57,7 +57,7 @@ def main() -> int:
     import pandas as pd
     from hydra import compose, initialize_config_dir
 
-    from copytask import analysis, evaluation, store, training
+    from copytask import analysis, evaluation, splits, store, training
     from copytask.config import config_dir
 
     out = args.out.resolve()
@@ -114,7 +114,7 @@ def main() -> int:
         tokens = {}
         for device in ("cuda", "cpu"):
             _, model = evaluation.load_run(folder, device=device)
-            tokens[device] = evaluation.evaluate(model, evaluation.eval_batch(cfg).to(device))["tokens"].cpu()
+            tokens[device] = evaluation.evaluate(model, splits.test_batch(cfg).to(device))["tokens"].cpu()
         agree = f"{int((tokens['cuda'] == tokens['cpu']).all(1).sum())} of {len(tokens['cpu'])}"
         analysis.analyze([folder], lengths=[LENGTH], eval_size=128, progress=False, device="cuda")
         recorded = store.read_json(folder / store.ANALYSIS) if (folder / store.ANALYSIS).is_file() else {}

@@ -24,6 +24,7 @@ TINY = [
     "train.steps=10",
     "train.eval_every=5",
     "train.eval_size=16",
+    "train.val_size=16",
     "train.batch_size=8",
     "model.hidden_size=8",
     "model.embedding_size=8",

@@ -69,13 +69,13 @@ def hand_built(task: str, lengths: torch.Tensor, on_target: float = 1.0):
 def test_alignment_of_a_hand_built_matrix(task):
     lengths = torch.tensor([4, 2, 3])
     diagonal, batch = hand_built(task, lengths)
-    assert analysis.alignment(diagonal, batch, task) == {"hit": 1.0, "mass": 1.0, "adjacent": 0.0}
+    assert analysis.alignment(diagonal, batch.tgt_out, batch, task) == {"hit": 1.0, "mass": 1.0, "adjacent": 0.0}
     spread, _ = hand_built(task, lengths, on_target=0.7)
-    result = analysis.alignment(spread, batch, task)
+    result = analysis.alignment(spread, batch.tgt_out, batch, task)
     assert result["hit"] == 1.0 and result["mass"] == pytest.approx(0.7)
     # the other task's matrix (anti-diagonal for copy, diagonal for reverse) mostly misses
     other, _ = hand_built("reverse" if task == "copy" else "copy", lengths)
-    assert analysis.alignment(other, batch, task)["hit"] == pytest.approx(1 / 9)  # only the middle of length 3 agrees
+    assert analysis.alignment(other, batch.tgt_out, batch, task)["hit"] == pytest.approx(1 / 9)  # only the middle of length 3 agrees
 
 
 def test_attention_one_position_off_counts_as_adjacent_not_hit():
@@ -84,10 +84,22 @@ def test_attention_one_position_off_counts_as_adjacent_not_hit():
     shifted = torch.zeros_like(diagonal)
     shifted[:, 1:] = diagonal[:, :-1]  # row t attends t - 1, as trained models do at long lengths
     shifted[:, 0, 0] = 1.0
-    result = analysis.alignment(shifted, batch, "copy")
+    result = analysis.alignment(shifted, batch.tgt_out, batch, "copy")
     content_steps = int(lengths.sum())
     assert result["hit"] == pytest.approx(2 / content_steps)  # only row 0 of each sequence
     assert result["adjacent"] == pytest.approx(1 - 2 / content_steps)
+
+
+def test_alignment_leaves_out_the_steps_after_an_outputs_end():
+    """An output that emitted EOS at step 1 has ended: its later rows of attention produce no output."""
+    lengths = torch.tensor([4, 3])
+    diagonal, batch = hand_built("copy", lengths)
+    shifted = diagonal.roll(1, dims=2)  # every row one position off: no hit
+    shifted[0, 0] = diagonal[0, 0]  # but the first step of the first sequence hits
+    tokens = batch.tgt_out.clone()
+    tokens[0, 1] = EOS
+    result = analysis.alignment(shifted, tokens, batch, "copy")
+    assert result["hit"] == pytest.approx(1 / (2 + 3))  # steps 0-1 of the first sequence, 0-2 of the second
 
 
 def test_reverse_targets_are_the_reversed_sources():
@@ -114,9 +126,11 @@ def test_interventions_act_inside_greedy_decoding_and_are_removed_after():
 
 def test_per_length_evaluation_mixes_lengths_with_masks_in_place():
     with initialize_config_dir(config_dir=config.config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["task.variable_length=true", "task.min_length=2", "task.length=6", "task.vocab_size=4"])
+        cfg = compose(config_name="config", overrides=["task.variable_length=true", "task.min_length=2", "task.length=6", "task.vocab_size=4",
+                                                         "train.eval_size=16", "train.val_size=16"])  # fmt: skip
     model = tiny_model()
-    batch = analysis.per_length_batch(cfg, per_length=8)
+    batch, notes = analysis.per_length_batch(cfg, trained=set(), per_length=8)
+    assert notes == []
     assert not batch.src_mask.all()  # padded: decoding runs through the masks
     table = analysis.per_length_accuracy(model, batch)
     assert table.length.tolist() == [2, 3, 4, 5, 6] and table["count"].sum() == len(batch)
@@ -139,7 +153,7 @@ def analysed_runs(tmp_path_factory) -> Path:
     copy and a variable-length baseline on reverse."""
     runs_dir = tmp_path_factory.mktemp("runs")
     tiny = ["experiment=quick", "model.hidden_size=8", "model.embedding_size=8", "train.steps=4", "train.eval_every=4",
-            "train.eval_size=16", "train.progress=false", f"runs_dir={runs_dir}"]  # fmt: skip
+            "train.eval_size=16", "train.val_size=16", "train.progress=false", f"runs_dir={runs_dir}"]  # fmt: skip
     assert cli.main(["train", *tiny, "attention=luong_general", "attention.heads=2", "task.length=4"]) == 0
     assert cli.main(["train", *tiny, "attention=none", "task=reverse", "task.variable_length=true", "task.min_length=2", "task.length=3"]) == 0
     assert cli.main(["analyze", f"runs_dir={runs_dir}"]) == 0
@@ -158,6 +172,9 @@ def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, caps
     assert torch.tensor(attended["head_weights"]["weights"]).shape == (2, 5, 4)
     baseline = store.read_json(folders["none"] / store.ANALYSIS)
     assert "counterfactual" not in baseline and [row["test_length"] for row in baseline["per_length"]] == [2, 3]
+    # length 2 has 81 sequences, some trained on or validating: fewer than 64 are held out, and it says so
+    [note] = baseline["per_length_notes"]
+    assert "of the 81 sequences of length 2" in note and baseline["per_length"][0]["count"] < analysis.PER_LENGTH_SIZE
 
     # analysed runs are skipped: a second analyze leaves the files alone
     stamps = {f: (f / store.ANALYSIS).stat().st_mtime_ns for f in folders.values()}
@@ -166,6 +183,7 @@ def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, caps
     assert stamps == {f: (f / store.ANALYSIS).stat().st_mtime_ns for f in folders.values()}
     printed = capsys.readouterr().out
     assert "luong_general-2heads" in printed and "length generalisation" in printed
+    assert "held-out sets at short lengths" in printed and note in printed
 
 
 def test_analyze_skips_a_corrupt_run_with_a_warning_naming_it(analysed_runs, tmp_path):

@@ -20,7 +20,8 @@ from copytask.config import ConfigError, config_dir
 from copytask.validation import analysis_device, validate
 from copytask.data import task_batch
 from copytask.grid import check_grid
-from copytask.evaluation import build_model, sample_batch
+from copytask.evaluation import build_model
+from copytask.splits import sample_batch
 from copytask.training import train, train_step
 
 from .conftest import TINY, run_cli

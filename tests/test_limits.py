@@ -10,12 +10,10 @@ import sys
 import pytest
 import torch
 
-from copytask import validation
-from copytask import training
+from copytask import splits, validation
 from copytask.config import ConfigError
 from copytask.validation import heldout_share, validate
-from copytask.evaluation import eval_batch
-from copytask.training import sequence_keys, training_batch
+from copytask.splits import heldout_keys, sequence_keys, training_batch
 
 from .conftest import SRC, TINY
 
@@ -29,18 +27,20 @@ def test_a_heldout_set_of_every_sequence_is_refused_through_the_cli_at_once(tmp_
     process = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert process.returncode == 2
     [line] = process.stderr.strip().splitlines()
-    assert line.startswith("copytask: error: ") and "train.eval_size=128" in line and "task.length=3" in line
-    assert "task.vocab_size=2" in line and "train.eval_size <= 4" in line  # 4 of the 8 sequences may be held out
+    assert line.startswith("copytask: error: ") and "train.eval_size=128 + train.val_size=128" in line and "task.length=3" in line
+    assert "task.vocab_size=2" in line and "train.eval_size + train.val_size <= 4" in line  # 4 of the 8 sequences may be held out
     assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(
     "overrides, advice",
     [
-        (["task.length=1"], "train.eval_size <= 4, task.length >= 2 or task.vocab_size >= 32"),  # 9 sequences, 16 held out
-        (["task.length=2", "task.vocab_size=2", "train.eval_size=3"], "train.eval_size <= 2, task.length >= 3 or task.vocab_size >= 3"),
+        # 9 sequences, 16 test and 16 validation ones held out
+        (["task.length=1"], "train.eval_size + train.val_size <= 4, task.length >= 2 or task.vocab_size >= 64"),
+        (["task.length=2", "task.vocab_size=2", "train.eval_size=3", "train.val_size=1"],
+         "train.eval_size + train.val_size <= 2, task.length >= 3 or task.vocab_size >= 3"),
         # lengths 1-3 over 2 symbols: every length-1 and length-2 sequence can be held out
-        (["task.length=3", "task.vocab_size=2", "task.variable_length=true", "task.min_length=1"], "train.eval_size <= 1"),
+        (["task.length=3", "task.vocab_size=2", "task.variable_length=true", "task.min_length=1"], "train.eval_size + train.val_size <= 1"),
     ],
 )
 def test_a_heldout_set_that_leaves_too_few_training_sequences_is_refused_naming_what_works(make_config, overrides, advice):
@@ -48,15 +48,16 @@ def test_a_heldout_set_that_leaves_too_few_training_sequences_is_refused_naming_
     with pytest.raises(ConfigError) as refused:
         validate(cfg)
     message = str(refused.value)
-    assert "\n" not in message and f"train.eval_size={cfg.train.eval_size}" in message and advice in message
+    assert "\n" not in message and f"train.eval_size={cfg.train.eval_size} + train.val_size={cfg.train.val_size}" in message
+    assert advice in message
 
 
 def test_the_advice_of_a_refusal_is_accepted(make_config):
     """Each value the message proposes, alone, makes the config valid, and one step short of it does not."""
-    base = [*TINY, "task.length=3", "task.vocab_size=2", "train.eval_size=16"]
-    with pytest.raises(ConfigError, match=r"train.eval_size <= 4, task.length >= 5 or task.vocab_size >= 4"):
+    base = [*TINY, "task.length=3", "task.vocab_size=2", "train.eval_size=16", "train.val_size=1"]
+    with pytest.raises(ConfigError, match=r"train.eval_size \+ train.val_size <= 4, task.length >= 6 or task.vocab_size >= 4"):
         validate(make_config(*base))
-    for fix, short in (("train.eval_size=4", "train.eval_size=5"), ("task.length=5", "task.length=4"), ("task.vocab_size=4", "task.vocab_size=3")):
+    for fix, short in (("train.eval_size=3", "train.eval_size=4"), ("task.length=6", "task.length=5"), ("task.vocab_size=4", "task.vocab_size=3")):
         validate(make_config(*base, fix))
         with pytest.raises(ConfigError):
             validate(make_config(*base, short))
@@ -79,9 +80,9 @@ def test_training_batch_stops_with_an_error_where_every_sequence_is_held_out(mak
     code redrew for ever; counting its draws turns that hang into a failure."""
     extra = [] if min_length is None else ["task.variable_length=true", f"task.min_length={min_length}"]
     cfg = make_config(*TINY, "task.length=2", "task.vocab_size=2", "train.eval_size=64", *extra)
-    heldout = sequence_keys(eval_batch(cfg))
+    heldout = set(sequence_keys(splits.test_batch(cfg)))
     assert len(heldout) == (4 if min_length is None else 6)  # every sequence there is
-    draws, real = 0, training.sample_batch
+    draws, real = 0, splits.sample_batch
 
     def counted(*args):
         nonlocal draws
@@ -90,16 +91,17 @@ def test_training_batch_stops_with_an_error_where_every_sequence_is_held_out(mak
             pytest.fail("training_batch redraws for ever")
         return real(*args)
 
-    monkeypatch.setattr("copytask.training.sample_batch", counted)
-    with pytest.raises(ConfigError, match=r"held-out.*train.eval_size=64.*task.length=2.*task.vocab_size=2"):
+    monkeypatch.setattr("copytask.splits.sample_batch", counted)
+    with pytest.raises(ConfigError, match=r"training batch.*held-out.*train.val_size=16, train.eval_size=64.*task.length=2.*task.vocab_size=2"):
         training_batch(cfg, torch.Generator().manual_seed(0), heldout)
 
 
 def test_training_batch_still_excludes_every_heldout_sequence(make_config):
     cfg = make_config(*TINY, "task.length=2", "train.eval_size=32", "train.batch_size=256")
-    heldout = sequence_keys(eval_batch(cfg))
+    test, validation, heldout = heldout_keys(cfg)
+    assert len(heldout) > len(set(sequence_keys(test)))  # the validation set's sequences are held out too
     batch = training_batch(cfg, torch.Generator().manual_seed(0), heldout)
-    assert not sequence_keys(batch) & heldout and len(batch) == 256
+    assert not set(sequence_keys(batch)) & heldout and len(batch) == 256
 
 
 ISSUE_SIZES = ["attention=scaled_dot", "task=reverse", "task.length=1000000", "model.embedding_size=1000000"]

@@ -16,7 +16,7 @@ from copytask.training import train
 
 from .conftest import SRC, TINY, run_cli
 
-RECORDED = ("loss", "token_acc", "seq_acc", "seconds")  # history.csv's columns besides the step
+RECORDED = ("loss", "val_token_acc", "val_seq_acc", "seconds")  # history.csv's columns besides the step
 
 
 def trained(make_config, *extra: str) -> tuple[dict, pd.DataFrame, dict]:

@@ -1,12 +1,18 @@
+import re
+
 import pytest
 import torch
 
+from copytask import store
+from copytask.config import ConfigError
 from copytask.data import make_batch, total_vocab
 from copytask.model import Seq2Seq, count_parameters
+from copytask.validation import validate
 
 # Seq2Seq's arguments for each attention config (configs/attention/), at a tiny size
 ATTENTION = {
     "none": dict(decoder="plain"),
+    "rnnencdec": dict(decoder="rnnencdec"),
     "bahdanau": dict(decoder="bahdanau", score="additive", attention_size=12),
     "luong_dot": dict(decoder="luong", score="dot"),
     "luong_general": dict(decoder="luong", score="general"),
@@ -16,7 +22,8 @@ ATTENTION = {
     "luong_local": dict(decoder="luong", score="general", local="predictive", window=2),
     "luong_local_m": dict(decoder="luong", score="general", local="monotonic", window=2),
 }
-WEIGHTS_SUM_TO_ONE = [name for name in ATTENTION if name not in ("none", "luong_local")]  # local-p: the paper's Gaussian
+NO_ATTENTION = ("none", "rnnencdec")
+WEIGHTS_SUM_TO_ONE = [name for name in ATTENTION if name not in (*NO_ATTENTION, "luong_local")]  # local-p: the paper's Gaussian
 
 
 def make_model(name: str, bidirectional: bool = True) -> Seq2Seq:
@@ -30,7 +37,7 @@ def test_forward_shapes(name):
     batch = make_batch("copy", 3, 7, 6, torch.Generator().manual_seed(0))
     logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
     assert logits.shape == (3, 8, total_vocab(6))
-    if name == "none":
+    if name in NO_ATTENTION:
         assert weights is None
     else:
         assert weights.shape == (3, 8, 7)
@@ -119,3 +126,53 @@ def test_attention_adds_parameters_and_none_has_no_attention():
     sizes = {name: count_parameters(make_model(name)) for name in ATTENTION}
     assert make_model("none").attention is None
     assert sizes["luong_dot"] < sizes["luong_general"] and sizes["none"] < sizes["luong_dot"]
+
+
+def test_rnnencdec_is_cho_et_als_decoder():
+    """Cho et al. (2014), appendix A.1, written out by hand one step at a time: the summary
+    c = tanh(V h_N), s_0 = tanh(V' c), C c in both gates and inside the reset-gated term of the
+    candidate, and the readout W_o [s_t; e(y_{t-1}); c] (without the paper's maxout)."""
+    model = make_model("rnnencdec")
+    decoder = model.decoder
+    batch = make_batch("copy", 3, 5, 6, torch.Generator().manual_seed(4), min_length=2)
+    with torch.no_grad():
+        _, final = model.encoder(batch.src, batch.src_lengths)  # h_N (B, H)
+        logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
+        w_r, w_z, w = decoder.input_gates.weight.chunk(3)
+        b_wr, b_wz, b_w = decoder.input_gates.bias.chunk(3)
+        u_r, u_z, u = decoder.state_gates.weight.chunk(3)
+        b_ur, b_uz, b_u = decoder.state_gates.bias.chunk(3)
+        c_r, c_z, c = decoder.summary_gates.weight.chunk(3)
+        summary = torch.tanh(final @ decoder.summary.weight.T + decoder.summary.bias)
+        state = torch.tanh(summary @ decoder.init.weight.T + decoder.init.bias)
+        for t in range(batch.tgt_in.size(1)):
+            embedded = decoder.embedding.weight[batch.tgt_in[:, t]]
+            r = torch.sigmoid(embedded @ w_r.T + b_wr + state @ u_r.T + b_ur + summary @ c_r.T)
+            z = torch.sigmoid(embedded @ w_z.T + b_wz + state @ u_z.T + b_uz + summary @ c_z.T)
+            candidate = torch.tanh(embedded @ w.T + b_w + r * (state @ u.T + b_u + summary @ c.T))
+            state = z * state + (1 - z) * candidate
+            by_hand = torch.cat([state, embedded, summary], dim=-1) @ decoder.out.weight.T + decoder.out.bias
+            torch.testing.assert_close(logits[:, t], by_hand, atol=1e-5, rtol=1e-4)
+    assert weights is None and model.attention is None  # no attention: the summary is the bottleneck
+
+
+def test_rnnencdec_runs_are_named_apart_from_those_of_its_earlier_equations(make_config):
+    """attention.variant=cho2014 is part of an rnnencdec run's identity: the runs made before the
+    decoder computed Cho et al.'s equations (commit 0cb4bce) are never read as new ones, and no other
+    run is renamed."""
+    cfg = make_config("attention=rnnencdec")
+    validate(cfg)
+    assert store.identity(cfg)["attention"]["variant"] == "cho2014"
+    assert store.run_name(cfg) != "rnnencdec-copy20-seed0-19c01655"  # its name at commit 0cb4bce
+    assert store.run_name(make_config("attention=none")) == "none-copy20-seed0-cbad3463"  # unchanged
+    assert "variant" not in store.identity(make_config("attention=none"))["attention"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["attention=rnnencdec", "attention.variant=null"], "attention.variant must be cho2014 with attention.decoder=rnnencdec, got null"),
+    (["attention=bahdanau", "attention.variant=cho2014"], "attention.variant must be null with attention.decoder=bahdanau, got 'cho2014'"),
+])
+def test_a_variant_no_decoder_computes_is_refused(make_config, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(make_config(*overrides))
+

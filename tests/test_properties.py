@@ -44,7 +44,7 @@ RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store
 # Small, fast and quiet defaults; a drawn override of the same key comes later and wins.
 # Each model reads its own sizes and leaves the other's unused, so both are here.
 QUIET = ["train.progress=false", "train.threads=1", "train.steps=2", "train.eval_every=1", "task.length=4",
-         "model.hidden_size=8", "model.embedding_size=4", "train.batch_size=4", "train.eval_size=8",
+         "model.hidden_size=8", "model.embedding_size=4", "train.batch_size=4", "train.eval_size=8", "train.val_size=8",
          "model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=8"]
 
 
@@ -91,6 +91,7 @@ VALID = {
     "task.min_length": st.integers(1, 6),
     "attention.heads": st.integers(1, 4),
     "attention.window": st.integers(1, 4),
+    "attention.variant": st.sampled_from(["null", "cho2014"]),  # cho2014 with attention=rnnencdec only
     "model.hidden_size": st.sampled_from([1, 2, 4, 6, 8, 12]),
     "model.embedding_size": st.integers(1, 8),
     "model.bidirectional": st.booleans().map(str).map(str.lower),
@@ -104,6 +105,7 @@ VALID = {
     "analysis.lengths": st.lists(st.integers(1, 9), min_size=1, max_size=3).map(lambda lengths: f"[{','.join(map(str, lengths))}]"),
     "train.batch_size": st.integers(1, 8),
     "train.eval_size": st.integers(1, 16),
+    "train.val_size": st.integers(1, 16),
     "train.steps": st.integers(1, 3),
     "train.schedule": st.sampled_from(["onecycle", "constant"]),
     "train.warmup": st.floats(0.01, 0.99).map(number),
@@ -114,6 +116,7 @@ VALID = {
     "train.patience": st.integers(1, 3).map(str) | st.just("null"),
     "train.attention_samples": st.integers(0, 5),
     "train.eval_seed": st.integers(0, 2**32),
+    "train.val_seed": st.integers(0, 2**32),
     "seed": st.integers(0, 2**32),
     "hparams_search": st.just("baseline"),  # `train` under the search's preset: one run with its fixed settings
 }
@@ -292,7 +295,7 @@ COMPUTATION = {
     "task.length": ("4", "5"), "task.vocab_size": ("5", "6"), "task": ("copy", "reverse"), "seed": ("0", "1"),
     "model.hidden_size": ("8", "12"), "model.embedding_size": ("4", "6"), "model.bidirectional": ("true", "false"),
     "train.batch_size": ("4", "5"), "train.eval_size": ("8", "9"), "train.steps": ("2", "3"), "train.lr": ("0.01", "0.02"),
-    "train.clip": ("1", "2"), "train.eval_every": ("1", "2"), "train.eval_seed": ("7", "8"), "train.target_acc": ("0.9", "1"),
+    "train.clip": ("1", "2"), "train.eval_every": ("1", "2"), "train.eval_seed": ("7", "8"), "train.val_size": ("8", "9"), "train.val_seed": ("7", "8"), "train.target_acc": ("0.9", "1"),
     "train.patience": ("2", "null"), "attention": ("luong_general", "bahdanau"),
 }
 # Spellings of one computation: (key, value) pairs that leave it as it is when added.

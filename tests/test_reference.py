@@ -13,7 +13,8 @@ from copytask.data import make_batch
 from copytask.reference import ReferenceSeq2Seq
 from copytask.evaluation import build_model
 
-ATTENTIONS = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")
+ATTENTIONS = ("none", "rnnencdec", "bahdanau", "luong_dot", "luong_general", "luong_concat")
+NO_ATTENTION = ("none", "rnnencdec")
 LENGTH, VOCAB, BATCH = 12, 9, 16
 
 
@@ -44,7 +45,7 @@ def test_teacher_forced_logits_and_weights_equal_reference(attention, mixed):
     logits, weights = project(b.src, b.src_lengths, b.tgt_in)
     ref_logits, ref_weights = reference(b.src, b.src_lengths, b.tgt_in)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
-    if attention == "none":
+    if attention in NO_ATTENTION:
         assert weights is None and ref_weights is None
     else:
         torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
@@ -70,7 +71,7 @@ def test_greedy_equals_reference(attention, mixed):
     tokens, weights = project.greedy(b.src, b.src_lengths, steps=b.tgt_out.size(1))
     ref_tokens, ref_weights = reference.greedy(b.src, b.src_lengths, steps=b.tgt_out.size(1))
     assert torch.equal(tokens, ref_tokens)
-    if attention != "none":
+    if attention not in NO_ATTENTION:
         torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
 
 
@@ -101,6 +102,20 @@ def test_comparison_detects_a_changed_parameter():
     logits, weights = project(b.src, b.src_lengths, b.tgt_in)
     ref_logits, ref_weights = reference(b.src, b.src_lengths, b.tgt_in)
     assert not torch.allclose(weights, ref_weights, atol=1e-4)
+    assert not torch.allclose(logits, ref_logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("layer", ["summary", "summary_gates", "out"])
+def test_comparison_detects_a_changed_summary_path(layer):
+    """rnnencdec's summary c reaches the logits through V, through C (the gates and the candidate)
+    and through the readout: a change to any of them in the reference shows in the logits."""
+    project, reference = model_pair("rnnencdec")
+    with torch.no_grad():
+        weight = getattr(reference.decoder, layer).weight
+        weight[:, -project.decoder.summary.out_features:].mul_(1.5)  # the readout: only c's columns
+    b = batch(mixed=True)
+    logits, _ = project(b.src, b.src_lengths, b.tgt_in)
+    ref_logits, _ = reference(b.src, b.src_lengths, b.tgt_in)
     assert not torch.allclose(logits, ref_logits, atol=1e-4)
 
 

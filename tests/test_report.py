@@ -216,7 +216,7 @@ def test_multi_head_runs_are_labelled_apart(tmp_path):
 def test_steps_to_target_is_the_first_evaluation_at_target_over_the_seeds_that_reached_it(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
-    (folder / store.HISTORY).write_text("step,loss,token_acc,seq_acc,seconds\n50,1.0,0.5,0.0,1\n100,0.1,0.995,0.9,2\n150,0.1,0.98,0.8,3\n")
+    (folder / store.HISTORY).write_text("step,loss,val_token_acc,val_seq_acc,seconds\n50,1.0,0.5,0.0,1\n100,0.1,0.995,0.9,2\n150,0.1,0.98,0.8,3\n")
     assert target_step(folder, 0.99) == 100  # the first hit, though accuracy fell again after it
     assert math.isnan(target_step(folder, 0.999)) and math.isnan(target_step(tmp_path / "nowhere", 0.99))
 

@@ -18,10 +18,10 @@ from copytask.training import train
 from .conftest import SRC, run_cli
 
 # Long enough for three evaluations and numbers above chance; no early stop, so every run trains its budget.
-RUN = ["experiment=quick", "train.steps=60", "train.eval_every=20", "train.eval_size=32", "train.batch_size=16",
+RUN = ["experiment=quick", "train.steps=60", "train.eval_every=20", "train.eval_size=32", "train.val_size=32", "train.batch_size=16",
        "train.threads=1", "train.progress=false", "train.patience=null"]
 # The numbers that must not change; `seconds` (wall time) and `resumed_from` are all that may.
-SAME = ["token_acc", "seq_acc", "final_loss", "steps", "params", "chance"]
+SAME = ["token_acc", "seq_acc", "val_token_acc", "val_seq_acc", "ended_early", "final_loss", "steps", "params", "chance"]
 
 # `python -m copytask ARGS` that kills itself with SIGKILL right after writing its checkpoint at
 # step KILL_AT: a kill between two evaluations, at a known step.
@@ -82,14 +82,14 @@ def test_the_checkpoint_holds_what_the_run_stood_at(make_config, monkeypatch):
     assert [len(state["history"]) for state in saved] == [1, 2]
 
 
-def interrupted(make_config, *extra: str):
-    """The run of RUN + extra, stopped (an exception) right after its checkpoint at step 40."""
+def interrupted(make_config, *extra: str, at: int = 40):
+    """The run of RUN + extra, stopped (an exception) right after its checkpoint at step `at`."""
     cfg = make_config(*RUN, *extra)
     save = checkpoints.save
 
     def save_then_stop(folder, cfg, progress, *args):
         save(folder, cfg, progress, *args)
-        if progress["step"] == 40:
+        if progress["step"] == at:
             raise KeyboardInterrupt
 
     with pytest.MonkeyPatch.context() as patch:
@@ -99,6 +99,13 @@ def interrupted(make_config, *extra: str):
     folder = store.run_dir(cfg)
     assert (folder / store.RESUME).is_file() and not store.is_complete(folder)
     return cfg, folder
+
+
+def test_the_early_stopping_count_on_the_validation_set_goes_on_after_a_stop(make_config):
+    stopping = ["train.target_acc=0.0", "train.patience=2"]  # every evaluation is at the target: stops at step 40
+    cfg, folder = interrupted(make_config, *stopping, at=20)  # one evaluation at the target so far
+    metrics = train(cfg)
+    assert metrics["resumed_from"] == 20 and metrics["steps"] == 40  # not 60: the count did not start again
 
 
 def test_retrain_starts_an_interrupted_run_from_step_0(make_config):

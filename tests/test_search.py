@@ -40,7 +40,7 @@ def test_a_complete_run_skipped_by_a_job_still_returns_its_objective(tmp_path):
     finally:
         GlobalHydra.instance().clear()
         HydraConfig.instance().cfg = None
-    assert objective == metrics["token_acc"]
+    assert objective == metrics["val_token_acc"]  # the validation set's, never the test set's
     assert (folder / store.METRICS).stat().st_mtime_ns == written  # skipped, not trained again
 
 
@@ -51,9 +51,9 @@ def search(runs_dir: Path, trials: int, *extra: str) -> list[str]:
 
 
 def objectives_and_metrics(runs_dir: Path) -> list[tuple[float, float]]:
-    """(the objective each trial returned, its run's greedy token accuracy) from the sweep record."""
+    """(the objective each trial returned, its run's validation greedy token accuracy) from the sweep record."""
     trials = store.read_json(runs_dir / "sweep.json")["trials"]
-    return [(trial["objective"], store.read_json(runs_dir / trial["run"] / store.METRICS)["token_acc"]) for trial in trials]
+    return [(trial["objective"], store.read_json(runs_dir / trial["run"] / store.METRICS)["val_token_acc"]) for trial in trials]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_a_search_runs_its_trials_as_run_folders_and_reports_them(searched):
     out = runs_dir / "report"
     for name in ("report.md", "search_objective_by_trial.png", "search_objective_by_key.png"):
         assert (out / name).is_file(), name
-    assert "| trial | token acc % |" in (out / "report.md").read_text()
+    assert "| trial | val token acc % | test token acc % |" in (out / "report.md").read_text()
     assert "3/3 runs complete (3 trained now), 0 failed" in process.stdout
 
 
@@ -97,7 +97,7 @@ def test_compare_and_report_show_the_searchs_best_trials(searched, tmp_path):
     assert process.returncode == 0, process.stderr
     assert "the 3 trials (3 runs) of the last search in" in process.stdout
     header = next(line for line in process.stdout.splitlines() if line.lstrip().startswith("trial"))
-    assert header.split()[:3] == ["trial", "token", "acc"] and "train.lr" in header
+    assert header.split()[:7] == ["trial", "val", "token", "acc", "%", "test", "token"] and "train.lr" in header
     ranked = copytask.compare(runs_dir)  # the same through the API: every trial, best first
     assert list(ranked["objective"]) == sorted(ranked["objective"], reverse=True)
     (runs_dir / "report" / "report.md").unlink()

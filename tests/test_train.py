@@ -10,7 +10,8 @@ from copytask.config import ConfigError
 from copytask.validation import validate
 from copytask.data import Batch
 from copytask.grid import compose_grid
-from copytask.evaluation import build_model, eval_batch, evaluate
+from copytask.evaluation import build_model, evaluate
+from copytask import splits
 from copytask.training import NonFiniteLoss, train, train_step
 
 from .conftest import TINY, run_cli
@@ -135,7 +136,7 @@ def test_same_config_and_seed_give_the_same_metrics(make_config, tmp_path):
 def test_greedy_evaluation_in_pieces_equals_one_piece(make_config, attention):
     cfg = make_config(*TINY, f"attention={attention}", "train.eval_size=50", "task.variable_length=true", "task.min_length=2")
     torch.manual_seed(0)
-    model, heldout = build_model(cfg), eval_batch(cfg)
+    model, heldout = build_model(cfg), splits.test_batch(cfg)
     whole, pieces = evaluate(model, heldout, chunk_size=len(heldout)), evaluate(model, heldout, chunk_size=16)
     assert torch.equal(whole["tokens"], pieces["tokens"])  # 16 does not divide 50: a short last piece
     assert whole["token_acc"] == pieces["token_acc"] and whole["seq_acc"] == pieces["seq_acc"]
@@ -146,11 +147,15 @@ def test_greedy_evaluation_in_pieces_equals_one_piece(make_config, attention):
 @pytest.mark.parametrize("seed", [0, 1234], ids=["seed0", "seed=eval_seed"])
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # train_step is replaced
 def test_no_heldout_sequence_is_ever_trained_on(make_config, monkeypatch, seed):
-    """Length 2 has 81 sequences and the held-out set holds 32 of them: without the exclusion
-    about 40% of training rows would be held-out ones. With seed == train.eval_seed the training
-    generator starts where the held-out set's did, so its first batch would be the held-out set."""
-    cfg = make_config(*TINY, "task.length=2", "train.eval_size=32", "train.patience=null", f"seed={seed}", "train.eval_seed=1234")
-    heldout = {tuple(row) for row in eval_batch(cfg).src.tolist()}
+    """Length 2 has 81 sequences and the test and validation sets hold 40 of them: without the
+    exclusion about 40% of training rows would be held-out ones. With seed == train.eval_seed the
+    training generator starts where the test set's did, so its first batch would be the test set."""
+    cfg = make_config(*TINY, "task.length=2", "train.eval_size=24", "train.patience=null", f"seed={seed}", "train.eval_seed=1234")
+    test, validation = splits.test_batch(cfg), splits.validation_batch(cfg)
+    heldout = {tuple(row) for row in test.src.tolist()}
+    validating = {tuple(row) for row in validation.src.tolist()}
+    assert not heldout & validating  # the validation set holds no test sequence
+    heldout |= validating
     trained = []
     monkeypatch.setattr("copytask.training.train_step", lambda model, optimizer, batch, clip: trained.append(batch) or torch.tensor(1.0))
     train(cfg)
@@ -270,7 +275,7 @@ def test_chance_and_the_summary_follow_the_vocabulary(tmp_path, vocab_size, chan
         metrics = train(run.config)
         assert metrics["chance"] == pytest.approx(1 / vocab_size) and metrics["vocab_size"] == vocab_size
         assert f"(chance {chance})" in training.summary_line(metrics, run.folder)  # the line the command prints
-    heldout = eval_batch(grid[0].config)
+    heldout = splits.test_batch(grid[0].config)
     assert set(heldout.src.unique().tolist()) == set(range(3, 3 + vocab_size))  # every content symbol, no other
     assert build_model(grid[0].config).decoder.out.out_features == 3 + vocab_size
 

@@ -24,7 +24,7 @@ TINY_TRANSFORMER = [*TINY, "model=transformer", "model.d_model=8", "model.heads=
 def trained_a_little(model: nn.Module, cfg, steps: int = 30) -> nn.Module:
     """A few Adam steps on the copy task: weights away from their initialisation, so that argmaxes differ
     between steps and positions and the tests below test something."""
-    from copytask.evaluation import sample_batch
+    from copytask.splits import sample_batch
     from copytask.training import train_step
 
     generator = torch.Generator().manual_seed(0)
@@ -109,35 +109,6 @@ def test_the_decoder_layers_compute_what_torchs_own_forward_computes(make_config
         logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
     valid = batch.target_mask
     torch.testing.assert_close(logits[valid], model.out(decoded)[valid], atol=1e-5, rtol=1e-4)
-
-
-def test_rnnencdec_is_cho_et_als_decoder_step(make_config):
-    """s_0 = tanh(V c), s_t = GRU(s_{t-1}, [e(y_{t-1}); c]), logits = W_o [s_t; e(y_{t-1}); c] + b_o,
-    written out by hand from the GRU equations (Cho et al., 2014)."""
-    cfg = make_config("attention=rnnencdec", "model.hidden_size=8", "model.embedding_size=4", "task.length=5", "train.fused=false")
-    torch.manual_seed(0)
-    model = build_model(cfg).eval()
-    decoder = model.decoder
-    batch = mixed_batch(cfg, size=3)
-    with torch.no_grad():
-        _, summary = model.encoder(batch.src, batch.src_lengths)  # c (B, H)
-        logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
-        gru = decoder.rnn
-        w_ir, w_iz, w_in = gru.weight_ih_l0.chunk(3)
-        w_hr, w_hz, w_hn = gru.weight_hh_l0.chunk(3)
-        b_ir, b_iz, b_in = gru.bias_ih_l0.chunk(3)
-        b_hr, b_hz, b_hn = gru.bias_hh_l0.chunk(3)
-        state = torch.tanh(summary @ decoder.init.weight.T + decoder.init.bias)
-        for t in range(batch.tgt_in.size(1)):
-            embedded = decoder.embedding.weight[batch.tgt_in[:, t]]
-            x = torch.cat([embedded, summary], dim=-1)
-            r = torch.sigmoid(x @ w_ir.T + b_ir + state @ w_hr.T + b_hr)
-            z = torch.sigmoid(x @ w_iz.T + b_iz + state @ w_hz.T + b_hz)
-            n = torch.tanh(x @ w_in.T + b_in + r * (state @ w_hn.T + b_hn))
-            state = (1 - z) * n + z * state
-            by_hand = torch.cat([state, embedded, summary], dim=-1) @ decoder.out.weight.T + decoder.out.bias
-            torch.testing.assert_close(logits[:, t], by_hand, atol=1e-5, rtol=1e-4)
-    assert weights is None and model.attention is None  # no attention: the summary is the bottleneck
 
 
 @pytest.mark.parametrize("overrides", [SMALL, [*SMALL, "model.positions=learned", "model.max_length=30"], ["model=transformer"]])

@@ -10,6 +10,13 @@
 - Per-length accuracy: a model evaluated on one mixed-length set (padding and masks in place),
   its accuracy grouped by each sequence's length; the curve of a variable-length model.
 
+Every set scored here is held out (`splits.heldout_at_length`): no sequence of it was in the run's
+training batches (replayed from its seed) or in its validation set. Where a length has fewer such
+sequences than asked, its row says how many it was scored on (and a length with none is not
+scored), and a variable-length run records how holding sequences out changed its training's
+length mix (`splits.training_length_mix`). Outputs are scored up to their first EOS
+(`evaluation.sequence_scores`), also the alignment: steps after an output's end are not counted.
+
 Step convention: row t of the attention weights (B, T_dec, T_enc) is the attention used to produce
 output token t in greedy decoding. Bahdanau computes it from the state before the step, s_{t-1},
 Luong from the state after it, s_t; either way it serves output token t, so the source position
@@ -30,13 +37,14 @@ from typing import Iterable, Iterator
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import store
 from .attention import Attention, Intervention
-from .data import Batch, copied_positions, make_batch
-from .evaluation import eval_batch, evaluate, load_run, rounded, sequence_scores
+from .data import Batch, copied_positions
+from .evaluation import evaluate, load_run, output_mask, rounded, sequence_scores
+from .splits import heldout_at_length, test_batch, training_length_mix, training_sequences
 from .model import Seq2Seq
 from .devices import resolve_device, run_settings
 
@@ -112,13 +120,14 @@ def counterfactual_accuracy(model: Seq2Seq, batch: Batch, seed: int = 0) -> dict
 # --- alignment ---------------------------------------------------------------------------------
 
 
-def alignment(weights: Tensor, batch: Batch, task: str) -> dict[str, float]:
-    """weights (B, T_dec, T_enc) from greedy decoding on `batch` -> over all content output steps,
-    `hit`: the fraction whose attention argmax is the copied position, `mass`: the mean weight on it,
-    `adjacent`: the fraction whose argmax is a neighbour of it. With a bidirectional encoder the
-    state next to a symbol also carries that symbol, and trained models do attend there."""
+def alignment(weights: Tensor, tokens: Tensor, batch: Batch, task: str) -> dict[str, float]:
+    """weights (B, T_dec, T_enc) and output `tokens` (B, T_dec) from greedy decoding on `batch` -> over
+    all content output steps before the output's end (its first EOS), `hit`: the fraction whose
+    attention argmax is the copied position, `mass`: the mean weight on it, `adjacent`: the fraction
+    whose argmax is a neighbour of it. With a bidirectional encoder the state next to a symbol also
+    carries that symbol, and trained models do attend there."""
     target = copied_positions(task, batch.src_lengths, weights.size(1))  # (B, T_dec)
-    content = batch.content_mask  # (B, T_dec) output steps that copy a symbol
+    content = batch.content_mask & output_mask(tokens)  # (B, T_dec) output steps that copy a symbol
     distance = (weights.argmax(-1) - target).abs()[content]
     mass = weights.gather(-1, target[..., None]).squeeze(-1)[content]
     return {
@@ -145,56 +154,77 @@ def head_weights(model: Seq2Seq, batch: Batch) -> Tensor:
 # --- accuracy across lengths ---------------------------------------------------------------------
 
 
-def at_length(cfg: DictConfig, length: int) -> DictConfig:
-    """`cfg` with every sequence exactly `length` symbols long."""
-    return OmegaConf.merge(cfg, {"task": {"length": length, "variable_length": False}})
-
-
 def heldout_batch(cfg: DictConfig, eval_size: int | None) -> Batch:
-    """The first `eval_size` sequences (all if None) of the run's own held-out set."""
-    return eval_batch(cfg).select(slice(0, eval_size))
+    """The first `eval_size` sequences (all if None) of the run's own test set."""
+    return test_batch(cfg).select(slice(0, eval_size))
 
 
-def length_generalisation(model: Seq2Seq, cfg: DictConfig, lengths: list[int], eval_size: int | None = None) -> list[dict]:
-    """Greedy accuracy on the held-out set (the run's eval seed, its first `eval_size` sequences)
-    at each test length. A model with learned positions is not defined past its table: such a length
-    gets no accuracy (None) and a `note` saying why, never a number from positions it does not have."""
+def length_generalisation(
+    model: nn.Module, cfg: DictConfig, lengths: list[int], eval_size: int | None = None, trained: set[bytes] | None = None
+) -> list[dict]:
+    """Greedy accuracy at each test length on `eval_size` (None: train.eval_size) held-out sequences of
+    that length (`splits.heldout_at_length`; `trained`: the run's training sequences, needed at a
+    length it trains at). Each row says how many sequences it was `scored` on; a length with fewer
+    held-out sequences than asked gets a `note`, one with none no accuracy (None). A model with
+    learned positions is not defined past its table: such a length gets no accuracy and a note
+    saying why, never a number from positions it does not have."""
     device, rows = next(model.parameters()).device, []
-    longest = model.longest_source
+    longest, size = model.longest_source, eval_size or cfg.train.eval_size
     for length in lengths:
         if longest is not None and length > longest:
             note = f"not defined: the learned position table covers lengths up to {longest} (model.max_length)"
-            rows.append({"test_length": length, "token_acc": None, "seq_acc": None, "note": note})
+            rows.append({"test_length": length, "token_acc": None, "seq_acc": None, "scored": 0, "note": note})
             continue
-        result = evaluate(model, heldout_batch(at_length(cfg, length), eval_size).to(device))
-        rows.append({"test_length": length, "token_acc": result["token_acc"], "seq_acc": result["seq_acc"]})
+        batch, available = heldout_at_length(cfg, length, size, trained)
+        row = {"test_length": length, "token_acc": None, "seq_acc": None, "scored": available}
+        if available < size:
+            row["note"] = held_out_note(length, available, size, cfg.task.vocab_size)
+        if available:
+            result = evaluate(model, batch.to(device))
+            row |= {"token_acc": result["token_acc"], "seq_acc": result["seq_acc"]}
+        rows.append(row)
     return rows
+
+
+def held_out_note(length: int, available: int, size: int, vocab_size: int) -> str:
+    """Why a length is scored on fewer than `size` sequences (or not at all)."""
+    scored = f"scored on {available} sequences" if available else "not scored"
+    return (f"{scored}: only {available} of the {vocab_size ** length:,} sequences of length {length} are neither "
+            f"trained on nor in the validation set (asked for {size})")
 
 
 def accuracy_by_length(batch: Batch, tokens: Tensor) -> pd.DataFrame:
     """Greedy output `tokens` (B, T_dec) for `batch` -> one row per source length present:
     count, token accuracy (content positions) and exact-sequence accuracy (EOS included)."""
-    hits, symbols, exact = sequence_scores(tokens, batch)
+    scores = sequence_scores(tokens, batch)
     per_sequence = pd.DataFrame(
-        {"length": batch.src_lengths.tolist(), "hits": hits.tolist(), "symbols": symbols.tolist(), "exact": exact.tolist()}
-    )
+        {"length": batch.src_lengths.tolist(), "hits": scores.hits.tolist(), "symbols": scores.symbols.tolist(),
+         "exact": scores.exact.tolist()}
+    )  # fmt: skip
     grouped = per_sequence.groupby("length")
     table = grouped.agg(count=("exact", "size"), hits=("hits", "sum"), symbols=("symbols", "sum"), seq_acc=("exact", "mean"))
     table["token_acc"] = table.hits / table.symbols
     return table.reset_index()[["length", "count", "token_acc", "seq_acc"]]
 
 
-def per_length_batch(cfg: DictConfig, per_length: int = PER_LENGTH_SIZE) -> Batch:
-    """A mixed-length held-out set for a variable-length run: lengths drawn from [min_length, length]
-    (about `per_length` sequences each) from the run's eval seed, padded to `length`, so every
-    decoding chunk mixes lengths and runs through the masks as in training."""
-    task = cfg.task
-    size = per_length * (task.length - task.min_length + 1)
-    generator = torch.Generator().manual_seed(cfg.train.eval_seed)
-    return make_batch(task.name, size, task.length, task.vocab_size, generator, task.min_length)
+def per_length_batch(cfg: DictConfig, trained: set[bytes], per_length: int = PER_LENGTH_SIZE) -> tuple[Batch, list[str]]:
+    """A mixed-length held-out set for a variable-length run: up to `per_length` held-out sequences
+    of each length in [min_length, length] (`splits.heldout_at_length`; `trained`: the run's training
+    sequences), padded to `length` and shuffled, so every decoding chunk mixes lengths and runs
+    through the masks as in training. -> the batch and a note for each length with fewer."""
+    task, parts, notes = cfg.task, [], []
+    for length in range(task.min_length, task.length + 1):
+        batch, available = heldout_at_length(cfg, length, per_length, trained)
+        if available < per_length:
+            notes.append(held_out_note(length, available, per_length, task.vocab_size))
+        if available:
+            parts.append(batch)
+    whole = Batch.concat(parts, task.length)
+    order = torch.randperm(len(whole), generator=torch.Generator().manual_seed(cfg.train.eval_seed))
+    return whole.select(order), notes
 
 
-def per_length_accuracy(model: Seq2Seq, batch: Batch) -> pd.DataFrame:
+def per_length_accuracy(model: nn.Module, batch: Batch) -> pd.DataFrame:
     """Greedy accuracy on a mixed-length `batch`, one row per length (see `accuracy_by_length`)."""
     batch = batch.to(next(model.parameters()).device)
     return accuracy_by_length(batch, evaluate(model, batch)["tokens"])
@@ -209,6 +239,8 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, 
     cfg, model = load_run(folder, device)
     device = next(model.parameters()).device
     task = cfg.task
+    # the sequences its training drew, replayed, where an evaluation set could hold some
+    trained = training_sequences(cfg, store.read_json(folder / store.METRICS)["steps"]) if task.variable_length else None
     analysis = {
         "run": folder.name,
         "attention": store.model_label(cfg),
@@ -218,11 +250,14 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, 
         "seed": cfg.seed,
         "eval_size": eval_size,
         "device": device.type,
-        "length_generalisation": length_generalisation(model, cfg, lengths, eval_size),
+        "length_generalisation": length_generalisation(model, cfg, lengths, eval_size, trained),
     }
     if task.variable_length:
-        per_length = per_length_accuracy(model, per_length_batch(cfg)).rename(columns={"length": "test_length"})
+        batch, notes = per_length_batch(cfg, trained)
+        per_length = per_length_accuracy(model, batch).rename(columns={"length": "test_length"})
         analysis["per_length"] = per_length.to_dict("records")
+        analysis["per_length_notes"] = notes
+        analysis["length_mix"] = training_length_mix(cfg)
     if model.attention is None:
         return analysis
     heldout = heldout_batch(cfg, eval_size).to(device)
@@ -230,7 +265,7 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, 
     accuracy = {"own": own["token_acc"], **counterfactual_accuracy(model, heldout, seed=cfg.seed)}
     analysis["counterfactual"] = accuracy
     analysis["drop"] = {name: accuracy["own"] - accuracy[name] for name in COUNTERFACTUALS}
-    analysis["alignment"] = alignment(own["weights"], heldout, task.name)
+    analysis["alignment"] = alignment(own["weights"], own["tokens"], heldout, task.name)
     if model.attention.heads > 1:
         first = heldout.select(slice(0, 1))  # trimmed to its own length: weights (1, heads, L + 1, L)
         analysis["head_weights"] = {
@@ -335,6 +370,17 @@ def per_length_table(analyses: Iterable[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def heldout_notes(analyses: Iterable[dict]) -> dict[str, list[str]]:
+    """Each note of a length scored on fewer held-out sequences than asked (or not at all), with the
+    runs it is about (`length_generalisation` and `per_length_notes`)."""
+    fewer = {}
+    for a in analyses:
+        notes = [row["note"] for row in a["length_generalisation"] if "note" in row and not row["note"].startswith("not defined")]
+        for note in [*notes, *a.get("per_length_notes", [])]:
+            fewer.setdefault(note, []).append(a["run"])
+    return fewer
+
+
 def _by_length(level: pd.Index) -> pd.Index:
     """Sort key: train lengths ("5", "10", "5-80") by their longest length, not as text."""
     return level.map(lambda value: int(value.split("-")[-1])) if level.name == "train_length" else level
@@ -368,4 +414,6 @@ def summary(analyses: list[dict], settings: pd.DataFrame | None = None) -> str:
         "length generalisation: greedy token accuracy, train length (rows) x test length (columns)\n"
         + matrix.to_string(float_format=number)
     )
+    if fewer := heldout_notes(analyses):
+        parts.append("held-out sets at short lengths:\n" + "\n".join(f"{note} ({len(runs)} runs)" for note, runs in fewer.items()))
     return "\n\n".join(parts)

@@ -224,7 +224,7 @@ def compare(overrides: list[str], flags: set[str]) -> int:
         from .search import best, best_table, trial_table
 
         trials = trial_table(selection.trials, loaded)
-        print(f"the best {len(best(trials))} of {len(trials)} trials by held-out greedy token accuracy, in %; every trial: report's trials.csv")
+        print(f"the best {len(best(trials))} of {len(trials)} trials by validation greedy token accuracy (the objective), in %; every trial: report's trials.csv")
         print(best_table(trials, loaded.settings).to_string(index=False))
         return status
     print(table_note(list(dict.fromkeys(loaded.table["task"]))))

@@ -32,6 +32,10 @@ class ConfigError(ValueError):
 
 TASKS = ("copy", "reverse")
 DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
+# attention.variant: which equations a decoder computes, where they changed after its runs were made, so that
+# those runs' folders are not read as the new ones'. rnnencdec became Cho et al.'s (2014, appendix A.1) in
+# issue 26; its earlier runs (the encoder's raw final state fed into the GRU's input) have no variant.
+VARIANTS = {"rnnencdec": "cho2014"}
 SCORES = ("additive", "dot", "scaled_dot", "general", "multihead")  # how a decoder state scores an encoder state
 MULTI_HEAD_SCORES = ("dot", "scaled_dot", "general", "multihead")  # a dot product splits into per-head ones; additive does not
 LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
@@ -83,6 +87,7 @@ class AttentionConfig:
     heads: int = 1
     local: Optional[str] = None
     window: Optional[int] = None
+    variant: Optional[str] = None
 
 
 @dataclass
@@ -96,6 +101,8 @@ class TrainConfig:
     eval_every: int = MISSING
     eval_size: int = MISSING
     eval_seed: int = MISSING
+    val_size: int = MISSING
+    val_seed: int = MISSING
     target_acc: float = MISSING
     patience: Optional[int] = MISSING
     device: str = MISSING
@@ -147,13 +154,13 @@ MINIMUM = {
     "seed": 0, "task.length": 1, "task.vocab_size": 2,  # one symbol would make copying trivial
     "task.min_length": 1, "model.embedding_size": 1, "model.hidden_size": 1, "attention.size": 1,
     "attention.heads": 1, "attention.window": 1, "train.steps": 1, "train.batch_size": 1,
-    "train.eval_every": 1, "train.eval_size": 1, "train.eval_seed": 0, "train.patience": 1,
+    "train.eval_every": 1, "train.eval_size": 1, "train.eval_seed": 0, "train.val_size": 1, "train.val_seed": 0, "train.patience": 1,
     "train.threads": 1, "train.attention_samples": 0, "analysis.eval_size": 1, "analysis.threads": 1,
     **model_config.MINIMUM,
 }
 # The largest value of an integer key where there is one: torch's generators take 64-bit seeds,
 # and OpenMP would start every thread asked for.
-MAXIMUM = {"seed": 2**64 - 1, "train.eval_seed": 2**64 - 1, "train.threads": 1024, "analysis.threads": 1024}
+MAXIMUM = {"seed": 2**64 - 1, "train.eval_seed": 2**64 - 1, "train.val_seed": 2**64 - 1, "train.threads": 1024, "analysis.threads": 1024}
 TYPES = {"Integer": "an integer", "Float": "a number", "bool": "true or false"}  # as OmegaConf names them
 
 

@@ -63,6 +63,20 @@ class Batch:
     def __len__(self) -> int:
         return self.src.size(0)
 
+    @staticmethod
+    def concat(batches: list[Batch], width: int) -> Batch:
+        """The rows of `batches` in one batch, each padded with PAD to `width` source positions."""
+
+        def padded(t: Tensor, size: int) -> Tensor:
+            return torch.nn.functional.pad(t, (0, size - t.size(1)), value=PAD)
+
+        return Batch(
+            torch.cat([padded(b.src, width) for b in batches]),
+            torch.cat([b.src_lengths for b in batches]),
+            torch.cat([padded(b.tgt_in, width + 1) for b in batches]),
+            torch.cat([padded(b.tgt_out, width + 1) for b in batches]),
+        )
+
     def select(self, index: Tensor | slice) -> Batch:
         """A sub-batch (rows `index`), trimmed to its own longest source."""
         lengths = self.src_lengths[index]

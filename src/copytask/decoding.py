@@ -106,7 +106,7 @@ class Decoded:
     lengths: np.ndarray  # (B,)
     output: np.ndarray  # (B, T_dec) greedy output, T_dec = T_enc + 1
     target: np.ndarray  # (B, T_dec) target + EOS
-    hits: np.ndarray  # (B,) content symbols right
+    hits: np.ndarray  # (B,) content symbols right, up to the output's first EOS (`evaluation.sequence_scores`)
     symbols: np.ndarray  # (B,) content symbols
     exact: np.ndarray  # (B,) every symbol and the EOS right
     weights: np.ndarray | None  # (B, heads, T_dec, T_enc) attention weights; None without attention
@@ -176,10 +176,10 @@ def _decode(run_dir: Path, cfg: DictConfig, sequences: list[list[int]] | None, c
     tokens, weights = model.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))  # weights: mean over heads
     heads = model.attention.heads if model.attention is not None else 1
     maps = head_weights(model, batch) if heads > 1 else (weights[:, None] if weights is not None else None)
-    hits, symbols, exact = sequence_scores(tokens, batch)
+    scores = sequence_scores(tokens, batch)
     return Decoded(
         run_dir.name, cfg, batch.src.numpy(), batch.src_lengths.numpy(), tokens.numpy(), batch.tgt_out.numpy(),
-        hits.numpy(), symbols.numpy(), exact.numpy(), None if maps is None else maps.numpy(),
+        scores.hits.numpy(), scores.symbols.numpy(), scores.exact.numpy(), None if maps is None else maps.numpy(),
     )
 
 

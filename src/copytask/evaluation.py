@@ -1,17 +1,20 @@
-"""Evaluation: build a configured model, load a finished run's, draw the held-out set, and score
-greedy decoding (no teacher forcing) on it. Training, the analysis and decode all evaluate
-through here, so a number means the same wherever it is printed."""
+"""Evaluation: build a configured model, load a finished run's, and score greedy decoding (no
+teacher forcing) on a set of sequences (`splits` draws them). Training, the analysis, decode and
+the benchmark all score through `sequence_scores`, so a number means the same wherever it is
+printed: an output ends at its first EOS, and a content position after it is wrong whatever the
+decoder emits there."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from . import store
-from .data import Batch, make_batch, total_vocab
+from .data import EOS, Batch, total_vocab
 from .devices import resolve_device
 from .model import Seq2Seq
 from .model_config import is_transformer, position_rows
@@ -43,17 +46,6 @@ def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.M
     )
 
 
-def sample_batch(cfg: DictConfig, batch_size: int, generator: torch.Generator) -> Batch:
-    task = cfg.task
-    min_length = task.min_length if task.variable_length else None
-    return make_batch(task.name, batch_size, task.length, task.vocab_size, generator, min_length)
-
-
-def eval_batch(cfg: DictConfig) -> Batch:
-    """The fixed held-out set: drawn from its own seed, never seen in training (`training_batch`)."""
-    return sample_batch(cfg, cfg.train.eval_size, torch.Generator().manual_seed(cfg.train.eval_seed))
-
-
 # Sequences greedily decoded at once on CPU. Smaller pieces keep a decoder step's tensors in cache:
 # 512 held-out sequences at length 80 took Bahdanau 0.46 s in one piece and 0.29 s in pieces of 128
 # (Luong general 0.27 -> 0.23 s; the baseline, with no attention tensors, 0.08 -> 0.10 s).
@@ -61,11 +53,12 @@ EVAL_CHUNK = 128
 
 
 @torch.no_grad()
-def evaluate(model: Seq2Seq, batch: Batch, chunk_size: int | None = None) -> dict:
-    """Greedy decoding (no teacher forcing) on `batch`: token accuracy over the content positions,
-    and exact-sequence accuracy (every symbol and the EOS right). Also returns the decoded tokens
-    (B, T_dec) and attention weights (B, T_dec, T_enc) or None. `chunk_size` sequences are decoded
-    at a time: by default EVAL_CHUNK on CPU, all at once on a GPU."""
+def evaluate(model: nn.Module, batch: Batch, chunk_size: int | None = None) -> dict:
+    """Greedy decoding (no teacher forcing) on `batch`, scored by `sequence_scores`: token accuracy
+    over the content positions, exact-sequence accuracy (every symbol and the EOS right) and the
+    share of outputs that ended early (an EOS before the target's end). Also returns the decoded
+    tokens (B, T_dec) and attention weights (B, T_dec, T_enc) or None. `chunk_size` sequences are
+    decoded at a time: by default EVAL_CHUNK on CPU, all at once on a GPU."""
     if chunk_size is None:
         chunk_size = len(batch) if batch.src.is_cuda else EVAL_CHUNK
     was_training = model.training
@@ -78,21 +71,41 @@ def evaluate(model: Seq2Seq, batch: Batch, chunk_size: int | None = None) -> dic
         weights.append(None if w is None else _pad_to(w, batch.src.size(1), dim=2))
     model.train(was_training)
     tokens = torch.cat(tokens)
-    hits, symbols, exact = sequence_scores(tokens, batch)
+    scores = sequence_scores(tokens, batch)
     return {
-        "token_acc": hits.sum().item() / symbols.sum().item(),
-        "seq_acc": exact.float().mean().item(),
+        "token_acc": scores.hits.sum().item() / scores.symbols.sum().item(),
+        "seq_acc": scores.exact.float().mean().item(),
+        "ended_early": scores.early.float().mean().item(),
         "tokens": tokens,
         "weights": None if weights[0] is None else torch.cat(weights),
     }
 
 
-def sequence_scores(tokens: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy output `tokens` (B, T_dec) against `batch` -> per sequence (B,): content symbols right,
-    content symbols, and whether the whole target (every symbol and the EOS) is right."""
-    correct = tokens == batch.tgt_out
+class Scores(NamedTuple):
+    """Per sequence (B,): content symbols right, content symbols, whether the whole target is right
+    (every symbol and the EOS), and whether the output ended early (an EOS before the target's)."""
+
+    hits: torch.Tensor
+    symbols: torch.Tensor
+    exact: torch.Tensor
+    early: torch.Tensor
+
+
+def output_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """Greedy output (B, T_dec) -> (B, T_dec) True up to and with each output's first EOS: the
+    output itself. An output without EOS runs to the end."""
+    eos = tokens == EOS
+    return (eos.cumsum(1) - eos.long()) == 0  # no EOS before this position
+
+
+def sequence_scores(tokens: torch.Tensor, batch: Batch) -> Scores:
+    """Greedy output `tokens` (B, T_dec) against `batch`: an output ends at its first EOS, so a
+    content position after it is wrong, whatever the decoder emitted there; an output that never
+    emits EOS is scored over the target's length. The one scoring rule of every number."""
+    correct = (tokens == batch.tgt_out) & output_mask(tokens)
     content = batch.content_mask
-    return (correct & content).sum(1), content.sum(1), (correct | ~batch.target_mask).all(1)
+    early = ((tokens == EOS) & content).any(1)
+    return Scores((correct & content).sum(1), content.sum(1), (correct | ~batch.target_mask).all(1), early)
 
 
 def rounded(weights: torch.Tensor) -> list:

@@ -25,7 +25,7 @@ from .hydra_internals import compose, compose_job, own_global_hydra, proposes_jo
 from .validation import check_launcher, remote_job_check, remote_launcher, validate
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
-OBJECTIVE = "token_acc"  # what a job returns to an optimising sweeper: held-out greedy token accuracy, from metrics.json
+OBJECTIVE = "val_token_acc"  # what a job returns to an optimising sweeper: validation greedy token accuracy, from metrics.json
 # <hydra.sweep.dir>/<job number>/trial.json: what each trial of a search ran and returned, written by its job
 # (one file per job: jobs in other processes never append to one shared file)
 TRIAL_RECORD = "trial.json"

@@ -53,7 +53,7 @@ def warn(message: str) -> None:
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_job(cfg: DictConfig) -> float | None:
     """One job: train the run, print its line, and return its objective (metrics.json's OBJECTIVE,
-    held-out greedy token accuracy), also when the run was complete and is skipped: an optimising
+    validation greedy token accuracy), also when the run was complete and is skipped: an optimising
     sweeper (hydra/sweeper=optuna) maximises it, the basic sweeper ignores it. Alone (`train`), a
     refusal exits 2 and a diverged run 1; in a sweep a failure is recorded in the run folder, the
     job returns None and the sweep goes on. (None, not NaN: Optuna's sweeper records a trial that

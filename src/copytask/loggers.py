@@ -21,7 +21,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 # A run's final metrics, logged once at its last step: tracker name -> metrics.json key
-FINAL_METRICS = {"final/token_acc": "token_acc", "final/seq_acc": "seq_acc", "final/loss": "final_loss", "final/params": "params",
+FINAL_METRICS = {"final/token_acc": "token_acc", "final/seq_acc": "seq_acc", "final/val_token_acc": "val_token_acc",
+                 "final/val_seq_acc": "val_seq_acc", "final/loss": "final_loss", "final/params": "params",
                  "final/steps": "steps", "final/train_seconds": "train_seconds"}
 REPORT_RUN = "report"  # the tracker run holding a sweep's report figures
 RUN_TAG = "copytask.run"  # MLflow tags: the run folder's name, and whether the MLflow run is a copytask run or the report

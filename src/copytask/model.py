@@ -72,43 +72,64 @@ class PlainDecoder(Decoder):
 
 class RNNEncDecDecoder(Decoder):
     """Cho et al. (2014)'s RNN encoder-decoder ("RNNencdec" in Bahdanau et al., 2014): no attention,
-    but the encoder's fixed summary c (its final state) reaches every step, not only the first.
+    but the encoder's fixed summary c reaches every step, not only the first. The decoder of Cho
+    et al.'s appendix A.1, with h_N the encoder's final state and e(y) the decoder's embedding:
 
-        s_0 = tanh(V c)                          (section 2.2 of Cho et al.)
-        s_t = GRU(s_{t-1}, [e(y_{t-1}); c])      (c in every gate: W [e; c] = W_e e + C c)
+        c      = tanh(V h_N)
+        s_0    = tanh(V' c)
+        r_t    = sigmoid(W_r e(y_{t-1}) + U_r s_{t-1} + C_r c)
+        z_t    = sigmoid(W_z e(y_{t-1}) + U_z s_{t-1} + C_z c)
+        s~_t   = tanh(W e(y_{t-1}) + r_t * (U s_{t-1} + C c))
+        s_t    = z_t * s_{t-1} + (1 - z_t) * s~_t
         p(y_t) = softmax(W_o [s_t; e(y_{t-1}); c] + b_o)
 
-    The readout is Cho et al.'s without its maxout layer. c does not depend on the step, so under
-    teacher forcing the GRU runs over the whole target at once, as the plain decoder's does."""
+    Every W and U has a bias, as torch's GRU does; the readout is Cho et al.'s without its maxout
+    layer. C c sits inside the reset-gated term of the candidate, where torch's GRU (and copytask's
+    fused kernel) take only the state's own bias: so this recurrence runs here in torch, step by step
+    also under teacher forcing, with the input's and the summary's shares of the gates computed once."""
 
-    def __init__(self, vocab: int, embedding_size: int, hidden_size: int, fused: bool = True):
+    def __init__(self, vocab: int, embedding_size: int, hidden_size: int):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
-        self.init = nn.Linear(hidden_size, hidden_size)  # V (and a bias)
-        self.rnn = kernels.GRU(embedding_size + hidden_size, hidden_size, fused=fused)
-        self.out = nn.Linear(2 * hidden_size + embedding_size, vocab)
+        self.summary = nn.Linear(hidden_size, hidden_size)  # V
+        self.init = nn.Linear(hidden_size, hidden_size)  # V'
+        self.input_gates = nn.Linear(embedding_size, 3 * hidden_size)  # W_r, W_z, W
+        self.state_gates = nn.Linear(hidden_size, 3 * hidden_size)  # U_r, U_z, U
+        self.summary_gates = nn.Linear(hidden_size, 3 * hidden_size, bias=False)  # C_r, C_z, C
+        self.out = nn.Linear(2 * hidden_size + embedding_size, vocab)  # W_o
 
     def initial_state(self, final: Tensor) -> Tensor:
-        """The summary c (B, H) -> s_0 (B, H). The decoder's hidden state carries c beside s_t
-        (`step`'s hidden is (B, 2H): [s_t; c]), so that greedy decoding needs no extra state."""
-        return torch.cat([torch.tanh(self.init(final)), final], dim=-1)
+        """The encoder's final state h_N (B, H) -> [s_0; c] (B, 2H): the decoder's hidden state carries
+        c beside s_t, so that greedy decoding needs no extra state."""
+        summary = torch.tanh(self.summary(final))
+        return torch.cat([torch.tanh(self.init(summary)), summary], dim=-1)
 
-    def _run(self, embedded: Tensor, state: Tensor, summary: Tensor) -> tuple[Tensor, Tensor]:
-        """embedded (B, T, E), state s (B, H), summary c (B, H) -> logits (B, T, V), the last state (B, H)."""
-        summary = summary[:, None].expand(-1, embedded.size(1), -1)  # (B, T, H): the same c at every step
-        states, _ = self.rnn(torch.cat([embedded, summary], dim=-1), state[None])  # (B, T, H)
-        return self.out(torch.cat([states, embedded, summary], dim=-1)), states[:, -1]
+    def _run(self, embedded: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """embedded e(y_{t-1}) (B, T, E), hidden [s_0; c] (B, 2H) -> logits (B, T, V), [s_T; c] (B, 2H)."""
+        state, summary = hidden.chunk(2, dim=-1)
+        input_r, input_z, input_n = self.input_gates(embedded).chunk(3, dim=-1)  # (B, T, H) each, all steps at once
+        summary_r, summary_z, summary_n = self.summary_gates(summary)[:, None].chunk(3, dim=-1)  # (B, 1, H): the same at every step
+        input_r, input_z = input_r + summary_r, input_z + summary_z
+        states = []
+        for t in range(embedded.size(1)):
+            state_r, state_z, state_n = self.state_gates(state).chunk(3, dim=-1)  # (B, H) each
+            reset = torch.sigmoid(input_r[:, t] + state_r)
+            update = torch.sigmoid(input_z[:, t] + state_z)
+            candidate = torch.tanh(input_n[:, t] + reset * (state_n + summary_n[:, 0]))
+            state = update * state + (1 - update) * candidate
+            states.append(state)
+        states = torch.stack(states, 1)  # (B, T, H)
+        summaries = summary[:, None].expand(-1, embedded.size(1), -1)  # (B, T, H)
+        return self.out(torch.cat([states, embedded, summaries], dim=-1)), torch.cat([state, summary], dim=-1)
 
     def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
-        state = self.initial_state(final)
-        logits, _ = self._run(self.embedding(tgt_in), *state.chunk(2, dim=-1))
+        logits, _ = self._run(self.embedding(tgt_in), self.initial_state(final))
         return logits, None
 
     def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, position: Tensor):
         """hidden [s_{t-1}; c] (B, 2H) -> logits (B, V), None, [s_t; c] (B, 2H)."""
-        state, summary = hidden.chunk(2, dim=-1)
-        logits, state = self._run(self.embedding(tokens)[:, None], state, summary)
-        return logits[:, 0], None, torch.cat([state, summary], dim=-1)
+        logits, hidden = self._run(self.embedding(tokens)[:, None], hidden)
+        return logits[:, 0], None, hidden
 
 
 class BahdanauDecoder(Decoder):
@@ -224,7 +245,7 @@ class Seq2Seq(nn.Module):
         elif decoder == "luong":
             self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size, heads, fused, local, window)
         elif decoder == "rnnencdec":
-            self.decoder = RNNEncDecDecoder(vocab, embedding_size, hidden_size, fused)
+            self.decoder = RNNEncDecDecoder(vocab, embedding_size, hidden_size)
         else:
             raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
 

@@ -69,6 +69,9 @@ class ReferenceDecoder(nn.Module):
             self.combine = nn.Linear(2 * hidden_size, hidden_size)
         self.out = nn.Linear(hidden_size, vocab)
 
+    def initial_state(self, final: Tensor) -> Tensor:
+        return final  # s_0: the encoder's final state
+
     def step(self, tokens: Tensor, hidden: Tensor, encoder_states: Tensor, src_mask: Tensor):
         """tokens (B,), hidden s_{t-1} (B, H) -> logits (B, V), weights (B, T_enc) or None, s_t (B, H)."""
         embedded = self.embedding(tokens)  # (B, E)
@@ -82,6 +85,45 @@ class ReferenceDecoder(nn.Module):
             return self.out(hidden), None, hidden
         context, weights = self.attention(hidden, encoder_states, src_mask)  # query s_t
         return self.out(torch.tanh(self.combine(torch.cat([hidden, context], dim=-1)))), weights, hidden
+
+
+class ReferenceRNNEncDecDecoder(nn.Module):
+    """Cho et al. (2014)'s decoder (appendix A.1), one step at a time with each gate written out;
+    the summary's and the input's shares of the gates are computed again at every step. Module
+    names as in `model.RNNEncDecDecoder`:
+
+        c = tanh(V h_N),  s_0 = tanh(V' c)
+        r = sigmoid(W_r e + U_r s + C_r c),  z = sigmoid(W_z e + U_z s + C_z c)
+        s' = z * s + (1 - z) * tanh(W e + r * (U s + C c)),  logits = W_o [s'; e; c]
+    """
+
+    def __init__(self, vocab: int, embedding_size: int, hidden_size: int):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
+        self.summary = nn.Linear(hidden_size, hidden_size)
+        self.init = nn.Linear(hidden_size, hidden_size)
+        self.input_gates = nn.Linear(embedding_size, 3 * hidden_size)
+        self.state_gates = nn.Linear(hidden_size, 3 * hidden_size)
+        self.summary_gates = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.out = nn.Linear(2 * hidden_size + embedding_size, vocab)
+
+    def initial_state(self, final: Tensor) -> tuple[Tensor, Tensor]:
+        """The encoder's final state h_N (B, H) -> (s_0, c), each (B, H)."""
+        summary = torch.tanh(self.summary(final))
+        return torch.tanh(self.init(summary)), summary
+
+    def step(self, tokens: Tensor, hidden: tuple[Tensor, Tensor], encoder_states: Tensor, src_mask: Tensor):
+        """tokens (B,), hidden (s_{t-1}, c) -> logits (B, V), None, (s_t, c)."""
+        state, summary = hidden
+        embedded = self.embedding(tokens)  # (B, E)
+        input_r, input_z, input_n = self.input_gates(embedded).chunk(3, dim=-1)
+        state_r, state_z, state_n = self.state_gates(state).chunk(3, dim=-1)
+        summary_r, summary_z, summary_n = self.summary_gates(summary).chunk(3, dim=-1)
+        reset = torch.sigmoid(input_r + state_r + summary_r)
+        update = torch.sigmoid(input_z + state_z + summary_z)
+        candidate = torch.tanh(input_n + reset * (state_n + summary_n))
+        state = update * state + (1 - update) * candidate
+        return self.out(torch.cat([state, embedded, summary], dim=-1)), None, (state, summary)
 
 
 class ReferenceSeq2Seq(nn.Module):
@@ -107,7 +149,10 @@ class ReferenceSeq2Seq(nn.Module):
         if local is not None or score in ("scaled_dot", "multihead"):
             raise ValueError(f"the reference implementation has global additive, dot and general scores only, got {score!r} local={local!r}")
         self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused=False)
-        self.decoder = ReferenceDecoder(decoder, vocab, embedding_size, hidden_size, score, attention_size)
+        if decoder == "rnnencdec":
+            self.decoder = ReferenceRNNEncDecDecoder(vocab, embedding_size, hidden_size)
+        else:
+            self.decoder = ReferenceDecoder(decoder, vocab, embedding_size, hidden_size, score, attention_size)
 
     @property
     def attention(self) -> ReferenceAttention | None:
@@ -116,7 +161,8 @@ class ReferenceSeq2Seq(nn.Module):
     def _decode(self, src: Tensor, src_lengths: Tensor, inputs: Tensor | None, steps: int):
         """Step by step; feeds `inputs[:, t]` (teacher forcing) or, without inputs, the previous
         argmax. -> logits (B, steps, V), weights (B, steps, T_enc) or None."""
-        encoder_states, hidden = self.encoder(src, src_lengths)
+        encoder_states, final = self.encoder(src, src_lengths)
+        hidden = self.decoder.initial_state(final)
         src_mask = length_mask(src_lengths, src.size(1))
         tokens = torch.full((src.size(0),), BOS, dtype=torch.long, device=src.device)
         logits, weights = [], []

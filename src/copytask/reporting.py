@@ -69,7 +69,7 @@ def run_histories(loaded: tables.Loaded, table: pd.DataFrame) -> list[tuple[int,
     histories = []
     for row in table.itertuples():
         history = read_part(loaded.runs[row.run], store.HISTORY, pd.read_csv)
-        if history is not None and {"step", "loss", "token_acc"} <= set(history.columns):
+        if history is not None and {"step", "loss", "val_token_acc"} <= set(history.columns):
             histories.append((row.length, row.attention, history))
     return histories
 
@@ -181,7 +181,11 @@ def evidence_tables(analysed: pd.DataFrame, settings: list[str], figure: bool = 
         "uniform weights over the source, by the model's weights shuffled among the source positions, and by all weight on "
         "position 0; `drop` is own minus counterfactual, in points, mean over seeds. A large drop says the output depends on "
         "where the model attends. Measured on the first held-out sequences (`analysis.eval_size`), so `own` can differ a "
-        "little from the accuracy table above.",
+        "little from the accuracy table above. A Transformer's drops mean something else than a GRU model's: its "
+        "counterfactual replaces the weights of every cross-attention layer (the map shown is the last layer's), and its "
+        "encoder's self-attention has already mixed the source into every memory position, so uniform or fixed "
+        "cross-attention does not cut its access to the source, where a GRU attention model is left with its decoder's "
+        "initial state. Compare drops within an architecture, not across.",
         "",
         markdown_table(counterfactual),
         "",
@@ -318,6 +322,7 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
             f"![train length x test length accuracy]({GENERALISATION_FIGURE})",
             "",
         ]
+    lines += heldout_lines(analyses + variable_analyses)
     if extrapolation:
         lines += [
             "### Beyond the trained lengths",
@@ -344,6 +349,32 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
     store.atomic_write(out / "report.md", "\n".join(lines))
     figures += [path for _, path in curves + heatmaps + head_heatmaps]
     return [out / "report.md", *figures]
+
+
+def heldout_lines(analyses: list[dict]) -> list[str]:
+    """report.md's account of what holding sequences out did: the lengths scored on fewer held-out
+    sequences than asked (or not at all, where training drew every one) and, for variable-length
+    runs, how the held-out sets changed training's length mix. Nothing where neither happened."""
+    fewer = analysis.heldout_notes(analyses)
+    mixes = {a["run"]: a["length_mix"] for a in analyses if a.get("length_mix")}
+    if not fewer and not mixes:
+        return []
+    lines = [
+        "### Held-out sets at short lengths",
+        "",
+        "Every set scored here is held out: no sequence of it was in the run's training batches (replayed from its seed) or "
+        "its validation set. Short lengths have few sequences, so:",
+        "",
+    ]
+    lines += [f"- {note} ({len(runs)} run{'s' * (len(runs) > 1)}: `{runs[0]}`{', ...' * (len(runs) > 1)})" for note, runs in fewer.items()]
+    for run, mix in mixes.items():
+        shares = ", ".join(
+            f"length {row['length']} {row['held_out']} of {row['sequences']:,} held out, trained on at "
+            f"{100 * row['train_share']:.1f}% of rows instead of {100 * row['uniform_share']:.1f}%"
+            for row in mix
+        )
+        lines.append(f"- `{run}`: holding the test and validation sets out of training changes its length mix: {shares}.")
+    return [*lines, ""]
 
 
 def written_line(written: list[Path], seconds: float) -> str:

@@ -165,7 +165,7 @@ def plot_setting_grid(summary: pd.DataFrame, key: str, out: Path) -> list[Path]:
 
 
 def plot_curves(histories: list[tuple[int, str, pd.DataFrame]], attentions: list[str], title: str, path: Path) -> Path:
-    """Training loss and held-out greedy token accuracy against step: `histories` holds (length,
+    """Training loss and validation greedy token accuracy against step: `histories` holds (length,
     attention type, history.csv) per run; one row of panels per length, one colour per attention
     type (in the order of `attentions`, as in every figure), one line per seed."""
     lengths = sorted({length for length, _, _ in histories})
@@ -175,10 +175,10 @@ def plot_curves(histories: list[tuple[int, str, pd.DataFrame]], attentions: list
     for length, attention, history in histories:
         loss_axis, acc_axis = axes[lengths.index(length)]
         loss_axis.plot(history["step"], history["loss"], color=colour[attention], alpha=0.7, label=attention)
-        acc_axis.plot(history["step"], 100 * history["token_acc"], color=colour[attention], alpha=0.7, label=attention)
+        acc_axis.plot(history["step"], 100 * history["val_token_acc"], color=colour[attention], alpha=0.7, label=attention)
     for (loss_axis, acc_axis), length in zip(axes, lengths):
         loss_axis.set(yscale="log", ylabel=f"length {length}\ntraining loss")
-        acc_axis.set(ylabel="held-out token acc %", ylim=(-2, 102))
+        acc_axis.set(ylabel="validation token acc %", ylim=(-2, 102))
         for axis in (loss_axis, acc_axis):
             axis.grid(alpha=0.3)
     for axis in axes[-1]:

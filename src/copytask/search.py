@@ -70,8 +70,9 @@ def best_table(table: pd.DataFrame, settings: list[str], count: int = BEST) -> p
     return pd.DataFrame(
         {
             "trial": top["trial"],
-            "token acc %": top["token_acc"].map(tables.percent),
-            "seq acc %": top["seq_acc"].map(tables.percent),
+            "val token acc %": top["objective"].map(tables.percent),  # what the search chose on
+            "test token acc %": top["token_acc"].map(tables.percent),
+            "test seq acc %": top["seq_acc"].map(tables.percent),
             **{key: top[key].map(tables.setting_value) for key in settings},
             "params": top["params"].map("{:,.0f}".format),
             "steps": top["steps"].map("{:,.0f}".format),
@@ -81,13 +82,13 @@ def best_table(table: pd.DataFrame, settings: list[str], count: int = BEST) -> p
 
 
 def best_line(table: pd.DataFrame, settings: list[str]) -> str:
-    """`best held-out greedy token accuracy 87.3% at trial 17 of 40 (train.lr=0.012, ...)`."""
+    """`best validation greedy token accuracy 87.3% at trial 17 of 40 (train.lr=0.012, ...)`."""
     top = best(table, 1)
     if top.empty:
         return f"best: none, no trial of {len(table)} has an objective"
     row = top.iloc[0]
     values = ", ".join(f"{key}={tables.setting_value(row[key])}" for key in settings)
-    return f"best held-out greedy token accuracy {tables.percent(row['objective'])}% at trial {row['trial']} of {len(table)}" + (
+    return f"best validation greedy token accuracy {tables.percent(row['objective'])}% at trial {row['trial']} of {len(table)}" + (
         f" ({values})" if values else ""
     )
 
@@ -103,7 +104,7 @@ def plot_objective_by_trial(table: pd.DataFrame, chance: float, path: Path) -> P
     if len(failed):
         axis.plot(failed["trial"], np.zeros(len(failed)), "x", color="red", clip_on=False, label="failed trial")
     draw_chance(axis, chance)
-    axis.set(xlabel="trial", ylabel="held-out greedy token accuracy (%)", ylim=(0, 102), title="The search: objective by trial")
+    axis.set(xlabel="trial", ylabel="validation greedy token accuracy (%)", ylim=(0, 102), title="The search: objective by trial")
     axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.grid(alpha=0.3)
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4, fontsize="small")  # below: never over a trial
@@ -170,12 +171,14 @@ def search_setup(table: pd.DataFrame, loaded: tables.Loaded, runs_dir: Path) -> 
         "## Setup",
         "",
         f"- Search: `{record.get('command', '?')}`, {search.get('sweeper', 'an optimising')} sweeper, {len(table)} trials "
-        f"({len(loaded.runs)} complete runs); objective: held-out greedy token accuracy (`{OBJECTIVE}` of each run's "
-        f"`{store.METRICS}`), maximised. Per trial: [`{TRIALS_CSV}`](../{TRIALS_CSV}).",
+        f"({len(loaded.runs)} complete runs); objective: greedy token accuracy on the validation set (`{OBJECTIVE}` of each run's "
+        f"`{store.METRICS}`), maximised; the test set's accuracy is reported beside it, never searched on. Per trial: [`{TRIALS_CSV}`](../{TRIALS_CSV}).",
         f"- Task: `{shared('task.name')}`, length {shared('task.length')}, {shared('task.vocab_size')} content symbols "
         f"(chance token accuracy {100 * results['chance'].iloc[0]:.1f}%); attention: {shared('attention.name')}; seed {shared('seed')}.",
         f"- Shared by every trial: budget {shared('train.steps')} steps, {shared('train.schedule')} schedule, embedding size "
-        f"{shared('model.embedding_size')}, {shared('train.eval_size')} held-out sequences (seed {shared('train.eval_seed')}), "
+        f"{shared('model.embedding_size')}, batch size {shared('train.batch_size')} (the examples per step of the models it is compared with), "
+        f"{shared('train.val_size')} validation sequences (seed {shared('train.val_seed')}) and {shared('train.eval_size')} test "
+        f"sequences (seed {shared('train.eval_seed')}), "
         f"early stop at {shared('train.target_acc')} for {shared('train.patience')} evaluations.",
         f"- Searched (the values the trials took): {'; '.join(ranges) or 'nothing varied'}.",
         f"- Hardware (from the runs): device {', '.join(map(str, results['device'].unique()))}, torch threads "

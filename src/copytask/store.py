@@ -41,7 +41,7 @@ NOT_IDENTITY = ("runs_dir", "retrain", "train.device", "train.threads", "train.f
 # Keys whose value here is what the code computed before the key existed: at that value a key is left
 # out of the identity, so that adding a key (with such a default) renames no existing run, and giving
 # it explicitly (`attention.heads=1`) is the same run.
-NEUTRAL = {"attention.heads": 1, "attention.local": None, "model.name": "gru"}
+NEUTRAL = {"attention.heads": 1, "attention.local": None, "attention.variant": None, "model.name": "gru"}
 
 
 # Keys that change nothing unless another key has a value: (key, condition on the config). Each model

@@ -58,11 +58,11 @@ def read_analysis(folder: Path) -> dict | None:
 
 
 def target_step(folder: Path, target: float) -> float:
-    """The first evaluation step whose greedy token accuracy reached `target` (the run's
-    train.target_acc), from its history.csv; NaN if none did (or the history cannot be read)."""
+    """The first evaluation step whose greedy token accuracy on the validation set reached `target`
+    (the run's train.target_acc), from its history.csv; NaN if none did (or the history cannot be read)."""
     try:
         history = pd.read_csv(folder / store.HISTORY)
-        hit = history["step"][history["token_acc"] >= target]
+        hit = history["step"][history["val_token_acc"] >= target]
     except (OSError, ValueError, KeyError):  # pandas' parser and empty-data errors are ValueErrors
         return math.nan
     return float(hit.iloc[0]) if len(hit) else math.nan
@@ -264,7 +264,7 @@ def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
 def table_note(tasks: list[str]) -> str:
     """The two lines `compare` prints above `comparison_table`."""
     return (
-        f"{'/'.join(tasks)} task, mean over seeds with 95% t-interval (none with one seed; for accuracies never narrower than the held-out\n"
-        f"set's own 95% Wilson interval), accuracies in %; gap = mean - {BASELINE}'s mean;\n"
-        "steps to target: the first evaluation at train.target_acc greedy token accuracy, over the seeds that reached it (k/n where not all did)"
+        f"{'/'.join(tasks)} task, test-set accuracies in %, mean over seeds with 95% t-interval (none with one seed; for accuracies never\n"
+        f"narrower than the test set's own 95% Wilson interval); gap = mean - {BASELINE}'s mean; steps to target: the first evaluation at\n"
+        "train.target_acc greedy token accuracy on the validation set, over the seeds that reached it (k/n where not all did)"
     )

@@ -1,5 +1,6 @@
 """One training run: validate the config, train with teacher forcing, evaluate by greedy decoding
-on a fixed held-out set, and write the run folder (config, history, checkpoint, attention
+on the validation set at every evaluation (the history, early stopping), score the test set once at
+the end (every reported number), and write the run folder (config, history, checkpoint, attention
 samples, and metrics.json last)."""
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import checkpoints, loggers, store
-from .config import ConfigError
 from .validation import validate
 from .data import PAD, Batch
 from .devices import fused_adam, host, resolve_device, run_settings
-from .evaluation import build_model, eval_batch, evaluate, rounded, sample_batch
+from .evaluation import build_model, evaluate, rounded
+from .splits import heldout_keys, training_batch
 from .kernels import runs_fused
 from .model_config import is_transformer
 from .model import Seq2Seq, count_parameters
@@ -37,37 +38,6 @@ class NonFiniteLoss(FloatingPointError):
 
 class RunInProgress(RuntimeError):
     """Another process is training this run now (it holds the run's lock); the message names the run."""
-
-
-def sequence_keys(batch: Batch) -> set[bytes]:
-    """Each row's source sequence (padded to the task's length, so its length is part of it) as bytes."""
-    return {row.tobytes() for row in batch.src.cpu().numpy()}
-
-
-# A row is held out with probability at most 1/2 once `validate` passed: 100 rounds leave one with 2^-100.
-MAX_REDRAWS = 100
-
-
-def training_batch(cfg: DictConfig, generator: torch.Generator, heldout: set[bytes]) -> Batch:
-    """A training batch with no sequence of the held-out set (`sequence_keys`): rows that are one are
-    drawn again. Short lengths need it: at length 5 there are 59,049 sequences, and a run's batches
-    would otherwise hold about three quarters of the 512 held-out ones by the end of training.
-    `validate` keeps at most half of the sequences held out; a caller that skips it and holds out
-    (nearly) all of them gets a ConfigError after MAX_REDRAWS rounds rather than a loop for ever."""
-    batch = sample_batch(cfg, cfg.train.batch_size, generator)
-    for _ in range(MAX_REDRAWS):
-        seen = [i for i, row in enumerate(batch.src.cpu().numpy()) if row.tobytes() in heldout]
-        if not seen:
-            return batch
-        fresh = sample_batch(cfg, len(seen), generator)
-        for name in ("src", "src_lengths", "tgt_in", "tgt_out"):
-            getattr(batch, name)[seen] = getattr(fresh, name)
-    task = cfg.task
-    raise ConfigError(
-        f"{len(seen)} training rows were still held-out sequences after {MAX_REDRAWS} draws: the held-out set "
-        f"(train.eval_size={cfg.train.eval_size}) holds nearly every sequence of task.length={task.length} over "
-        f"task.vocab_size={task.vocab_size} symbols; lower train.eval_size (validation.validate says how far)"
-    )
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, clip: float) -> torch.Tensor:
@@ -186,9 +156,8 @@ def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_cla
     model = build_model(cfg, model_class).to(device)
     tracker.log_params(store.flat_identity(cfg))
     fused = runs_fused(model)  # loads the kernels (builds them on first use) before the clock starts
-    heldout = eval_batch(cfg)
-    excluded = sequence_keys(heldout)
-    heldout = heldout.to(device)
+    test, validation, excluded = heldout_keys(cfg)  # training draws again every sequence of either
+    test, validation = test.to(device), validation.to(device)
     steps = cfg.train.steps
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, fused=fused_adam(device))
     if cfg.train.schedule == "onecycle":
@@ -224,20 +193,20 @@ def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_cla
                     f"{folder.name}: the training loss became NaN or inf at step {first} (the run diverged: "
                     f"try a lower train.lr); stopped at step {step}, nothing saved"
                 )
-            result = evaluate(model, heldout)
+            result = evaluate(model, validation)
             history.append(
                 {
                     "step": step,
                     "loss": loss_sum.item() / loss_count,
-                    "token_acc": result["token_acc"],
-                    "seq_acc": result["seq_acc"],
+                    "val_token_acc": result["token_acc"],
+                    "val_seq_acc": result["seq_acc"],
                     "seconds": time.perf_counter() - started,
                 }
             )
             tracker.log_metrics(step, {key: value for key, value in history[-1].items() if key != "step"})
             loss_sum.zero_()
             loss_count = 0
-            bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", acc=f"{result['token_acc']:.3f}")
+            bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", val_acc=f"{result['token_acc']:.3f}")
             store.write_progress(folder, step, steps)  # a sweep's bar credits the work of runs in training
             hits = hits + 1 if result["token_acc"] >= cfg.train.target_acc else 0
             if cfg.train.patience and hits >= cfg.train.patience:
@@ -247,13 +216,14 @@ def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_cla
                 checkpoints.save(folder, cfg, progress, model, optimizer, schedule, generator, device)
     bar.close()
     train_seconds = time.perf_counter() - started
+    result = evaluate(model, test)  # the numbers reported: the test set's, at the step where training stopped
     (folder / store.PROGRESS).unlink(missing_ok=True)
 
     store.atomic_write(folder / store.HISTORY, pd.DataFrame(history).to_csv(index=False))
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "config": OmegaConf.to_container(cfg, resolve=True)}, buffer)
     store.atomic_write(folder / store.CHECKPOINT, buffer.getvalue())
-    samples = attention_samples(cfg, heldout, result)
+    samples = attention_samples(cfg, test, result)
     store.write_json(folder / store.ATTENTION, samples)
     final = history[-1]
     metrics = {
@@ -264,8 +234,11 @@ def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_cla
         "min_length": cfg.task.min_length if cfg.task.variable_length else cfg.task.length,
         "vocab_size": cfg.task.vocab_size,
         "seed": cfg.seed,
-        "token_acc": final["token_acc"],
-        "seq_acc": final["seq_acc"],
+        "token_acc": result["token_acc"],
+        "seq_acc": result["seq_acc"],
+        "ended_early": result["ended_early"],
+        "val_token_acc": final["val_token_acc"],
+        "val_seq_acc": final["val_seq_acc"],
         "chance": 1.0 / cfg.task.vocab_size,
         "params": count_parameters(model),
         "steps": final["step"],
@@ -297,7 +270,7 @@ def log_heatmap(tracker: loggers.RunLogger, sample: dict, cfg: DictConfig, metri
 
 
 def attention_samples(cfg: DictConfig, heldout: Batch, result: dict) -> dict:
-    """The first few held-out examples: source, target, greedy output and attention weights
+    """The first few test examples: source, target, greedy output and attention weights
     (output step x source position), trimmed to each example's real length."""
     samples = []
     for i in range(min(cfg.train.attention_samples, len(heldout))):

@@ -19,7 +19,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from . import model_config
-from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key
+from .config import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, TASKS, VARIANTS, AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key
 from .model_config import FLOAT, LONG, MAX_HEADS
 from .vocab import total_vocab
 
@@ -42,7 +42,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"task.name must be one of {', '.join(TASKS)}, got {task.name!r}")
     if task.variable_length and task.min_length > task.length:
         raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")
-    check_heldout(task.length, task.vocab_size, train.eval_size, task.min_length if task.variable_length else None)
+    check_heldout(task.length, task.vocab_size, train.eval_size, train.val_size, task.min_length if task.variable_length else None)
     try:
         model_config.check_model(cfg, default_attention())
         model_config.check_lengths(cfg.analysis.get("lengths"))
@@ -50,6 +50,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(refused)) from None
     if attention.decoder not in DECODERS:
         raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
+    if attention.variant != VARIANTS.get(attention.decoder):  # the one set of equations each decoder computes
+        expected, got = VARIANTS.get(attention.decoder) or "null", "null" if attention.variant is None else repr(attention.variant)
+        raise ConfigError(f"attention.variant must be {expected} with attention.decoder={attention.decoder}, got {got}")
     if model.bidirectional and model.hidden_size % 2:
         raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
     if attention.score not in (None, *SCORES):
@@ -132,11 +135,13 @@ def _smallest(low: int, fits: Callable[[int], bool]) -> int:
     return low
 
 
-def check_heldout(length: int, vocab_size: int, eval_size: int, min_length: int | None = None) -> None:
-    """ConfigError unless the held-out set leaves enough sequences to train on (`heldout_share` at
-    most MAX_HELDOUT_SHARE): where it holds most of them, excluding it from training cannot work.
-    The message gives the largest train.eval_size, and the smallest task.length and
-    task.vocab_size, that would work, each alone."""
+def check_heldout(length: int, vocab_size: int, eval_size: int, val_size: int, min_length: int | None = None) -> None:
+    """ConfigError unless the test and validation sets (`eval_size` + `val_size` sequences, held out
+    of training together) leave enough sequences to train on (`heldout_share` at most
+    MAX_HELDOUT_SHARE): where they hold most of them, excluding them from training cannot work.
+    The message gives the largest train.eval_size + train.val_size, and the smallest task.length
+    and task.vocab_size, that would work, each alone."""
+    given, eval_size = eval_size, eval_size + val_size
 
     def fits(length=length, vocab_size=vocab_size, eval_size=eval_size) -> bool:
         return heldout_share(length, vocab_size, eval_size, min_length) <= MAX_HELDOUT_SHARE
@@ -147,9 +152,9 @@ def check_heldout(length: int, vocab_size: int, eval_size: int, min_length: int 
     largest = _smallest(1, lambda size: not fits(eval_size=size + 1))  # share grows with eval_size; 1 always fits
     lengths = f"task.length={length}" if min_length is None else f"task.min_length={min_length} to task.length={length}"
     raise ConfigError(
-        f"the held-out set (train.eval_size={eval_size}) can hold up to {share:.0%} of the sequences of {lengths} "
-        f"over task.vocab_size={vocab_size} symbols, and training draws again every held-out one: at most "
-        f"{MAX_HELDOUT_SHARE:.0%} may be held out; use train.eval_size <= {largest}, "
+        f"the test and validation sets (train.eval_size={given} + train.val_size={val_size}) can hold up to {share:.0%} "
+        f"of the sequences of {lengths} over task.vocab_size={vocab_size} symbols, and training draws again every "
+        f"held-out one: at most {MAX_HELDOUT_SHARE:.0%} may be held out; use train.eval_size + train.val_size <= {largest}, "
         f"task.length >= {_smallest(length, lambda value: fits(length=value))} "
         f"or task.vocab_size >= {_smallest(vocab_size, lambda value: fits(vocab_size=value))}"
     )
@@ -181,8 +186,8 @@ def parameter_count(cfg: DictConfig) -> int:
         return count + gru(embedding, hidden) + hidden * vocab + vocab
     if attention.decoder == "bahdanau":
         return count + gru(embedding + hidden, hidden) + 2 * hidden * vocab + vocab  # context into the cell; readout from [s_t; c_t]
-    if attention.decoder == "rnnencdec":  # summary into the GRU input; tanh(V c) the initial state; readout from [s_t; y_{t-1}; c]
-        return count + gru(embedding + hidden, hidden) + hidden * hidden + hidden + (2 * hidden + embedding) * vocab + vocab
+    if attention.decoder == "rnnencdec":  # V and V' (c and s_0); the GRU's W, U and C (as a cell on [e; c]); readout from [s_t; e(y_{t-1}); c]
+        return count + 2 * (hidden * hidden + hidden) + gru(embedding + hidden, hidden) + (2 * hidden + embedding) * vocab + vocab
     return count + gru(embedding, hidden) + 2 * hidden * hidden + hidden + hidden * vocab + vocab  # Luong: W_c, then the readout
 
 
@@ -194,10 +199,10 @@ GRU_FLOATS = 10
 def memory_estimate(cfg: DictConfig) -> dict[str, int]:
     """Roughly the bytes a run needs at its peak, by what needs them, in float32: the parameters with
     their gradients and Adam's two moments, a training step's activations and what autograd saves
-    of them (B = train.batch_size, T_enc = task.length, T_dec = T_enc + 1), and the held-out set
-    with the attention weights of its evaluation."""
+    of them (B = train.batch_size, T_enc = task.length, T_dec = T_enc + 1), and the test and
+    validation sets with the attention weights of their evaluation."""
     task, train, model = cfg.task, cfg.train, cfg.model
-    batch, t_enc, t_dec, heldout = train.batch_size, task.length, task.length + 1, train.eval_size
+    batch, t_enc, t_dec, heldout = train.batch_size, task.length, task.length + 1, train.eval_size + train.val_size
     if model_config.is_transformer(cfg):
         attends, activations = True, model_config.transformer_activations(cfg)
     else:
@@ -219,7 +224,7 @@ def memory_estimate(cfg: DictConfig) -> dict[str, int]:
         **activations,
         "the logits (B x T_dec x vocabulary)": 3 * batch * t_dec * total_vocab(task.vocab_size) * FLOAT,
         # its token ids (source, decoder input, target, decoded output) and, with attention, the weights kept
-        "the held-out set and its attention weights (train.eval_size x T_dec x T_enc)": heldout * (4 * t_dec * LONG + attends * t_dec * t_enc * FLOAT),
+        "the test and validation sets and their attention weights ((train.eval_size + train.val_size) x T_dec x T_enc)": heldout * (4 * t_dec * LONG + attends * t_dec * t_enc * FLOAT),
     }
 
 

@@ -1,0 +1,47 @@
+"""The one scoring rule (evaluation.sequence_scores): an output is its tokens up to and with its
+first EOS; content positions after it are wrong whatever the decoder emitted there, and an output
+that never emits EOS is scored over the target's length. Hand-made outputs pin it."""
+
+from __future__ import annotations
+
+import torch
+
+from copytask.data import EOS, task_batch
+from copytask.evaluation import output_mask, sequence_scores
+
+A, B, C, D, X = 3, 4, 5, 6, 7  # content symbols (the first three ids are PAD, BOS, EOS)
+
+
+def scores(*outputs: list[int]):
+    """Each output scored against the target `a b c d EOS`."""
+    batch = task_batch("copy", torch.tensor([[A, B, C, D]] * len(outputs)), torch.tensor([4] * len(outputs)))
+    return sequence_scores(torch.tensor(outputs), batch)
+
+
+def test_a_right_output_scores_every_symbol_and_the_sequence():
+    result = scores([A, B, C, D, EOS])
+    assert result.hits.tolist() == [4] and result.symbols.tolist() == [4]
+    assert result.exact.tolist() == [True] and result.early.tolist() == [False]
+
+
+def test_right_symbols_after_an_early_eos_are_wrong():
+    """The decoder said the sequence is over after `a b`: its `d` at position 3 is no output.
+    The old rule credited it (3 of 4)."""
+    result = scores([A, B, EOS, D, EOS])
+    assert result.hits.tolist() == [2] and result.early.tolist() == [True] and result.exact.tolist() == [False]
+
+
+def test_an_eos_first_scores_nothing():
+    result = scores([EOS, B, C, D, EOS])
+    assert result.hits.tolist() == [0] and result.early.tolist() == [True]
+
+
+def test_an_output_without_eos_is_scored_over_the_targets_length():
+    result = scores([A, X, C, D, X], [A, B, C, D, D])
+    assert result.hits.tolist() == [3, 4]  # no EOS: every content position counts as emitted
+    assert result.early.tolist() == [False, False] and result.exact.tolist() == [False, False]  # the EOS is missing
+
+
+def test_the_output_ends_with_its_first_eos():
+    mask = output_mask(torch.tensor([[A, EOS, B, EOS], [A, B, C, D], [EOS, A, A, A]]))
+    assert mask.tolist() == [[True, True, False, False], [True, True, True, True], [True, False, False, False]]

@@ -59,11 +59,13 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     config = launcher.config
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    if "mode" in config.hydra.sweep:  # as Hydra's launcher does
+        sweep_dir.chmod(int(str(config.hydra.sweep.mode), 8))
     with open(sweep_dir / LOG, "a") as log, quiet_submitit(log):
         say = SweepLog(log, echo=bool(config.hydra.verbose))
         say(f"Submitit 'slurm' sweep output dir: {sweep_dir}")
         if not has_accounting():
-            note("this SLURM keeps no accounting (sacct fails): job states come from squeue and the jobs' result files")
+            terminal("copytask: note: this SLURM keeps no accounting (sacct fails): job states come from squeue and the jobs' result files")
         returns: list[JobReturn | None] = []
         submit = []  # (job number, overrides, run folder)
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
@@ -114,10 +116,7 @@ def submit_jobs(submitit: Any, launcher: Any, jobs: list[tuple[int, list[str], P
             return executor.map_array(launcher, *zip(*arguments))
     except submitit.core.utils.FailedJobError as error:
         reason = [line for line in str(error).splitlines() if line.strip()]
-        from tqdm.auto import tqdm
-
-        tqdm.write(f"copytask: error: SLURM refused the sweep's {len(jobs)} jobs, nothing was submitted: "
-                   f"{reason[-1] if reason else error}", file=sys.stderr)
+        terminal(f"copytask: error: SLURM refused the sweep's {len(jobs)} jobs, nothing was submitted: {reason[-1] if reason else error}")
         raise SystemExit(1) from None
 
 
@@ -131,14 +130,14 @@ class SweepLog:
         self.log.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
         self.log.flush()
         if self.echo:
-            print(line, file=sys.stderr)
+            terminal(line)
 
 
-def note(line: str) -> None:
-    """A line for the terminal, above the sweep's bar."""
+def terminal(line: str) -> None:
+    """A line on stderr, above the sweep's progress bar (tqdm redraws the bar below it)."""
     from tqdm.auto import tqdm
 
-    tqdm.write(f"copytask: note: {line}", file=sys.stderr)
+    tqdm.write(line, file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -191,7 +190,8 @@ def queue_states(array_ids: set[str]) -> dict[str, str] | None:
 
 
 def wait(jobs: list[Any], folder_of: dict[str, Path], say: SweepLog, interval: float = 2.0, max_interval: float = 30.0) -> list[JobReturn | None]:
-    """Each job's JobReturn once all have ended, in order, or None for a job that failed without one. The result files are looked at every `interval` seconds, squeue less often as the sweep
+    """Each job's JobReturn once all have ended, in order, or None for a job that failed without
+    one. The result files are looked at every `interval` seconds, squeue less often as the sweep
     goes on (at most every `max_interval`), so a big sweep does not load the controller. A job that
     leaves the queue without a result gets a failed.json in its run folder (`record_failure`)."""
     values: dict[str, JobReturn | None] = {}
@@ -209,7 +209,8 @@ def wait(jobs: list[Any], folder_of: dict[str, Path], say: SweepLog, interval: f
                 values[job.job_id] = job_value(job, folder_of[job.job_id], say)
                 continue
             state = states.get(job.job_id)
-            if state is None and now - submitted < QUEUE_GRACE_SECONDS or state in ACTIVE:
+            if state in ACTIVE or state is None and now - submitted < QUEUE_GRACE_SECONDS:
+                ended_at.pop(job.job_id, None)  # (again) in the queue: a requeued job
                 continue
             if now - ended_at.setdefault(job.job_id, now) >= (DIED_GRACE_SECONDS if state in DIED else RESULT_GRACE_SECONDS):
                 record_failure(folder_of[job.job_id], f"SLURM job {job.job_id} ended {state or 'and left the queue'} without a result", job, say)
@@ -223,8 +224,9 @@ def job_value(job: Any, folder: Path, say: SweepLog) -> JobReturn | None:
     for a job that raised."""
     try:
         value = job.result()
-    except Exception as error:  # noqa: BLE001 - submitit's FailedJobError carries the job's traceback
-        trace = [line for line in str(error).split("----------------------")[1].splitlines() if line.strip()] if "----" in str(error) else []
+    except Exception as error:  # noqa: BLE001 - submitit's FailedJobError carries the job's traceback between two rules
+        parts = str(error).split("-" * 22)
+        trace = [line for line in (parts[1] if len(parts) > 2 else str(error)).splitlines() if line.strip()]
         record_failure(folder, f"SLURM job {job.job_id} raised {trace[-1] if trace else type(error).__name__}", job, say)
         return None
     say(f"SLURM job {job.job_id} ended: {folder.name} returned {value.status.name} {value._return_value}")

@@ -1,6 +1,6 @@
 """Sweeps through `hydra/launcher=slurm` against a real one-node SLURM (tests/slurm_cluster.py):
-the same runs and numbers as the local launcher, a quiet terminal without accounting, a job killed
-mid-run named and continued by the rerun, a time limit and a preemption requeued and finished, a
+the same runs and numbers as the local launcher, a quiet terminal without accounting, jobs killed
+mid-run or cancelled named and continued by the rerun, a time limit and a preemption requeued and finished, a
 GPU-less node named per job, a second sweep that leaves the first one's runs alone, and the
 inputs SLURM refuses. Where the tests are not root (slurmd starts jobs as their user) they skip,
 saying how to run them (docs/cluster.md)."""
@@ -128,26 +128,31 @@ def test_a_slurm_sweep_gives_the_local_launchers_runs_and_numbers_on_a_quiet_ter
 
 
 @pytest.mark.slow
-def test_a_job_killed_mid_run_is_named_and_a_preempted_one_requeued_and_the_rerun_continues_both(slurm, tmp_path):
+def test_killed_cancelled_and_preempted_jobs_are_named_or_requeued_and_the_rerun_continues_them(slurm, tmp_path):
     runs_dir = tmp_path / "runs"
-    # two runs side by side; timeout_min=60: a signal this early is a preemption, which max_num_timeout does not count
-    args = [*(o for o in LONG if not o.startswith("seed=")), "seed=0,1", *SLURM, "hydra.launcher.timeout_min=60",
+    # three runs, one CPU each on a two-CPU node: two train, the third waits in the queue.
+    # timeout_min=60: a signal this early is a preemption, which max_num_timeout does not count.
+    args = [*(o for o in LONG if not o.startswith("seed=")), "seed=0,1,2", *SLURM, "hydra.launcher.timeout_min=60",
             "hydra.launcher.max_num_timeout=0", f"runs_dir={runs_dir}"]
-    killed, preempted = compose_grid(args)[1]
+    killed, preempted, cancelled = compose_grid(args)[1]
     sweep = sweep_in_background(args, tmp_path / "sweep.txt")
     try:
-        wait_until(lambda: min(checkpointed_step(killed.folder), checkpointed_step(preempted.folder)) >= 20, "both runs' first checkpoint", sweep)
+        wait_until(lambda: min(checkpointed_step(killed.folder), checkpointed_step(preempted.folder)) >= 20, "two runs' first checkpoint", sweep)
         jobs = job_ids(runs_dir)
+        subprocess.run(["scancel", jobs[cancelled.folder.name]], check=True)  # still queued
         for pid in job_processes(jobs[killed.folder.name]):
             os.kill(pid, signal.SIGKILL)  # kill -9 (scancel does not stop a step under proctrack/linuxproc)
         subprocess.run(["scancel", "--signal=USR2", jobs[preempted.folder.name]], check=True)  # what SLURM sends a job it preempts
-        assert sweep.wait(timeout=240) == 1  # the summary names the failed job
+        assert sweep.wait(timeout=240) == 1  # the summary names the failed jobs
     finally:
         sweep.kill()
     terminal = (tmp_path / "sweep.txt").read_text()
-    failed = [line for line in terminal.splitlines() if line.startswith("copytask: job failed:")]
-    assert len(failed) == 1 and killed.folder.name in failed[0] and "without a result" in failed[0], terminal
-    assert "1/2 runs complete (1 trained now), 1 failed" in terminal
+    failed = sorted(line for line in terminal.splitlines() if line.startswith("copytask: job failed:"))
+    assert len(failed) == 2, terminal
+    named = {run.folder.name: line for run in (killed, cancelled) for line in failed if run.folder.name in line}
+    assert "ended CANCELLED without a result" in named[cancelled.folder.name]
+    assert "without a result" in named[killed.folder.name]
+    assert "1/3 runs complete (1 trained now), 2 failed" in terminal
     requeued = store.read_json(preempted.folder / store.METRICS)
     assert requeued["resumed_from"] >= 20 and requeued["steps"] == STEPS
     job_log = next((runs_dir / ".sweep" / ".submitit").glob(f"{jobs[preempted.folder.name]}/*_log.err")).read_text()
@@ -155,12 +160,13 @@ def test_a_job_killed_mid_run_is_named_and_a_preempted_one_requeued_and_the_reru
     killed_at = checkpointed_step(killed.folder)
     assert 20 <= killed_at < STEPS and not store.is_complete(killed.folder)
 
-    again = run_cli("sweep", *args)  # the same command
+    again = run_cli("sweep", *args)  # the same command: trains what is missing, the killed run from its checkpoint
     assert again.returncode == 0, again.stderr
+    assert "3/3 runs complete (2 trained now), 0 failed" in again.stdout
     metrics = store.read_json(killed.folder / store.METRICS)
     assert metrics["resumed_from"] == killed_at and metrics["steps"] == STEPS
-    assert not (killed.folder / store.FAILED).exists()
-    assert "2/2 runs complete (1 trained now), 0 failed" in again.stdout
+    assert store.read_json(cancelled.folder / store.METRICS)["resumed_from"] == 0
+    assert not (killed.folder / store.FAILED).exists() and not (cancelled.folder / store.FAILED).exists()
 
 
 @pytest.mark.slow

@@ -170,6 +170,8 @@ def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_cla
     if (state := checkpoints.load(folder, cfg)) is not None:
         progress = checkpoints.restore(state, model, optimizer, schedule, generator, device, folder)
     resumed_from, history, hits = progress["step"], progress["history"], progress["hits"]
+    for entry in history:  # the tracker run is new (it replaces the stopped one's): it gets the curves so far
+        tracker.log_metrics(entry["step"], {key: value for key, value in entry.items() if key != "step"})
     loss_sum, loss_count = torch.zeros((), device=device), 0
     # The first step whose loss was NaN or inf (0: none), kept on the device and read at each
     # evaluation: reading the loss on the host every step would stall a GPU with a sync per step.

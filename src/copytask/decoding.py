@@ -163,7 +163,8 @@ def _decode(run_dir: Path, cfg: DictConfig, sequences: list[list[int]] | None, c
     try:
         _, model = load_run(run_dir, device="cpu")  # a few sequences: the CPU is quick enough
     except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError) as error:
-        raise DecodeError(f"cannot load {run_dir / store.CHECKPOINT}: {type(error).__name__}: {error}") from None
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""  # torch's key mismatches span lines
+        raise DecodeError(f"cannot load {run_dir / store.CHECKPOINT}: {type(error).__name__}: {first}") from None
     task, vocab_size = cfg.task.name, cfg.task.vocab_size
     longest = model.longest_source
     asked = length if sequences is None else len(sequences[0])

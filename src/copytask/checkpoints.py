@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from . import store
 
 FORMAT = 1  # what a checkpoint holds; one of another format is not read
+PROGRESS = {"step", "history", "hits", "seconds"}  # where the run stood: the step, what history.csv will hold, the stopping count, training seconds
 
 
 def save(folder: Path, cfg: DictConfig, progress: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -59,7 +60,8 @@ def load(folder: Path, cfg: DictConfig) -> dict[str, Any] | None:
             raise ValueError("not a copytask checkpoint of this version")
         if state["identity"] != store.identity(cfg):
             raise ValueError("it was written by a run with another config")
-        state["progress"]["step"]  # noqa: B018 - every checkpoint has it
+        if missing := PROGRESS - set(state["progress"]):
+            raise ValueError(f"its progress has no {', '.join(sorted(missing))}")
     except Exception as error:  # noqa: BLE001 - torch.load and unpickling raise many types for a damaged file
         set_aside(path, error)
         return None

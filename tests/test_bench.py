@@ -7,7 +7,7 @@ import pytest
 
 import torch
 
-from copytask.bench import ATTENTIONS, CLASSICAL, QUICK, bench_config, main, setups, step_flops, time_to_target
+from copytask.bench import ATTENTIONS, QUICK, REFERENCED, bench_config, main, setups, step_flops, time_to_target
 
 
 @pytest.mark.slow  # about 30 s on two idle cores: model set-up, FLOP counting, two fresh processes
@@ -16,16 +16,17 @@ def test_quick_bench_writes_the_table(tmp_path):
     assert main(["--quick", "--csv", str(csv)]) == 0
     table = pd.read_csv(csv)
     assert sorted(zip(table.attention, table.length)) == sorted((a, n) for a in ATTENTIONS for n in QUICK["lengths"])
-    classical = table.attention.isin(CLASSICAL)
-    assert not classical.all()  # scaled_dot, multihead and local attention: the project's only
-    for name, rows in (("project", table.attention.notna()), ("reference", classical)):
+    referenced = table.attention.isin(REFERENCED)
+    assert not referenced.all()  # scaled_dot, multihead and local attention: the project's only
+    assert referenced[table.attention == "transformer"].all()  # the tutorials' Transformer is the reference's
+    for name, rows in (("project", table.attention.notna()), ("reference", referenced)):
         for measure in ("ms_per_step", "tokens_per_s", "gflop_per_step", "matmul_peak_fraction"):
             assert (table.loc[rows, f"{measure}_{name}"] > 0).all(), f"{measure}_{name}"
         measured = table.attention.isin(QUICK["memory_attentions"]) & (table.length == max(QUICK["lengths"]))
         assert (table.loc[measured, f"peak_mb_{name}"] > 0).all()
         assert table.loc[~measured, f"peak_mb_{name}"].isna().all()
-    assert table.loc[~classical, "ms_per_step_reference"].isna().all()
-    assert (table.speedup[classical] > 0).all() and (table.matmul_gflops > 0).all()
+    assert table.loc[~referenced, "ms_per_step_reference"].isna().all()
+    assert (table.speedup[referenced] > 0).all() and (table.matmul_gflops > 0).all()
     general = table[table.attention == "luong_general"].set_index("length").ms_per_step_project
     assert table.vs_luong_general.tolist() == pytest.approx((table.ms_per_step_project / table.length.map(general)).tolist())
     assert table.machine.nunique() == 1

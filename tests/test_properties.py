@@ -277,7 +277,7 @@ def test_attention_weights_keep_the_contract_on_mixed_length_batches(attention, 
         torch.testing.assert_close(alone_weights[0], weights[row, : length + 1, :length], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(alone_logits[0], logits[row, : length + 1], atol=1e-5, rtol=1e-4)
     if not any(getattr(module, "fused", False) for module in model.modules()):
-        return  # the Transformer runs torch's ops only: no fused kernels to compare (tests/test_kernels.py: CI builds them)
+        return  # no fused kernels to compare (tests/test_kernels.py: CI builds them)
     plain = copy.deepcopy(model)  # the same weights through torch's own ops
     for module in plain.modules():
         if hasattr(module, "fused"):

@@ -153,7 +153,7 @@ def test_slurm_preset_passes_cluster_settings_and_sets_torch_threads():
 
 @pytest.mark.parametrize(
     "extra, builds",
-    [([], True), (["train.fused=false"], False), (["model=transformer"], False), (["hydra/launcher=slurm"], False)],
+    [([], True), (["train.fused=false"], False), (["model=transformer"], True), (["hydra/launcher=slurm"], False)],
 )
 def test_a_sweep_on_this_machines_cpu_builds_the_kernels_before_its_bar_starts(tmp_path, monkeypatch, extra, builds):
     """A fresh machine's compile (30-80 s) inside the first jobs would count as training in the ETA."""

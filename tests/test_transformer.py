@@ -3,16 +3,20 @@ definitions, decoding, masks, parameter counts and configs, and a tiny run throu
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
-from copytask import analysis, store
+from copytask import analysis, kernels, store
 from copytask.config import ConfigError
 from copytask.validation import parameter_count, validate
-from copytask.data import BOS, make_batch
+from copytask.data import BOS, PAD, length_mask, make_batch
 from copytask.evaluation import build_model
 from copytask.model import count_parameters
+from copytask.reference import ReferenceTransformer, reference_transformer_state
+from copytask.transformer import SinusoidalPositions, scaled_dot_product
 
 from .conftest import TINY, run_cli
 
@@ -92,23 +96,86 @@ def test_the_decoder_is_causal(model_and_config):
             assert not torch.allclose(changed_logits[:, t:], logits[:, t:])  # what comes after does see it
 
 
-def test_the_decoder_layers_compute_what_torchs_own_forward_computes(make_config):
-    cfg = make_config("task.length=6", *SMALL, "model.dropout=0.0")
+def torch_transformer_logits(model, batch):
+    """nn.Transformer's own forward on the model's embeddings and parameters, with the model's masks:
+    padded source keys masked, the decoder's self-attention causal (and nothing else masked)."""
+    steps = batch.tgt_in.size(1)
+    causal = torch.ones(steps, steps, dtype=torch.bool).triu(1)  # True: masked
+    decoded = model.transformer(
+        model._embed(model.src_embedding, batch.src), model._embed(model.tgt_embedding, batch.tgt_in), tgt_mask=causal,
+        src_key_padding_mask=~batch.src_mask, memory_key_padding_mask=~batch.src_mask, tgt_is_causal=True,
+    )
+    return model.out(decoded)
+
+
+def loss_and_gradients(model, logits, batch):
+    """A loss on every real target position -> the gradient of every parameter, by name."""
+    model.zero_grad(set_to_none=True)
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(11))
+    (logits * weights)[batch.target_mask].sum().backward()
+    return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "torch_ops"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["fixed", "mixed"])
+def test_every_path_computes_what_torchs_own_transformer_computes(make_config, fused, mixed):
+    """The training step's path (autograd on: the attention kernel on CPU where it builds, else
+    torch's batched products, no weights) and the weighted one (no_grad: each cross-attention
+    through Attention), forward and gradients, against nn.Transformer's forward on the same
+    parameters, at every target position."""
+    if fused and kernels.kernel() is None:
+        pytest.skip("the fused kernels are not built on this machine")
+    cfg = make_config("task.length=9", *SMALL, f"train.fused={str(fused).lower()}")
     torch.manual_seed(0)
-    model = trained_a_little(build_model(cfg), cfg)
-    batch = mixed_batch(cfg)
-    src_mask = batch.src_mask
-    causal = torch.ones(batch.tgt_in.size(1), batch.tgt_in.size(1), dtype=torch.bool).triu(1)  # True: masked
+    model = trained_a_little(build_model(cfg), cfg).train()
+    batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 9, cfg.task.vocab_size, torch.Generator().manual_seed(4))
+    assert kernels.runs_fused(model) == fused
+    want = torch_transformer_logits(model, batch)
+    want_grads = loss_and_gradients(model, want, batch)
+    logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
+    assert weights is None  # a training step computes no weights
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)
+    for name, grad in loss_and_gradients(model, logits, batch).items():
+        torch.testing.assert_close(grad, want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
     with torch.no_grad():
-        memory, _ = model.encode(batch.src, batch.src_lengths)
-        # nn.Transformer's own forward on the same embeddings and masks
-        decoded = model.transformer(
-            model._embed(model.src_embedding, batch.src), model._embed(model.tgt_embedding, batch.tgt_in), tgt_mask=causal,
-            src_key_padding_mask=~src_mask, tgt_key_padding_mask=batch.tgt_in == 0, memory_key_padding_mask=~src_mask, tgt_is_causal=True,
-        )
-        logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
+        weighted_logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
+    torch.testing.assert_close(weighted_logits, want.detach(), atol=1e-5, rtol=1e-4)
+    assert weights.shape == (len(batch), batch.tgt_in.size(1), batch.src.size(1))
+    # the masks change nothing that is trained on: torch's with the target's padding masked too, at real positions
     valid = batch.target_mask
-    torch.testing.assert_close(logits[valid], model.out(decoded)[valid], atol=1e-5, rtol=1e-4)
+    padded = model.transformer(
+        model._embed(model.src_embedding, batch.src), model._embed(model.tgt_embedding, batch.tgt_in),
+        tgt_mask=torch.ones(batch.tgt_in.size(1), batch.tgt_in.size(1), dtype=torch.bool).triu(1),
+        src_key_padding_mask=~batch.src_mask, memory_key_padding_mask=~batch.src_mask, tgt_key_padding_mask=batch.tgt_in == PAD,
+    )
+    torch.testing.assert_close(logits[valid], model.out(padded)[valid], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads, d", [(4, 32), (2, 8), (3, 18), (1, 5)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_attention_kernel_computes_torchs_batched_products(heads, d, causal):
+    """kernels.attention against transformer.scaled_dot_product: outputs and the gradients of q, k
+    and v, on strided slices of one fused projection (as the model passes them), ragged key masks
+    with an empty row, and key counts that are not a whole tile of 8."""
+    if kernels.kernel() is None:
+        pytest.skip("the fused kernels are not built on this machine")
+    torch.manual_seed(0)
+    batch, steps = 4, 11
+    fused = torch.randn(batch, steps, 3 * d, requires_grad=True)
+    q, k, v = fused.chunk(3, -1)
+    key_mask = None if causal else length_mask(torch.tensor([11, 3, 0, 9]), steps)
+    grad = torch.randn(batch, steps, d)
+    results = []
+    for attend in (kernels.attention, scaled_dot_product):
+        out = attend(q, k, v, heads, key_mask, causal)
+        (out * grad).sum().backward()
+        results.append((out.detach(), fused.grad.clone()))
+        fused.grad = None
+    (out, grads), (want, want_grads) = results
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grads, want_grads, atol=1e-5, rtol=1e-4)
+    if key_mask is not None:  # the empty source: zero output and no gradient, not NaN
+        assert out[2].abs().max() == 0 and grads[2].abs().max() == 0
 
 
 @pytest.mark.parametrize("overrides", [SMALL, [*SMALL, "model.positions=learned", "model.max_length=30"], ["model=transformer"]])
@@ -251,3 +318,68 @@ def test_scaled_embeddings_start_on_the_scale_of_the_positions(make_config):
     ratio = scaled.pow(2).mean().sqrt() / positions.pow(2).mean().sqrt()
     assert 0.5 < ratio < 2
     assert model.src_embedding.weight[0].abs().max() == 0 == model.tgt_embedding.weight[0].abs().max()  # PAD stays zero
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fixed", "mixed"])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_greedy_is_the_teacher_forced_argmax_also_for_a_model_that_emits_pad(make_config, mixed, positions):
+    """Any model, not only a trained one (which never emits PAD): the readout's PAD bias raised until
+    about a third of the teacher-forced argmaxes are PAD, so that greedy decoding feeds PADs back in
+    mid-sequence. Masking the decoder's keys by token value (tgt_in == PAD) made the two differ."""
+    cfg = make_config("task.length=8", *SMALL, f"model.positions={positions}")
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 8, cfg.task.vocab_size, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
+        others = logits.clone()
+        others[..., PAD] = float("-inf")
+        model.out.bias[PAD] += (others.max(-1).values - logits[..., PAD]).quantile(0.3)
+        tokens, weights = model.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))
+        fed = torch.cat([torch.full_like(tokens[:, :1], BOS), tokens[:, :-1]], dim=1)
+        forced, forced_weights = model(batch.src, batch.src_lengths, fed)
+    assert (fed[:, 1:-1] == PAD).sum() >= 3 and (tokens != PAD).any()  # PADs fed back with steps after them
+    assert torch.equal(forced.argmax(-1), tokens)
+    torch.testing.assert_close(weights, forced_weights, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("d", [32, 7])
+def test_sinusoidal_positions_are_the_papers_formula(d):
+    """PE[pos, 2i] = sin(pos / 10000^(2i / d)), PE[pos, 2i + 1] = cos(pos / 10000^(2i / d)) (Vaswani et
+    al., 2017, section 3.5), written out in float64: sin and cos swapped, or another base, fails."""
+    table = SinusoidalPositions(d)(torch.arange(100))
+    assert table.shape == (100, d)
+    for position in (0, 1, 2, 7, 40, 99):
+        for column in range(d):
+            angle = position / 10000 ** (2 * (column // 2) / d)
+            want = math.sin(angle) if column % 2 == 0 else math.cos(angle)
+            assert table[position, column].item() == pytest.approx(want, abs=2e-5), (position, column)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fixed", "mixed"])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_the_tutorials_transformer_computes_the_same_numbers(make_config, mixed, positions):
+    """reference.ReferenceTransformer (separate q/k/v projections, masked softmax, no cache) loaded
+    with a trained project model's state_dict: the same logits, weights and gradients (a training
+    step, the project on its kernel where it builds) and the same greedy output."""
+    cfg = make_config("task.length=7", *SMALL, f"model.positions={positions}")
+    torch.manual_seed(0)
+    project = trained_a_little(build_model(cfg), cfg).train()
+    reference = build_model(cfg, transformer_class=ReferenceTransformer)
+    reference.load_state_dict(project.state_dict())  # strict: every name translated, none left over
+    batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 7, cfg.task.vocab_size, torch.Generator().manual_seed(4))
+    logits = project(batch.src, batch.src_lengths, batch.tgt_in)[0]
+    want = reference(batch.src, batch.src_lengths, batch.tgt_in)[0]
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)
+    grads = reference_transformer_state(loss_and_gradients(project, logits, batch))
+    for name, grad in loss_and_gradients(reference, want, batch).items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    project.eval()
+    with torch.no_grad():
+        _, weights = project(batch.src, batch.src_lengths, batch.tgt_in)
+        _, want_weights = reference(batch.src, batch.src_lengths, batch.tgt_in)
+        tokens, greedy_weights = project.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))
+        want_tokens, want_greedy_weights = reference.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))
+    torch.testing.assert_close(weights, want_weights, atol=1e-5, rtol=1e-4)
+    assert torch.equal(tokens, want_tokens) and len(set(tokens.flatten().tolist())) > 2
+    torch.testing.assert_close(greedy_weights, want_greedy_weights, atol=1e-5, rtol=1e-4)

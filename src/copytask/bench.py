@@ -9,11 +9,13 @@ The key=value overrides are the training configs' (`train.threads=1`, `train.dev
 - ms per training step (forward, backward, clipping, Adam) and target tokens per second:
   both models share weights and batch; every round times each (attention, implementation)
   once, interleaved, and the median over the rounds after warm-up is reported. The reference
-  implements the CLASSICAL attention types; the others (scaled dot, multi-head, local, Cho et al.'s
-  RNN encoder-decoder, and model=transformer as `transformer`) are the project's only, and
-  `vs_luong_general` compares every type's step with Luong general's;
-- FLOPs of one step (matrix products only, `FlopCounterMode`) and the fraction of this
-  machine's matmul rate (a large `torch.mm`) the step reaches;
+  implements the CLASSICAL attention types and model=transformer (as `transformer`, the
+  tutorials' Transformer: `reference.ReferenceTransformer`); the others (scaled dot, multi-head,
+  local, Cho et al.'s RNN encoder-decoder) are the project's only, and `vs_luong_general`
+  compares every type's step with Luong general's;
+- FLOPs of one step (matrix products only, `FlopCounterMode`, on torch's ops: the project's
+  kernels do the same products) and the fraction of this machine's matmul rate (a large
+  `torch.mm`) the step reaches;
 - at the longest length, peak memory of a short training run in a fresh process;
 - with --time-to-target, wall time and steps to the target greedy token accuracy at the
   longest length for Bahdanau and Luong general, with patience 1, so a run stops at the first
@@ -49,23 +51,26 @@ from . import kernel_build, kernels, store
 from .config import config_dir
 from .data import Batch
 from .model import Seq2Seq
-from .reference import ReferenceSeq2Seq
+from .reference import ReferenceSeq2Seq, ReferenceTransformer
+from .transformer import TransformerSeq2Seq
 from .devices import fused_adam, resolve_device, run_settings
 from .evaluation import build_model
 from .splits import sample_batch
 from .jobs import cpu_model
 from .training import train, train_step
 
-CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # what the reference implements
+CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # the reference's GRU models
 ATTENTIONS = (*CLASSICAL, "scaled_dot", "multihead", "luong_local", "luong_local_m", "rnnencdec", "transformer")
+REFERENCED = (*CLASSICAL, "transformer")  # what the reference implements
 # The overrides that choose a benchmarked model: `attention=<name>` (a GRU model), except these.
 MODEL_OVERRIDES = {"transformer": ["model=transformer"]}
-IMPLEMENTATIONS = {"project": Seq2Seq, "reference": ReferenceSeq2Seq}
+# Each implementation's classes: (the GRU models', model=transformer's), as build_model takes them.
+IMPLEMENTATIONS = {"project": (Seq2Seq, TransformerSeq2Seq), "reference": (ReferenceSeq2Seq, ReferenceTransformer)}
 
 
 def implementations(attention: str) -> list[str]:
-    """The implementations of an attention type: the project's, and the reference's for CLASSICAL ones."""
-    return list(IMPLEMENTATIONS) if attention in CLASSICAL else ["project"]
+    """The implementations of an attention type: the project's, and the reference's for REFERENCED ones."""
+    return list(IMPLEMENTATIONS) if attention in REFERENCED else ["project"]
 TARGET_ATTENTIONS = ("bahdanau", "luong_general")
 # Time to target, each implementation with its usual optimiser settings (config overrides). The
 # reference's are those of the classical tutorials (e.g. bentrevett/pytorch-seq2seq, PyTorch's
@@ -101,11 +106,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def setups(cfg: DictConfig, device: torch.device) -> dict[str, Setup]:
-    """Project and (for CLASSICAL attention) reference model with the same weights, each with its
+    """Project and (for REFERENCED attention) reference model with the same weights, each with its
     Adam, on one batch."""
     batch = sample_batch(cfg, cfg.train.batch_size, torch.Generator().manual_seed(cfg.seed)).to(device)
     torch.manual_seed(cfg.seed)
-    models = {name: build_model(cfg, IMPLEMENTATIONS[name]).to(device) for name in implementations(store.architecture(cfg))}
+    models = {name: build_model(cfg, *IMPLEMENTATIONS[name]).to(device) for name in implementations(store.architecture(cfg))}
     if "reference" in models:
         models["reference"].load_state_dict(models["project"].state_dict())
     return {name: (m, torch.optim.Adam(m.parameters(), lr=cfg.train.lr, fused=fused_adam(device)), batch, cfg.train.clip)
@@ -236,8 +241,9 @@ def time_to_target(attentions: list[str], length: int, overrides: list[str], set
     never reached within the budget) and the seconds trained in all."""
     rows = []
     for attention in attentions:
-        for name in implementations(attention):
-            cls, own = IMPLEMENTATIONS[name], TARGET_SETTINGS[settings][name]
+        # training.train builds its model_class for model=gru only: the reference trains for CLASSICAL ones
+        for name in implementations(attention) if attention in CLASSICAL else ["project"]:
+            (cls, _), own = IMPLEMENTATIONS[name], TARGET_SETTINGS[settings][name]
             cfg = bench_config(attention, length, [*own, *overrides, f"runs_dir={runs_dir / name}", "train.patience=1"])
             folder = store.run_dir(cfg)
             shutil.rmtree(folder, ignore_errors=True)  # measure afresh, never reuse a finished run

@@ -21,15 +21,15 @@ from .model_config import is_transformer, position_rows
 from .transformer import TransformerSeq2Seq
 
 
-def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> nn.Module:
-    """The configured model: a `TransformerSeq2Seq` for model=transformer, else `model_class`, which
-    may be any class with Seq2Seq's constructor and interface (the benchmark passes
-    `reference.ReferenceSeq2Seq`)."""
+def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq, transformer_class: type[nn.Module] = TransformerSeq2Seq) -> nn.Module:
+    """The configured model: `transformer_class` for model=transformer, else `model_class`, which may
+    be any classes with TransformerSeq2Seq's and Seq2Seq's constructor and interface (the benchmark
+    passes `reference.ReferenceTransformer` and `reference.ReferenceSeq2Seq`)."""
     if is_transformer(cfg):
         model = cfg.model
-        return TransformerSeq2Seq(
+        return transformer_class(
             total_vocab(cfg.task.vocab_size), model.d_model, model.heads, model.layers, model.ff_size,
-            model.positions, position_rows(cfg), model.dropout,
+            model.positions, position_rows(cfg), model.dropout, fused=cfg.train.get("fused", True),
         )
     return model_class(
         vocab=total_vocab(cfg.task.vocab_size),

@@ -31,7 +31,6 @@ from . import loggers, store
 from .config import ConfigError, config_dir
 from .grid import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun, expand, search_trials, sweep_command, trial_runs
 from .hydra_internals import override_args, own_global_hydra, proposes_jobs
-from .model_config import model_name
 from .validation import analysis_device, remote_launcher
 
 
@@ -120,9 +119,8 @@ def run_hydra(args: list[str], multirun: bool = False) -> None:
 
 def builds_kernels_here(config: DictConfig) -> bool:
     """Whether a sweep's jobs train with the fused CPU kernels on this machine (not on a SLURM
-    node, not on a GPU, not with train.fused=false, not for the Transformer), so that the sweep
-    builds them first."""
-    if not config.train.fused or model_name(config) != "gru" or remote_launcher(config.hydra.launcher.get("_target_")):
+    node, not on a GPU, not with train.fused=false), so that the sweep builds them first."""
+    if not config.train.fused or remote_launcher(config.hydra.launcher.get("_target_")):
         return False
     from .devices import resolve_device
 

@@ -12,6 +12,9 @@ rows per step.
   step, as `model.BahdanauDecoder` computes it);
 - `additive_scores`: the additive score of every (decoder step, source position) pair, which
   Luong's concat score needs under teacher forcing (`attention.Attention.additive_scores`).
+- `attention`: multi-head scaled dot-product attention, the Transformer's self- and
+  cross-attention in a training step (`transformer.TransformerSeq2Seq`): not a recurrence, but
+  at its sizes (heads of 8 features) torch's attention runs far below the matmul rate.
 
 They are used for float32 on CPU; everywhere else (CUDA, float64, `fused=False`, no C++
 compiler) the torch code runs. They agree with it to float rounding, NaN and inf included
@@ -282,9 +285,69 @@ def _bahdanau_backward(ctx, grad_states, grad_contexts, grad_weights, *_grad_sav
 
 bahdanau_forward.register_autograd(_bahdanau_backward, setup_context=_bahdanau_setup)
 
-for _op in (gru_backward, additive_backward, bahdanau_backward):
+def _features_contiguous(t: Tensor) -> Tensor:
+    """t itself where its last dimension is contiguous (a slice of a fused projection is), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("copytask::attention_forward", mutates_args=())
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, heads: int, causal: bool) -> tuple[Tensor, Tensor]:
+    """q (B, T, d), k and v (B, S, d), `heads` heads of d / heads features each, mask (B, S) float
+    (1 real, 0 padding) or empty, causal: query i sees keys j <= i -> out (B, T, d), the heads'
+    outputs side by side, and, saved for the backward pass (no gradient flows back through it),
+    each query row's log-sum-exp of its scores (B, heads, T)."""
+    q, k, v = (_features_contiguous(t) for t in (q, k, v))
+    return tuple(_library().attention_forward(q, k, v, mask.contiguous(), heads, causal))
+
+
+@attention_forward.register_fake
+def _(q, k, v, mask, heads, causal):
+    batch, steps, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty(batch, heads, steps)
+
+
+@torch.library.custom_op("copytask::attention_backward", mutates_args=())
+def attention_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor, heads: int, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """-> gradients of q (B, T, d), k and v (B, S, d)."""
+    q, k, v = (_features_contiguous(t) for t in (q, k, v))
+    tensors = (grad_out, out, lse, mask)
+    grad_out, out, lse, mask = (t.contiguous() for t in tensors)
+    return tuple(_library().attention_backward(grad_out, q, k, v, out, lse, mask, heads, causal))
+
+
+@attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, mask, heads, causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, mask, heads, causal = inputs
+    ctx.save_for_backward(q, k, v, mask, *output)
+    ctx.heads, ctx.causal = heads, causal
+    ctx.set_materialize_grads(False)
+
+
+def _attention_backward(ctx, grad_out, _grad_lse):
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    return *attention_backward(grad_out, q, k, v, out, lse, mask, ctx.heads, ctx.causal), None, None, None
+
+
+attention_forward.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, heads: int, key_mask: Tensor | None, causal: bool) -> Tensor:
+    """softmax(q_h k_h^T / sqrt(d / heads) + masks) v_h for each head h, in the kernel: q (B, T, d),
+    k and v (B, S, d), key_mask (B, S) bool, True on real keys, or None -> (B, T, d), the heads side
+    by side. A query that sees no key gets a zero output."""
+    mask = q.new_empty(0) if key_mask is None else padding(key_mask)
+    return attention_forward(q, k, v, mask, heads, causal)[0]
+
+
+for _op in (gru_backward, additive_backward, bahdanau_backward, attention_backward):
     _op.register_autograd(_no_double_backward)
-for _op in (gru_forward, additive_forward, bahdanau_forward):
+for _op in (gru_forward, additive_forward, bahdanau_forward, attention_forward):
     torch.library.register_autocast(_op, "cpu", torch.float32)  # like torch's float32 ops: inputs cast up
 
 

@@ -3,17 +3,23 @@ with the copy task's embeddings, positions and readout around it.
 
 Shapes: B batch, T_enc source length, T_dec target length, d model width (`d_model`), V total
 vocabulary. Masks: padded source positions are masked as keys in the encoder's self-attention
-and in every cross-attention, padded target positions as keys in the decoder's self-attention,
-and the decoder's self-attention is causal (step t sees target positions <= t only).
+and in every cross-attention; the decoder's self-attention is causal (step t sees target positions
+<= t only) and masks nothing else. The target's padding is a suffix, so a real position never sees
+it, and with no mask by token value greedy decoding (which feeds back whatever the model emitted,
+PAD included) computes what teacher forcing on the same tokens computes.
 
-The encoder is nn.TransformerEncoder as torch runs it. The decoder layers are nn.TransformerDecoderLayer
-modules whose forward is written out in `_decoder_layer` (post-norm, as torch's default), for two
-things torch's does not give: cross-attention weights, per head, and an incremental cache for
-greedy decoding. Each layer's cross-attention runs through `attention.Attention`, whose `multihead`
-score is that layer's nn.MultiheadAttention itself: the last layer's weights are the model's
-attention maps, and a counterfactual (`intervention`) replaces the weights of every layer, since
-cross-attention is the decoder's only way to the source.
-tests/test_transformer.py checks `_decoder_layer` against torch's own forward.
+The parameters are nn.Transformer's modules (its state_dict, so a run's checkpoint loads as it did);
+the layers' forward is written out here (post-norm, as torch's default), for three things torch's
+does not give:
+- a training step's attention in `kernels.attention` on CPU (each (sequence, head) slice in cache,
+  no weights kept: docs/bench.md has the profile that chose it), else in torch's batched products;
+- cross-attention weights, per head: when weights are wanted (outside autograd, or with a
+  counterfactual set), each decoder layer's cross-attention runs through `attention.Attention`,
+  whose `multihead` score is that layer's nn.MultiheadAttention itself: the last layer's weights
+  are the model's attention maps, and a counterfactual (`intervention`) replaces the weights of
+  every layer, since cross-attention is the decoder's only way to the source;
+- an incremental cache for greedy decoding.
+tests/test_transformer.py checks every path against torch's own nn.Transformer, forward and gradients.
 
 Greedy decoding caches each decoder layer's self-attention keys and values at the positions decoded
 so far: a step runs only the new position through every layer (the causal mask makes earlier
@@ -29,8 +35,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import Attention
+from . import kernels
+from .attention import Attention, masked_softmax
 from .data import BOS, PAD, length_mask
+
+
+def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, heads: int, key_mask: Tensor | None, causal: bool, dropout: float = 0.0) -> Tensor:
+    """softmax(q_h k_h^T / sqrt(d / heads) + masks) v_h for each head h, in torch's batched products
+    (what `kernels.attention` computes, with dropout on the weights as nn.MultiheadAttention's):
+    q (B, T, d), k and v (B, S, d), key_mask (B, S) True on real keys or None, causal: query t sees
+    keys <= t -> (B, T, d), the heads side by side. A query that sees no key gets a zero output."""
+    (batch, steps, d), keys = q.shape, k.size(1)
+    split = lambda x: x.unflatten(-1, (heads, d // heads)).transpose(1, 2)  # noqa: E731  (B, heads, T, d / heads)
+    scores = split(q) @ split(k).transpose(-1, -2) / math.sqrt(d // heads)  # (B, heads, T, S)
+    allowed = torch.ones(1, steps, keys, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed.tril()
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, :]  # (B, T, S)
+    weights = F.dropout(masked_softmax(scores, allowed[:, None]), dropout)
+    return (weights @ split(v)).transpose(1, 2).flatten(2)
 
 
 class SinusoidalPositions(nn.Module):
@@ -76,9 +100,11 @@ class TransformerSeq2Seq(nn.Module):
         positions: str = "sinusoidal",
         position_rows: int | None = None,  # learned: the table's rows (longest source + 1)
         dropout: float = 0.0,
+        fused: bool = True,  # a training step's attention in kernels.attention on CPU
     ):
         super().__init__()
         self.d_model = d_model
+        self.fused = fused
         self.src_embedding = nn.Embedding(vocab, d_model, padding_idx=PAD)
         self.tgt_embedding = nn.Embedding(vocab, d_model, padding_idx=PAD)
         for embedding in (self.src_embedding, self.tgt_embedding):
@@ -98,9 +124,9 @@ class TransformerSeq2Seq(nn.Module):
         encoder = nn.TransformerEncoder(encoder_layer, layers, nn.LayerNorm(d_model), enable_nested_tensor=False)
         self.transformer = nn.Transformer(d_model, heads, layers, layers, ff_size, dropout, custom_encoder=encoder, batch_first=True)
         layers = self.transformer.decoder.layers
-        assert not any(layer.norm_first for layer in layers), "`_decoder_layer` is the post-norm layer"
+        assert not any(layer.norm_first for layer in [*layers, *encoder.layers]), "the layers here are post-norm"
         # each layer's own nn.MultiheadAttention, read through Attention (the same parameters, not a copy)
-        self.cross_attentions = nn.ModuleList(Attention("multihead", d_model, d_model, heads=heads, mha=layer.multihead_attn) for layer in layers)
+        self.cross_attentions = nn.ModuleList(Attention("multihead", d_model, d_model, heads=heads, fused=fused, mha=layer.multihead_attn) for layer in layers)
         self.out = nn.Linear(d_model, vocab)
 
     @property
@@ -124,34 +150,63 @@ class TransformerSeq2Seq(nn.Module):
         return embedding(tokens) * math.sqrt(self.d_model) + self.positions(positions)[None]
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """src (B, T_enc), lengths (B,) -> memory (B, T_enc, d), src_mask (B, T_enc) True on real positions."""
+        """src (B, T_enc), lengths (B,) -> memory (B, T_enc, d), src_mask (B, T_enc) True on real positions.
+        nn.TransformerEncoderLayer's forward (post-norm), each layer, then the encoder's final norm."""
         src_mask = length_mask(src_lengths, src.size(1))
-        memory = self.transformer.encoder(self._embed(self.src_embedding, src), src_key_padding_mask=~src_mask)
-        return memory, src_mask
+        x = self._embed(self.src_embedding, src)
+        for layer in self.transformer.encoder.layers:
+            x = layer.norm1(x + layer.dropout1(self._attend(layer.self_attn, x, None, src_mask)))
+            x = layer.norm2(x + layer.dropout2(self._feed_forward(layer, x)))
+        return self.transformer.encoder.norm(x), src_mask
+
+    def _attend(self, attention: nn.MultiheadAttention, x: Tensor, memory: Tensor | None, key_mask: Tensor | None, causal: bool = False) -> Tensor:
+        """nn.MultiheadAttention's output, without its weights, for the queries `x` (B, T, d) over
+        `memory` (B, S, d), or over `x` itself (None: self-attention, one product for the query, key
+        and value projections); key_mask (B, S) True on real keys, or None -> (B, T, d)."""
+        d = x.size(-1)
+        if memory is None:
+            q, k, v = F.linear(x, attention.in_proj_weight, attention.in_proj_bias).chunk(3, -1)
+        else:
+            (w_q, w_kv), (b_q, b_kv) = attention.in_proj_weight.split([d, 2 * d]), attention.in_proj_bias.split([d, 2 * d])
+            q = F.linear(x, w_q, b_q)
+            k, v = F.linear(memory, w_kv, b_kv).chunk(2, -1)
+        dropout = attention.dropout if self.training else 0.0
+        if self.fused and not dropout and kernels.usable(q):
+            context = kernels.attention(q, k, v, attention.num_heads, key_mask, causal)
+        else:
+            context = scaled_dot_product(q, k, v, attention.num_heads, key_mask, causal, dropout)
+        return attention.out_proj(context)
+
+    @staticmethod
+    def _feed_forward(layer: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer, x: Tensor) -> Tensor:
+        return layer.linear2(layer.dropout(layer.activation(layer.linear1(x))))
 
     def _decoder_layer(
-        self, layer: nn.TransformerDecoderLayer, x: Tensor, attended: Tensor, memory: Tensor, src_mask: Tensor, cross_attention: Attention
-    ) -> tuple[Tensor, Tensor]:
+        self, layer: nn.TransformerDecoderLayer, x: Tensor, attended: Tensor, memory: Tensor, src_mask: Tensor, cross_attention: Attention | None
+    ) -> tuple[Tensor, Tensor | None]:
         """nn.TransformerDecoderLayer's forward (post-norm) for the layer inputs `x` (B, T, d), given
-        `attended` (B, T, d), its self-attention's output there: then `cross_attention` (the layer's,
-        as Attention) over `memory`, then the feed-forward block. -> (B, T, d), and the
-        cross-attention weights (B, T, T_enc), mean over heads."""
+        `attended` (B, T, d), its self-attention's output there: then the cross-attention over
+        `memory`, then the feed-forward block. -> (B, T, d), and with `cross_attention` (the
+        layer's, as Attention) its weights (B, T, T_enc), mean over heads; else (None) the
+        cross-attention without weights, and None."""
         x = layer.norm1(x + layer.dropout1(attended))
-        context, weights = cross_attention(x, memory, memory, src_mask)
+        if cross_attention is None:
+            context, weights = self._attend(layer.multihead_attn, x, memory, src_mask), None
+        else:
+            context, weights = cross_attention(x, memory, memory, src_mask)
         x = layer.norm2(x + layer.dropout2(context))
-        feed_forward = layer.linear2(layer.dropout(layer.activation(layer.linear1(x))))
-        return layer.norm3(x + layer.dropout3(feed_forward)), weights
+        return layer.norm3(x + layer.dropout3(self._feed_forward(layer, x))), weights
 
-    def forward(self, src: Tensor, src_lengths: Tensor, tgt_in: Tensor) -> tuple[Tensor, Tensor]:
-        """Teacher forcing: -> logits (B, T_dec, V), the last layer's cross-attention weights (B, T_dec, T_enc)."""
+    def forward(self, src: Tensor, src_lengths: Tensor, tgt_in: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Teacher forcing: -> logits (B, T_dec, V), and the last layer's cross-attention weights
+        (B, T_dec, T_enc) where they are wanted: outside autograd (evaluation, analysis) or with a
+        counterfactual set. A training step (autograd on) gets None and skips computing them."""
         memory, src_mask = self.encode(src, src_lengths)
-        t_dec = tgt_in.size(1)
-        causal = torch.ones(t_dec, t_dec, dtype=torch.bool, device=src.device).triu(1)  # (T_dec, T_dec) True above the diagonal: masked
-        padding = tgt_in == PAD  # (B, T_dec): a suffix, so no row is all masked (BOS comes first)
+        weighted = not torch.is_grad_enabled() or any(attention.intervention is not None for attention in self.cross_attentions)
         x = self._embed(self.tgt_embedding, tgt_in)
         for layer, cross_attention in zip(self.transformer.decoder.layers, self.cross_attentions):
-            attended = layer.self_attn(x, x, x, attn_mask=causal, key_padding_mask=padding, need_weights=False)[0]
-            x, weights = self._decoder_layer(layer, x, attended, memory, src_mask, cross_attention)
+            attended = self._attend(layer.self_attn, x, None, None, causal=True)
+            x, weights = self._decoder_layer(layer, x, attended, memory, src_mask, cross_attention if weighted else None)
         x = self.transformer.decoder.norm(x)
         return self.out(x), weights
 

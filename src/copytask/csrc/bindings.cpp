@@ -20,6 +20,10 @@ std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& g
                                       const Tensor& inputs, const Tensor& gates, const Tensor& before,
                                       const Tensor& values, const Tensor& w_q, const Tensor& v,
                                       const Tensor& w_ih, const Tensor& w_hh);
+std::vector<Tensor> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, int64_t heads,
+                                      bool causal);
+std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& out, const Tensor& lse, const Tensor& mask, int64_t heads, bool causal);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gru_forward", &gru_forward, "one GRU layer's recurrence, forward (csrc/gru.cpp)");
@@ -28,4 +32,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("additive_backward", &additive_backward, "the additive score, backward");
   m.def("bahdanau_forward", &bahdanau_forward, "Bahdanau's decoder under teacher forcing, forward (csrc/bahdanau.cpp)");
   m.def("bahdanau_backward", &bahdanau_backward, "Bahdanau's decoder under teacher forcing, backward");
+  m.def("attention_forward", &attention_forward, "multi-head scaled dot-product attention, forward (csrc/attention.cpp)");
+  m.def("attention_backward", &attention_backward, "multi-head scaled dot-product attention, backward");
 }

@@ -1,0 +1,369 @@
+// Multi-head scaled dot-product attention for small heads, forward and backward, for
+// copytask.kernels on CPU in float32: the Transformer's self- and cross-attention in a training step.
+//
+// At the Transformer's sizes (head size 8, 80 x 81 scores per head, 256 heads x sequences per call)
+// torch's CPU attention (flash attention or batched products) runs far below the matmul rate: its
+// products have an inner size of 8, and the score tensor (6.6 MB at length 80) goes through memory
+// between every op. Here each (sequence, head) pair is one slice done in cache: its keys and
+// values are copied transposed (D x S) into a buffer, and each query row's scores, softmax and
+// output are computed in one pass over them. The backward pass recomputes each row's weights
+// from the saved log-sum-exp (as flash attention does) instead of keeping the weights.
+//
+// Shapes: B sequences, T queries, S keys, H heads of size D (features H * D, head h at columns
+// h * D .. h * D + D - 1, as nn.MultiheadAttention splits them). q (B, T, H * D), k and v
+// (B, S, H * D) may be strided in their first two dimensions (slices of a fused projection), their
+// features must be contiguous. mask (B, S) float (1 real, 0 padding) or empty (nothing padded);
+// causal: query i sees keys j <= i only. A query with no key to see gets zero weights and a
+// zero output (as attention.masked_softmax gives), not torch's NaN.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+using at::Tensor;
+
+namespace {
+
+constexpr int64_t W = 8;  // keys per tile: one AVX2 register of floats (two SSE ones)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// The loops over a row of keys are written on 8-float vectors (GCC / Clang vector extensions,
+// compiled to whatever the build's instruction set is): left to itself the compiler vectorised
+// the short loop over a head's D features instead, with gathers, and kept exp scalar.
+typedef float f8 __attribute__((vector_size(4 * W)));
+typedef int32_t i8 __attribute__((vector_size(4 * W)));
+
+inline int64_t round_up(int64_t n) { return (n + W - 1) / W * W; }
+inline f8 load(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+inline f8 splat(float x) { return f8{} + x; }
+inline float sum_of(f8 v) {
+  float total = 0.f;
+  for (int64_t u = 0; u < W; ++u) total += v[u];
+  return total;
+}
+
+// exp(x) as 2^n p(r), x = n ln 2 + r, |r| <= ln 2 / 2, p Cephes' expf polynomial: within about 1 ulp
+// near 0 (the weights that matter), the error growing with |x| to about 1e-6 relative at x = -20,
+// where a weight is below 1e-8. Below -87.3 (float's exp leaves the normal numbers) it gives 0,
+// so -inf (a masked key) gives exactly 0; NaN stays NaN.
+inline f8 exp_(f8 x) {
+  const f8 lowest = splat(-87.33654475f), highest = splat(88.f);
+  f8 c = x < lowest ? lowest : x;
+  c = c > highest ? highest : c;
+  const f8 t = c * 1.44269504088896341f + 0.5f;
+  i8 n = __builtin_convertvector(t, i8);  // toward zero, then down where that rounded up: floor(t)
+  n += __builtin_convertvector(n, f8) > t;
+  const f8 nf = __builtin_convertvector(n, f8);
+  const f8 r = c - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln 2 in two parts, the first exact in float
+  f8 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const f8 y = p * (f8)((n + 127) << 23);  // 2^n from its exponent bits: n in [-126, 127]
+  const f8 zero = f8{};
+  return x == x ? (x < lowest ? zero : y) : x;
+}
+
+// The row functions below take R query rows at once (BLOCK of them, then one at a time), so that each
+// tile of keys or values loaded serves both: the loads, not the multiply-adds, bound these loops.
+// Each row r has its own count of keys n[r] (ascending in r: the causal limit grows by one a row);
+// every row is computed to round_up(n[R - 1]).
+template <int R>
+using Rows = float* const (&)[R];
+template <int R>
+using ConstRows = const float* const (&)[R];
+
+// Scores: out[r][j] = sum_c x[r][c] * keys[c * stride + j] + bias[j] for j < n[r], -inf from there
+// to round_up(n[R - 1]) (keys are zero-padded to a whole tile). -> top[r], each row's largest.
+template <int R>
+inline void scores(ConstRows<R> x, const float* __restrict keys, const float* __restrict bias, int64_t D, int64_t stride,
+                   const int64_t (&n)[R], Rows<R> out, float (&top)[R]) {
+  const i8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  f8 best[R];
+  for (int r = 0; r < R; ++r) best[r] = splat(NEG_INF);
+  for (int64_t j = 0; j < n[R - 1]; j += W) {
+    f8 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = load(bias + j);
+    for (int64_t c = 0; c < D; ++c) {
+      const f8 k = load(keys + c * stride + j);
+      for (int r = 0; r < R; ++r) acc[r] += x[r][c] * k;
+    }
+    for (int r = 0; r < R; ++r) {
+      if (j + W > n[r]) acc[r] = lane + static_cast<int32_t>(j) < static_cast<int32_t>(n[r]) ? acc[r] : splat(NEG_INF);
+      store(out[r] + j, acc[r]);
+      best[r] = acc[r] > best[r] ? acc[r] : best[r];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    top[r] = NEG_INF;
+    for (int64_t u = 0; u < W; ++u) top[r] = std::max(top[r], best[r][u]);
+  }
+}
+
+// out[r][j] = sum_c x[r][c] * rows[c * stride + j] for j < m (a multiple of W).
+template <int R>
+inline void products(ConstRows<R> x, const float* __restrict rows, int64_t D, int64_t stride, int64_t m, Rows<R> out) {
+  for (int64_t j = 0; j < m; j += W) {
+    f8 acc[R] = {};
+    for (int64_t c = 0; c < D; ++c) {
+      const f8 k = load(rows + c * stride + j);
+      for (int r = 0; r < R; ++r) acc[r] += x[r][c] * k;
+    }
+    for (int r = 0; r < R; ++r) store(out[r] + j, acc[r]);
+  }
+}
+
+// out[r][c] = scale[r] * sum_{j < m} a[r][j] * rows[c * stride + j].
+template <int R>
+inline void weighted_sums(ConstRows<R> a, const float* __restrict rows, int64_t D, int64_t stride, int64_t m,
+                          const float (&scale)[R], Rows<R> out) {
+  for (int64_t c = 0; c < D; ++c) {
+    f8 acc[R] = {};
+    for (int64_t j = 0; j < m; j += W) {
+      const f8 k = load(rows + c * stride + j);
+      for (int r = 0; r < R; ++r) acc[r] += load(a[r] + j) * k;
+    }
+    for (int r = 0; r < R; ++r) out[r][c] = scale[r] * sum_of(acc[r]);
+  }
+}
+
+// rows[c * stride + j] += sum_r x[r][c] * a[r][j] over j < m.
+template <int R>
+inline void add_outer(ConstRows<R> x, ConstRows<R> a, int64_t D, int64_t stride, int64_t m, float* __restrict rows) {
+  for (int64_t j = 0; j < m; j += W) {
+    f8 tile[R];
+    for (int r = 0; r < R; ++r) tile[r] = load(a[r] + j);
+    for (int64_t c = 0; c < D; ++c) {
+      f8 sum = load(rows + c * stride + j);
+      for (int r = 0; r < R; ++r) sum += x[r][c] * tile[r];
+      store(rows + c * stride + j, sum);
+    }
+  }
+}
+
+// A row of m scores (-inf past its keys) -> its weights exp(score - shift) in place, zero past its
+// keys; a row that sees no key (shift -inf) gets zeros. -> the weights' sum.
+inline float weights_in_place(float* __restrict p, int64_t m, float shift) {
+  if (shift == NEG_INF) {
+    std::fill(p, p + m, 0.f);
+    return 0.f;
+  }
+  f8 sum = {};
+  for (int64_t j = 0; j < m; j += W) {
+    const f8 w = exp_(load(p + j) - shift);
+    store(p + j, w);
+    sum += w;
+  }
+  return sum_of(sum);
+}
+
+// Head h of sequence b of x (B, S, H * D, rows `row_stride` apart) into out (D, stride) transposed,
+// zero past S.
+inline void gather_transposed(const float* x, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t h, int64_t S,
+                              int64_t D, int64_t stride, float* __restrict out) {
+  std::fill(out, out + D * stride, 0.f);
+  const float* base = x + b * batch_stride + h * D;
+  for (int64_t j = 0; j < S; ++j)
+    for (int64_t c = 0; c < D; ++c) out[c * stride + j] = base[j * row_stride + c];
+}
+
+// Per sequence: the scores' additive mask, 0 on real keys, -inf on padding and past S.
+inline void key_bias(const float* mask, int64_t b, int64_t S, int64_t stride, float* __restrict bias) {
+  std::fill(bias, bias + S, 0.f);
+  std::fill(bias + S, bias + stride, NEG_INF);
+  if (mask != nullptr)
+    for (int64_t j = 0; j < S; ++j) bias[j] = mask[b * S + j] > 0.f ? 0.f : NEG_INF;
+}
+
+struct Sizes {
+  int64_t B, T, S, H, D;
+};
+
+Sizes check(const char* kernel, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, int64_t heads) {
+  for (const Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->stride(2) == 1, kernel,
+                " expects float32 CPU tensors of 3 dimensions with contiguous features, got one of shape ", t->sizes(),
+                " and strides ", t->strides(), ", ", t->scalar_type(), ", on ", t->device());
+  check_inputs(kernel, {&mask});
+  const int64_t B = q.size(0), T = q.size(1), S = k.size(1), features = q.size(2);
+  TORCH_CHECK(heads >= 1 && features % heads == 0, kernel, ": ", heads, " heads do not divide ", features, " features");
+  check_shape(kernel, "k", k, {B, S, features});
+  check_shape(kernel, "v", v, {B, S, features});
+  check_shape_or_empty(kernel, "mask", mask, {B, S});
+  return {B, T, S, heads, features / heads};
+}
+
+}  // namespace
+
+// One (sequence, head) slice: its keys and values transposed (D, Sp), their gradients, the key
+// bias, and R rows of scratch each for the scaled queries, weights and their gradients.
+struct Slice {
+  int64_t T, S, D, Sp, H;
+  bool causal;
+  float scale;
+  const float *kt, *vt, *bias;
+};
+
+inline int64_t keys_seen(const Slice& s, int64_t i) { return s.causal ? std::min(i + 1, s.S) : s.S; }
+
+// Rows i0 .. i0 + R - 1 of a slice, forward: q rows (scaled into qs), out rows and their log-sum-exp.
+template <int R>
+inline void forward_rows(const Slice& s, int64_t i0, ConstRows<R> q, Rows<R> qs, Rows<R> p, Rows<R> out, float* lse) {
+  int64_t n[R];
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < s.D; ++c) qs[r][c] = s.scale * q[r][c];
+    n[r] = keys_seen(s, i0 + r);
+  }
+  const int64_t m = round_up(n[R - 1]);
+  float top[R], inverse[R];
+  scores<R>(reinterpret_cast<ConstRows<R>>(qs), s.kt, s.bias, s.D, s.Sp, n, p, top);
+  for (int r = 0; r < R; ++r) {
+    const float sum = weights_in_place(p[r], m, top[r]);
+    inverse[r] = sum > 0.f ? 1.f / sum : 0.f;  // no key seen: zero weights, zero output
+    lse[r] = top[r] == NEG_INF ? NEG_INF : top[r] + std::log(sum);
+  }
+  weighted_sums<R>(reinterpret_cast<ConstRows<R>>(p), s.vt, s.D, s.Sp, m, inverse, out);
+}
+
+// Rows i0 .. i0 + R - 1, backward: adds their share to the keys' and values' gradients (gkt, gvt,
+// transposed) and writes the queries' gradients gq.
+template <int R>
+inline void backward_rows(const Slice& s, int64_t i0, ConstRows<R> q, ConstRows<R> g, ConstRows<R> o, const float* lse,
+                          Rows<R> qs, Rows<R> p, Rows<R> dp, Rows<R> gq, float* gkt, float* gvt) {
+  int64_t n[R];
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < s.D; ++c) qs[r][c] = s.scale * q[r][c];
+    n[r] = keys_seen(s, i0 + r);
+  }
+  const int64_t m = round_up(n[R - 1]);
+  float top[R], scale[R];
+  scores<R>(reinterpret_cast<ConstRows<R>>(qs), s.kt, s.bias, s.D, s.Sp, n, p, top);  // the scores again, then
+  for (int r = 0; r < R; ++r) weights_in_place(p[r], m, lse[r]);                       // the weights from the saved lse
+  products<R>(g, s.vt, s.D, s.Sp, m, dp);  // the weights' gradient: grad_out . v_j
+  for (int r = 0; r < R; ++r) {
+    float dot = 0.f;  // sum_j p_j dp_j = grad_out . out
+    for (int64_t c = 0; c < s.D; ++c) dot += g[r][c] * o[r][c];
+    for (int64_t j = 0; j < m; j += W) store(dp[r] + j, load(p[r] + j) * (load(dp[r] + j) - dot));  // the scores' gradient
+    scale[r] = s.scale;
+  }
+  weighted_sums<R>(reinterpret_cast<ConstRows<R>>(dp), s.kt, s.D, s.Sp, m, scale, gq);
+  add_outer<R>(reinterpret_cast<ConstRows<R>>(qs), reinterpret_cast<ConstRows<R>>(dp), s.D, s.Sp, m, gkt);
+  add_outer<R>(g, reinterpret_cast<ConstRows<R>>(p), s.D, s.Sp, m, gvt);
+}
+
+constexpr int BLOCK = 4;  // query rows at a time: 15% faster than 2 at length 80, 8 no faster than 4
+
+// -> out (B, T, H * D), lse (B, H, T): each query row's log-sum-exp of its scores (-inf where it sees no key).
+std::vector<Tensor> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, int64_t heads,
+                                      bool causal) {
+  const auto [B, T, S, H, D] = check("attention_forward", q, k, v, mask, heads);
+  auto out = at::empty({B, T, H * D}, q.options());
+  auto lse = at::empty({B, H, T}, q.options());
+  const int64_t Sp = round_up(S);
+  const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>(), *v_p = v.data_ptr<float>();
+  const float* mask_p = mask.numel() > 0 ? mask.data_ptr<float>() : nullptr;
+  float *out_p = out.data_ptr<float>(), *lse_p = lse.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(2 * D * Sp + Sp + BLOCK * (Sp + D));
+    float *kt = buffer.data(), *vt = kt + D * Sp, *bias = vt + D * Sp, *rows = bias + Sp;
+    float* p[BLOCK];
+    float* qs[BLOCK];
+    for (int r = 0; r < BLOCK; ++r) p[r] = rows + r * Sp, qs[r] = rows + BLOCK * Sp + r * D;
+    const Slice slice_{T, S, D, Sp, H, causal, 1.f / std::sqrt(static_cast<float>(D)), kt, vt, bias};
+    for (int64_t slice = begin; slice < end; ++slice) {
+      const int64_t b = slice / H, h = slice % H;
+      gather_transposed(k_p, k.stride(0), k.stride(1), b, h, S, D, Sp, kt);
+      gather_transposed(v_p, v.stride(0), v.stride(1), b, h, S, D, Sp, vt);
+      key_bias(mask_p, b, S, Sp, bias);
+      const auto q_row = [&](int64_t i) { return q_p + b * q.stride(0) + i * q.stride(1) + h * D; };
+      const auto out_row = [&](int64_t i) { return out_p + (b * T + i) * H * D + h * D; };
+      int64_t i = 0;
+      for (; i + BLOCK <= T; i += BLOCK) {
+        const float* qr[BLOCK];
+        float* orow[BLOCK];
+        for (int r = 0; r < BLOCK; ++r) qr[r] = q_row(i + r), orow[r] = out_row(i + r);
+        forward_rows<BLOCK>(slice_, i, qr, qs, p, orow, lse_p + slice * T + i);
+      }
+      for (; i < T; ++i) {
+        const float* qr[1] = {q_row(i)};
+        float* orow[1] = {out_row(i)};
+        float* p1[1] = {p[0]};
+        float* qs1[1] = {qs[0]};
+        forward_rows<1>(slice_, i, qr, qs1, p1, orow, lse_p + slice * T + i);
+      }
+    }
+  });
+  return {out, lse};
+}
+
+// grad_out (B, T, H * D), the forward's q, k, v, mask, out and lse -> gradients of q (B, T, H * D),
+// k and v (B, S, H * D).
+std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& out, const Tensor& lse, const Tensor& mask, int64_t heads, bool causal) {
+  const auto [B, T, S, H, D] = check("attention_backward", q, k, v, mask, heads);
+  check_inputs("attention_backward", {&grad_out, &out, &lse});
+  check_shape("attention_backward", "grad_out", grad_out, {B, T, H * D});
+  check_shape("attention_backward", "out", out, {B, T, H * D});
+  check_shape("attention_backward", "lse", lse, {B, H, T});
+  auto grad_q = at::empty({B, T, H * D}, q.options());
+  auto grad_k = at::empty({B, S, H * D}, q.options());
+  auto grad_v = at::empty({B, S, H * D}, q.options());
+  const int64_t Sp = round_up(S);
+  const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>(), *v_p = v.data_ptr<float>();
+  const float *g_p = grad_out.data_ptr<float>(), *out_p = out.data_ptr<float>(), *lse_p = lse.data_ptr<float>();
+  const float* mask_p = mask.numel() > 0 ? mask.data_ptr<float>() : nullptr;
+  float *gq_p = grad_q.data_ptr<float>(), *gk_p = grad_k.data_ptr<float>(), *gv_p = grad_v.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(4 * D * Sp + Sp + BLOCK * (2 * Sp + D));
+    float *kt = buffer.data(), *vt = kt + D * Sp, *gkt = vt + D * Sp, *gvt = gkt + D * Sp, *bias = gvt + D * Sp;
+    float *rows = bias + Sp, *p[BLOCK], *dp[BLOCK], *qs[BLOCK];
+    for (int r = 0; r < BLOCK; ++r) p[r] = rows + r * Sp, dp[r] = rows + (BLOCK + r) * Sp, qs[r] = rows + 2 * BLOCK * Sp + r * D;
+    const Slice slice_{T, S, D, Sp, H, causal, 1.f / std::sqrt(static_cast<float>(D)), kt, vt, bias};
+    for (int64_t slice = begin; slice < end; ++slice) {
+      const int64_t b = slice / H, h = slice % H;
+      gather_transposed(k_p, k.stride(0), k.stride(1), b, h, S, D, Sp, kt);
+      gather_transposed(v_p, v.stride(0), v.stride(1), b, h, S, D, Sp, vt);
+      key_bias(mask_p, b, S, Sp, bias);
+      std::fill(gkt, gkt + 2 * D * Sp, 0.f);  // gkt and gvt
+      const auto q_row = [&](int64_t i) { return q_p + b * q.stride(0) + i * q.stride(1) + h * D; };
+      const auto at_row = [&](int64_t i) { return (b * T + i) * H * D + h * D; };
+      int64_t i = 0;
+      for (; i + BLOCK <= T; i += BLOCK) {
+        const float *qr[BLOCK], *gr[BLOCK], *orow[BLOCK];
+        float* gqr[BLOCK];
+        for (int r = 0; r < BLOCK; ++r)
+          qr[r] = q_row(i + r), gr[r] = g_p + at_row(i + r), orow[r] = out_p + at_row(i + r), gqr[r] = gq_p + at_row(i + r);
+        backward_rows<BLOCK>(slice_, i, qr, gr, orow, lse_p + slice * T + i, qs, p, dp, gqr, gkt, gvt);
+      }
+      for (; i < T; ++i) {
+        const float* qr[1] = {q_row(i)};
+        const float* gr[1] = {g_p + at_row(i)};
+        const float* orow[1] = {out_p + at_row(i)};
+        float* gqr[1] = {gq_p + at_row(i)};
+        float *qs1[1] = {qs[0]}, *p1[1] = {p[0]}, *dp1[1] = {dp[0]};
+        backward_rows<1>(slice_, i, qr, gr, orow, lse_p + slice * T + i, qs1, p1, dp1, gqr, gkt, gvt);
+      }
+      for (int64_t j = 0; j < S; ++j)
+        for (int64_t c = 0; c < D; ++c) {
+          const int64_t at = (b * S + j) * H * D + h * D + c;
+          gk_p[at] = gkt[c * Sp + j];
+          gv_p[at] = gvt[c * Sp + j];
+        }
+    }
+  });
+  return {grad_q, grad_k, grad_v};
+}

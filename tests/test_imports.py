@@ -12,8 +12,8 @@ PACKAGE = Path(copytask.__file__).parent
 # Lowest first. A module may import only modules before it.
 LAYERS = [
     "vocab", "model_config", "config", "validation", "store", "hydra_internals", "devices", "data", "splits", "kernel_build", "kernels",
-    "attention", "model", "transformer", "reference", "evaluation", "figures", "loggers", "training", "analysis",
-    "analysis_figures", "grid", "tables", "result_figures", "report_setup", "reporting", "search", "jobs", "decoding",
+    "attention", "model", "transformer", "reference", "evaluation", "figures", "loggers", "checkpoints", "training", "analysis",
+    "analysis_figures", "grid", "tables", "result_figures", "report_setup", "reporting", "search", "jobs", "slurm", "decoding",
     "bench", "api", "cli", "__main__",
 ]  # fmt: skip
 

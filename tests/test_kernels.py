@@ -338,8 +338,9 @@ def test_ops_are_registered_as_torch_asks(kernel):
 
 
 def test_build_name_keys_everything_the_library_depends_on(monkeypatch, tmp_path):
-    """Another torch, other flags or other sources: another build folder, so no process ever
-    rebuilds or replaces a library that another (another checkout, another venv) has loaded."""
+    """Another torch, other flags, other sources or another CPU architecture: another build folder,
+    so no process ever rebuilds or replaces a library that another (another checkout, another venv,
+    another kind of node) has loaded."""
     name = kernel_build.build_name_and_flags()[0]
     monkeypatch.setattr(torch, "__version__", "2.99.0")
     other_torch = kernel_build.build_name_and_flags()[0]
@@ -353,7 +354,11 @@ def test_build_name_keys_everything_the_library_depends_on(monkeypatch, tmp_path
         (csrc / path.name).write_bytes(path.read_bytes() + b"\n" * (path.name == "gru.cpp"))
     monkeypatch.setattr(kernel_build, "CSRC", csrc)
     other_sources = kernel_build.build_name_and_flags()[0]
-    assert len({name, other_torch, other_flags, other_sources}) == 4
+    monkeypatch.undo()
+    other = "aarch64" if kernel_build.platform.machine() != "aarch64" else "x86_64"
+    monkeypatch.setattr(kernel_build.platform, "machine", lambda: other)
+    other_machine = kernel_build.build_name_and_flags()[0]  # a cluster's nodes of another kind, sharing a home directory
+    assert len({name, other_torch, other_flags, other_sources, other_machine}) == 5
 
 
 def test_a_build_killed_midway_is_redone_not_waited_for(monkeypatch, fresh_build_root):

@@ -11,7 +11,7 @@ import sys
 import pandas as pd
 import pytest
 
-from copytask import cli, loggers, store
+from copytask import checkpoints, cli, loggers, store
 from copytask.training import train
 
 from .conftest import SRC, TINY, run_cli
@@ -54,6 +54,29 @@ def test_tensorboard_logs_the_history_the_identity_and_the_attention_map(make_co
     assert metadata.SESSION_END_INFO_TAG in sessions  # finished
     (image,) = events.Images("attention")
     assert image.width > 100 and image.height > 100
+
+
+def test_a_resumed_run_logs_its_whole_history_in_its_tracker_run(make_config, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_config(*TINY, "attention=bahdanau", "task.length=4", "train.patience=null", "logger=tensorboard")
+    save = checkpoints.save
+
+    def save_then_stop(*args):
+        save(*args)
+        raise KeyboardInterrupt  # stopped right after the checkpoint at step 5
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoints, "save", save_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+    metrics = train(cfg)  # continues from step 5, in a new tracker run that replaces the stopped one's
+    assert metrics["resumed_from"] == 5
+    events = EventAccumulator(str(store.run_dir(cfg).parent / "tensorboard" / metrics["run"]), size_guidance={"scalars": 0})
+    events.Reload()
+    history = pd.read_csv(store.run_dir(cfg) / store.HISTORY)
+    for column in RECORDED:
+        assert [scalar.step for scalar in events.Scalars(column)] == history["step"].tolist() == [5, 10]
 
 
 def test_tensorboard_report_run_holds_the_sweeps_png_figures(make_config, tmp_path):

@@ -207,7 +207,7 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
     if multirun:  # jobs that run on other machines (SLURM) check the device there; submitting needs SLURM here
         master, _ = compose_grid(overrides, expand_grid=False)
         launcher = master.hydra.launcher.get("_target_")
-        check_launcher(launcher, master.hydra.runtime.choices.get("hydra/launcher"))
+        check_launcher(launcher, master.hydra.runtime.choices.get("hydra/launcher"), master.hydra.launcher.get("partition"))
         check = remote_job_check if remote_launcher(launcher) else validate
         searching = proposes_jobs(master.hydra)
     try:  # stops at the first bad job; a search has no jobs yet, only what its trials share

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import logging
 import os
+import platform
 import shutil
 import sys
 import warnings
@@ -45,11 +46,12 @@ RETRY = 'retry with `python -m copytask build`'
 
 def build_name_and_flags() -> tuple[str, list[str]]:
     """The build's name and its compiler flags. The name ends in a hash of everything the library
-    depends on (sources, flags, torch and Python versions), so a build is never replaced."""
+    depends on (sources, flags, the CPU architecture, torch and Python versions), so a build is
+    never replaced, and nodes of different kinds that share a home directory each have their own."""
     avx2 = torch.backends.cpu.get_cpu_capability() in AVX2
     flags = [*CFLAGS, "-mavx2", "-mfma"] if avx2 else CFLAGS
     key = hashlib.sha256()
-    for part in (torch.__version__, str(torch.version.git_version), sys.implementation.cache_tag, *flags):
+    for part in (torch.__version__, str(torch.version.git_version), sys.implementation.cache_tag, platform.machine(), *flags):
         key.update(part.encode() + b"\0")
     for path in sorted(CSRC.iterdir()):
         key.update(path.name.encode() + b"\0" + path.read_bytes())

@@ -21,7 +21,7 @@ from torch import nn
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from . import loggers, store
+from . import checkpoints, loggers, store
 from .validation import validate
 from .data import PAD, Batch
 from .devices import fused_adam, host, resolve_device, run_settings
@@ -66,19 +66,24 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
         raise RunInProgress(f"{folder.name}: being trained by another process (it holds {store.lock_path(folder)})")
     with lock:
         previous = None
+        retrain = cfg.get("retrain", False)
         if store.is_complete(folder):
-            if not cfg.get("retrain", False):
+            if not retrain:
                 return store.read_json(folder / store.METRICS)
             previous = folder.with_name(f".{folder.name}.replaced")  # a dot folder: no listing of runs sees it
             shutil.rmtree(previous, ignore_errors=True)
             folder.rename(previous)
-        elif folder.exists():  # leftovers of an interrupted or failed run: no one else writes here while we hold the lock
-            shutil.rmtree(folder)
+        elif folder.exists():  # an interrupted or failed run: no one else writes here while we hold the lock
+            clear_leftovers(folder, keep_checkpoint=not retrain)
         try:
             device = resolve_device(cfg.train.device)
             with loggers.open_run(cfg, folder.name) as tracker, torch_state(cfg.train.threads, device), run_settings(device):  # the tracker closes before the run is complete
-                metrics = _train_locked(cfg, folder, device, model_class, tracker)
+                try:
+                    metrics = _train_locked(cfg, folder, device, model_class, tracker)
+                except checkpoints.UnusableCheckpoint:  # set aside: from step 0, with everything built afresh
+                    metrics = _train_locked(cfg, folder, device, model_class, tracker)
             store.write_json(folder / store.METRICS, metrics)  # last: marks the run complete
+            (folder / store.RESUME).unlink(missing_ok=True)  # a complete run never resumes
         except BaseException:
             if previous is not None:  # the finished run comes back: a failed retrain loses nothing
                 shutil.rmtree(folder, ignore_errors=True)
@@ -89,12 +94,22 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
         return metrics
 
 
+def clear_leftovers(folder: Path, keep_checkpoint: bool) -> None:
+    """Empty the folder of an interrupted or failed run but for its checkpoint (with
+    `keep_checkpoint`, to continue from it) and a checkpoint set aside as unreadable."""
+    keep = {store.UNREADABLE_RESUME, store.RESUME} if keep_checkpoint else {store.UNREADABLE_RESUME}
+    for path in folder.iterdir():
+        if path.name not in keep:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def summary_line(metrics: dict, folder: Path) -> str:
     """The one line the command line prints for a finished run."""
     return (
         f"{metrics['run']}: greedy token acc {metrics['token_acc']:.2%}, seq acc {metrics['seq_acc']:.2%} "
         f"(chance {metrics['chance']:.1%}), {metrics['steps']} steps, {metrics['train_seconds']:.1f} s, "
-        f"{metrics['params']:,} params -> {folder}"
+        f"{metrics['params']:,} params" + (f", resumed from step {metrics['resumed_from']}" if metrics.get("resumed_from") else "")
+        + f" -> {folder}"
     )
 
 
@@ -134,9 +149,10 @@ def torch_state(threads: int | None, device: torch.device) -> Iterator[None]:
 
 
 def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_class: type[nn.Module], tracker: loggers.RunLogger) -> dict:
-    """`train`'s work, in a fresh `folder`, under the run's lock: every file but metrics.json, whose
-    content it returns. `tracker` gets what the folder gets."""
-    folder.mkdir(parents=True)
+    """`train`'s work, in `folder` (new, or holding the checkpoint of an interrupted run, from which
+    it continues), under the run's lock: every file but metrics.json, whose content it returns.
+    `tracker` gets what the folder gets. UnusableCheckpoint for a checkpoint that does not fit the run."""
+    folder.mkdir(parents=True, exist_ok=True)
     store.atomic_write(folder / store.CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
 
     # the model's initialisation (on the CPU) and, on a GPU, its own draws; `torch_state` restores the caller's random state
@@ -156,13 +172,20 @@ def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_cla
     else:
         schedule = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)
 
-    history, hits, loss_sum, loss_count = [], 0, torch.zeros((), device=device), 0
+    # Where the run stands after an evaluation (all a checkpoint needs besides the objects' state).
+    progress = {"step": 0, "history": [], "hits": 0, "seconds": 0.0}
+    if (state := checkpoints.load(folder, cfg)) is not None:
+        progress = checkpoints.restore(state, model, optimizer, schedule, generator, device, folder)
+    resumed_from, history, hits = progress["step"], progress["history"], progress["hits"]
+    for entry in history:  # the tracker run is new (it replaces the stopped one's): it gets the curves so far
+        tracker.log_metrics(entry["step"], {key: value for key, value in entry.items() if key != "step"})
+    loss_sum, loss_count = torch.zeros((), device=device), 0
     # The first step whose loss was NaN or inf (0: none), kept on the device and read at each
     # evaluation: reading the loss on the host every step would stall a GPU with a sync per step.
     nonfinite_step = torch.zeros((), dtype=torch.long, device=device)
-    started = time.perf_counter()
-    bar = tqdm(total=steps, desc=folder.name, unit="step", disable=not cfg.train.progress, dynamic_ncols=True)
-    for step in range(1, steps + 1):
+    started = time.perf_counter() - progress["seconds"]  # a resumed run's clock goes on from its checkpoint
+    bar = tqdm(total=steps, initial=resumed_from, desc=folder.name, unit="step", disable=not cfg.train.progress, dynamic_ncols=True)
+    for step in range(resumed_from + 1, steps + 1):
         batch = training_batch(cfg, generator, excluded).to(device)
         loss = train_step(model, optimizer, batch, cfg.train.clip)
         schedule.step()
@@ -197,6 +220,9 @@ def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_cla
             hits = hits + 1 if result["token_acc"] >= cfg.train.target_acc else 0
             if cfg.train.patience and hits >= cfg.train.patience:
                 break
+            if step < steps:  # the run goes on: what it needs to continue from here if it is stopped
+                progress = {"step": step, "history": history, "hits": hits, "seconds": time.perf_counter() - started}
+                checkpoints.save(folder, cfg, progress, model, optimizer, schedule, generator, device)
     bar.close()
     train_seconds = time.perf_counter() - started
     result = evaluate(model, test)  # the numbers reported: the test set's, at the step where training stopped
@@ -232,6 +258,7 @@ def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_cla
         "host": host(),
         "threads": torch.get_num_threads(),
         "fused": fused,
+        "resumed_from": resumed_from,  # the step this run continued from after an interruption (0: trained in one go)
         "run": folder.name,
     }
     tracker.log_metrics(final["step"], {name: metrics[key] for name, key in loggers.FINAL_METRICS.items()})

@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import socket
+import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -299,12 +300,29 @@ def analysis_device(device: str, target: str | None) -> str:
     return "auto" if device == "cuda" and remote_launcher(target) else device
 
 
-def check_launcher(target: str | None, choice: str | None) -> None:
+def check_launcher(target: str | None, choice: str | None, partition: str | None = None) -> None:
     """ConfigError unless the launcher (its `_target_`, and its `hydra/launcher` option) can submit
     from this machine: SLURM's needs `srun` (how submitit detects a cluster) and `sbatch` (what it
-    submits with). The message names the options of configs/hydra/launcher that run here."""
+    submits with), and the `partition` it names (`hydra.launcher.partition`, a,b for either) must be
+    one that sinfo lists. The message names the options of configs/hydra/launcher that run here."""
     if not remote_launcher(target):
         return
+    check_slurm_commands(choice)
+    if partition is None:
+        return
+    try:
+        listed = subprocess.run(["sinfo", "--noheader", "--format=%R"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return  # the controller does not answer: sbatch will say why
+    partitions = sorted(set(listed.stdout.split()))
+    unknown = [name for name in str(partition).split(",") if name not in partitions]
+    if listed.returncode == 0 and unknown:
+        raise ConfigError(f"hydra.launcher.partition={partition}: this cluster has no partition {', '.join(unknown)} "
+                          f"(sinfo lists {', '.join(partitions) or 'none'})")
+
+
+def check_slurm_commands(choice: str | None) -> None:
+    """ConfigError unless srun and sbatch are on PATH, naming the launchers that work without them."""
     missing = [command for command in ("srun", "sbatch") if shutil.which(command) is None]
     if missing:
         options = sorted((Path(config_dir()) / "hydra" / "launcher").glob("*.yaml"))

@@ -88,3 +88,14 @@ def fails_at_length_4(monkeypatch):
         return real_train(cfg)
 
     monkeypatch.setattr(training, "train", train)  # what the job imports when it runs
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """srun and sbatch on PATH (doing nothing), as on a cluster's login node: SLURM commands are checked as there."""
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir()
+    for command in ("srun", "sbatch"):
+        (bin_dir / command).write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / command).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")

@@ -215,14 +215,8 @@ def test_a_checkpoint_saved_on_a_gpu_loads_on_the_cpu(trained_run, monkeypatch):
 
 
 @pytest.fixture
-def fake_slurm(tmp_path, monkeypatch):
-    """srun and sbatch on PATH (doing nothing), as on a cluster's login node, and no CUDA."""
-    bin_dir = tmp_path / "slurm-bin"
-    bin_dir.mkdir()
-    for command in ("srun", "sbatch"):
-        (bin_dir / command).write_text("#!/bin/sh\nexit 0\n")
-        (bin_dir / command).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+def fake_slurm(fake_slurm, monkeypatch):
+    """conftest's login node (srun and sbatch on PATH), without CUDA."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 

@@ -88,16 +88,6 @@ def check_first_job(overrides: list[str]) -> None:
         compose_grid(overrides, check=first)
 
 
-@pytest.fixture
-def fake_slurm(tmp_path, monkeypatch):
-    """srun and sbatch on PATH, as on a cluster's login node: the SLURM commands are checked as there."""
-    bin_dir = tmp_path / "slurm-bin"
-    bin_dir.mkdir()
-    for command in ("srun", "sbatch"):
-        (bin_dir / command).write_text("#!/bin/sh\nexit 0\n")
-        (bin_dir / command).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-
 
 @pytest.mark.parametrize("where,args", COMMANDS, ids=[where for where, _ in COMMANDS])
 def test_a_documented_command_is_accepted_as_written(where, args, fake_slurm):

@@ -6,7 +6,6 @@ line would refuse fails here, naming the page and line."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from pathlib import Path

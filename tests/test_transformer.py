@@ -83,6 +83,30 @@ def test_a_mixed_length_batch_gives_each_sequence_what_it_gets_alone(model_and_c
             assert weights[i, :, length:].abs().max() == 0  # no weight on padding
 
 
+def test_greedys_cross_attention_on_the_memory_projected_once_is_the_layers_attention_to_the_bit(make_config):
+    """A greedy step's cross-attention, on keys and values of the memory projected once per decode,
+    gives what the layer's Attention (nn.MultiheadAttention, projecting them itself) gives: the same
+    context and weights, bit for bit, on mixed lengths with an empty source."""
+    cfg = make_config("task.length=7", "task.variable_length=true", "task.min_length=2", *SMALL)
+    torch.manual_seed(0)
+    model = trained_a_little(build_model(cfg), cfg)
+    batch = mixed_batch(cfg, size=9)
+    lengths = batch.src_lengths.clone()
+    lengths[4] = 0  # an empty source
+    with torch.no_grad():
+        memory, src_mask = model.encode(batch.src, lengths)
+        heads = model.cross_attentions[0].heads
+        mask_bias = torch.zeros(src_mask.shape).masked_fill(~src_mask, float("-inf")).repeat_interleave(heads, 0)[:, None]
+        for layer, cross_attention in zip(model.transformer.decoder.layers, model.cross_attentions):
+            keys, values = model._project_memory(layer.multihead_attn, memory)
+            for step in range(3):
+                x = torch.randn(len(batch), 1, model.d_model, generator=torch.Generator().manual_seed(step))
+                context, weights = model._cached_cross_attention(layer.multihead_attn, keys, values, mask_bias, ~src_mask.any(-1), x)
+                want_context, want_weights = cross_attention(x, memory, memory, src_mask)
+                assert torch.equal(context, want_context) and torch.equal(weights, want_weights)
+    assert weights[4].abs().max() == 0 and weights[lengths > 0].sum(-1).sub(1).abs().max() < 1e-6
+
+
 def test_the_decoder_is_causal(model_and_config):
     model, cfg = model_and_config
     batch = mixed_batch(cfg)

@@ -23,13 +23,17 @@ tests/test_transformer.py checks every path against torch's own nn.Transformer, 
 
 Greedy decoding caches each decoder layer's self-attention keys and values at the positions decoded
 so far: a step runs only the new position through every layer (the causal mask makes earlier
-positions' outputs independent of later ones, so nothing before is recomputed). docs/bench.md has
-its cost against recomputing the prefix at every step.
+positions' outputs independent of later ones, so nothing before is recomputed). Each layer's
+cross-attention keys and values of the memory are projected once per decode, not once per step,
+by nn.MultiheadAttention's own ops, so the tokens and weights are the module's to the bit.
+docs/bench.md has both caches' costs.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -182,18 +186,14 @@ class TransformerSeq2Seq(nn.Module):
         return layer.linear2(layer.dropout(layer.activation(layer.linear1(x))))
 
     def _decoder_layer(
-        self, layer: nn.TransformerDecoderLayer, x: Tensor, attended: Tensor, memory: Tensor, src_mask: Tensor, cross_attention: Attention | None
+        self, layer: nn.TransformerDecoderLayer, x: Tensor, attended: Tensor, cross_attend: Callable[[Tensor], tuple[Tensor, Tensor | None]]
     ) -> tuple[Tensor, Tensor | None]:
         """nn.TransformerDecoderLayer's forward (post-norm) for the layer inputs `x` (B, T, d), given
-        `attended` (B, T, d), its self-attention's output there: then the cross-attention over
-        `memory`, then the feed-forward block. -> (B, T, d), and with `cross_attention` (the
-        layer's, as Attention) its weights (B, T, T_enc), mean over heads; else (None) the
-        cross-attention without weights, and None."""
+        `attended` (B, T, d), its self-attention's output there: then the cross-attention
+        `cross_attend` (queries (B, T, d) -> context (B, T, d), weights (B, T, T_enc) or None), then
+        the feed-forward block. -> (B, T, d), and the cross-attention's weights."""
         x = layer.norm1(x + layer.dropout1(attended))
-        if cross_attention is None:
-            context, weights = self._attend(layer.multihead_attn, x, memory, src_mask), None
-        else:
-            context, weights = cross_attention(x, memory, memory, src_mask)
+        context, weights = cross_attend(x)
         x = layer.norm2(x + layer.dropout2(context))
         return layer.norm3(x + layer.dropout3(self._feed_forward(layer, x))), weights
 
@@ -206,7 +206,11 @@ class TransformerSeq2Seq(nn.Module):
         x = self._embed(self.tgt_embedding, tgt_in)
         for layer, cross_attention in zip(self.transformer.decoder.layers, self.cross_attentions):
             attended = self._attend(layer.self_attn, x, None, None, causal=True)
-            x, weights = self._decoder_layer(layer, x, attended, memory, src_mask, cross_attention if weighted else None)
+            if weighted:  # the layer's cross-attention as Attention: its weights, and a counterfactual's hook
+                cross_attend = partial(cross_attention, keys=memory, values=memory, mask=src_mask)
+            else:
+                cross_attend = lambda queries: (self._attend(layer.multihead_attn, queries, memory, src_mask), None)  # noqa: E731
+            x, weights = self._decoder_layer(layer, x, attended, cross_attend)
         x = self.transformer.decoder.norm(x)
         return self.out(x), weights
 
@@ -222,10 +226,41 @@ class TransformerSeq2Seq(nn.Module):
         context = F.scaled_dot_product_attention(query, keys[:, :, : t + 1], values[:, :, : t + 1])  # (B, heads, 1, d / heads)
         return attention.out_proj(context.reshape(batch, 1, d))
 
+    @staticmethod
+    def _project_memory(attention: nn.MultiheadAttention, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """A cross-attention's keys and values of `memory` (B, T_enc, d), each (B * heads, T_enc,
+        d / heads), projected as F.multi_head_attention_forward projects them inside
+        nn.MultiheadAttention (sequence first, one product for both, the same layout), so that
+        `_cached_cross_attention` computes the module's numbers to the bit."""
+        d, heads = attention.embed_dim, attention.num_heads
+        projected = F.linear(memory.transpose(0, 1), attention.in_proj_weight[d:], attention.in_proj_bias[d:])  # (T_enc, B, 2d)
+        keys, values = projected.unflatten(-1, (2, d)).permute(2, 0, 1, 3).contiguous()  # each (T_enc, B, d)
+        return tuple(part.view(part.size(0), -1, d // heads).transpose(0, 1) for part in (keys, values))
+
+    @staticmethod
+    def _cached_cross_attention(attention: nn.MultiheadAttention, keys: Tensor, values: Tensor, mask_bias: Tensor, empty: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+        """What the layer's cross-attention as Attention (no counterfactual) computes for step t's
+        queries `x` (B, 1, d), op for op (nn.MultiheadAttention's weighted path, an empty source's
+        zero weights), given the memory's keys and values from `_project_memory`, `mask_bias`
+        (B * heads, 1, T_enc): 0 on real positions, -inf on padding, and `empty` (B,): True where a
+        source has no position at all. -> context (B, 1, d), weights (B, 1, T_enc), mean over heads."""
+        batch, _, d = x.shape
+        heads = attention.num_heads
+        query = F.linear(x.transpose(0, 1), attention.in_proj_weight[:d], attention.in_proj_bias[:d])  # (1, B, d)
+        query = query.view(1, batch * heads, d // heads).transpose(0, 1)  # (B * heads, 1, d / heads)
+        weights = F.softmax(torch.baddbmm(mask_bias, query * math.sqrt(1.0 / (d // heads)), keys.transpose(-2, -1)), dim=-1)
+        context = attention.out_proj(torch.bmm(weights, values).transpose(0, 1).reshape(batch, d))[:, None]  # (B, 1, d)
+        # an empty source: Attention's zero weights and the output projection's bias, where torch gives NaN
+        weights = weights.view(batch, heads, 1, -1).masked_fill(empty[:, None, None, None], 0.0)
+        return torch.where(empty[:, None, None], attention.out_proj.bias, context), weights.mean(1)
+
     @torch.no_grad()
     def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor]:
         """Greedy decoding, each step fed its own previous prediction, with each layer's
-        self-attention keys and values cached: -> tokens (B, steps), weights (B, steps, T_enc)."""
+        self-attention keys and values cached, and its cross-attention's keys and values of the
+        memory projected once: -> tokens (B, steps), weights (B, steps, T_enc). With a
+        counterfactual set, the cross-attention runs through Attention, which projects them at every
+        step (its hook sees the weights there)."""
         if self.longest_source is not None and steps - 1 > self.longest_source:
             raise ValueError(f"learned positions cover sources up to {self.longest_source} symbols, not {steps - 1}")
         memory, src_mask = self.encode(src, src_lengths)
@@ -234,13 +269,24 @@ class TransformerSeq2Seq(nn.Module):
         heads = self.cross_attentions[0].heads
         # per layer: keys and values (B, heads, steps, d / heads), filled one step at a time
         cache = [memory.new_zeros(2, src.size(0), heads, steps, self.d_model // heads) for _ in layers]
+        if any(cross_attention.intervention is not None for _, cross_attention in layers):
+            cross_attends = [partial(cross_attention, keys=memory, values=memory, mask=src_mask) for _, cross_attention in layers]
+        else:
+            # nn.MultiheadAttention's mask as it builds it: 0 or -inf per key, one row per sequence and head
+            mask_bias = memory.new_zeros(src_mask.shape).masked_fill_(~src_mask, float("-inf"))
+            mask_bias = mask_bias[:, None, None, :].expand(-1, heads, -1, -1).reshape(-1, 1, src_mask.size(1))
+            empty = ~src_mask.any(-1)  # (B,)
+            cross_attends = [
+                partial(self._cached_cross_attention, layer.multihead_attn, *self._project_memory(layer.multihead_attn, memory), mask_bias, empty)
+                for layer, _ in layers
+            ]
         outputs, weights = [], []
         for t in range(steps):
             x = self._embed(self.tgt_embedding, tokens, start=t)  # (B, 1, d)
-            for (layer, cross_attention), (keys, values) in zip(layers, cache):
+            for (layer, _), (keys, values), cross_attend in zip(layers, cache, cross_attends):
                 # the newest position attends to every step so far: the causal mask, with nothing to mask
                 attended = self._cached_self_attention(layer.self_attn, x, keys, values, t)
-                x, step_weights = self._decoder_layer(layer, x, attended, memory, src_mask, cross_attention)
+                x, step_weights = self._decoder_layer(layer, x, attended, cross_attend)
             tokens = self.out(self.transformer.decoder.norm(x)).argmax(-1)  # (B, 1)
             outputs.append(tokens)
             weights.append(step_weights)

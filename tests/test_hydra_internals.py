@@ -53,6 +53,7 @@ def test_a_search_space_reads_as_the_optuna_sweeper_reads_it():
     assert not proposes_jobs(basic.hydra) and proposes_jobs(master.hydra)
     # the default grid's keys are fixed by the preset; a fixed value on the command line beats the preset's range
     assert fixed[:3] == ["task.length=20", "attention=none", "seed=0"] and "train.clip=2" in fixed  # in the default grid's key order
-    assert list(searched) == ["train.lr", "train.warmup", "train.batch_size", "model.hidden_size", "model.bidirectional"]
-    assert samples[:3] == ["train.lr=0.001", "train.warmup=0.05", "train.batch_size=32"]  # the command line's interval replaced the preset's
+    # the batch size is not searched: every trial gets the attention models' examples per step
+    assert list(searched) == ["train.lr", "train.warmup", "model.hidden_size", "model.bidirectional"]
+    assert samples[:3] == ["train.lr=0.001", "train.warmup=0.05", "model.hidden_size=32"]  # the command line's interval replaced the preset's
     assert (job.train.lr, job.train.clip, job.model.hidden_size, job.model.bidirectional) == (0.001, 2, 32, True)

@@ -220,17 +220,24 @@ struct Slice {
 
 inline int64_t keys_seen(const Slice& s, int64_t i) { return s.causal ? std::min(i + 1, s.S) : s.S; }
 
-// Rows i0 .. i0 + R - 1 of a slice, forward: q rows (scaled into qs), out rows and their log-sum-exp.
+// Rows i0 .. i0 + R - 1 of a slice: the q rows scaled into qs, their scores into p and each row's
+// largest score into top. -> the keys to sweep (the last row's seen keys, rounded up to a tile).
 template <int R>
-inline void forward_rows(const Slice& s, int64_t i0, ConstRows<R> q, Rows<R> qs, Rows<R> p, Rows<R> out, float* lse) {
+inline int64_t row_scores(const Slice& s, int64_t i0, ConstRows<R> q, Rows<R> qs, Rows<R> p, float (&top)[R]) {
   int64_t n[R];
   for (int r = 0; r < R; ++r) {
     for (int64_t c = 0; c < s.D; ++c) qs[r][c] = s.scale * q[r][c];
     n[r] = keys_seen(s, i0 + r);
   }
-  const int64_t m = round_up(n[R - 1]);
-  float top[R], inverse[R];
   scores<R>(reinterpret_cast<ConstRows<R>>(qs), s.kt, s.bias, s.D, s.Sp, n, p, top);
+  return round_up(n[R - 1]);
+}
+
+// Rows i0 .. i0 + R - 1 of a slice, forward: q rows (scaled into qs), out rows and their log-sum-exp.
+template <int R>
+inline void forward_rows(const Slice& s, int64_t i0, ConstRows<R> q, Rows<R> qs, Rows<R> p, Rows<R> out, float* lse) {
+  float top[R], inverse[R];
+  const int64_t m = row_scores<R>(s, i0, q, qs, p, top);
   for (int r = 0; r < R; ++r) {
     const float sum = weights_in_place(p[r], m, top[r]);
     inverse[r] = sum > 0.f ? 1.f / sum : 0.f;  // no key seen: zero weights, zero output
@@ -244,15 +251,9 @@ inline void forward_rows(const Slice& s, int64_t i0, ConstRows<R> q, Rows<R> qs,
 template <int R>
 inline void backward_rows(const Slice& s, int64_t i0, ConstRows<R> q, ConstRows<R> g, ConstRows<R> o, const float* lse,
                           Rows<R> qs, Rows<R> p, Rows<R> dp, Rows<R> gq, float* gkt, float* gvt) {
-  int64_t n[R];
-  for (int r = 0; r < R; ++r) {
-    for (int64_t c = 0; c < s.D; ++c) qs[r][c] = s.scale * q[r][c];
-    n[r] = keys_seen(s, i0 + r);
-  }
-  const int64_t m = round_up(n[R - 1]);
   float top[R], scale[R];
-  scores<R>(reinterpret_cast<ConstRows<R>>(qs), s.kt, s.bias, s.D, s.Sp, n, p, top);  // the scores again, then
-  for (int r = 0; r < R; ++r) weights_in_place(p[r], m, lse[r]);                       // the weights from the saved lse
+  const int64_t m = row_scores<R>(s, i0, q, qs, p, top);          // the scores again, then
+  for (int r = 0; r < R; ++r) weights_in_place(p[r], m, lse[r]);  // the weights from the saved lse
   products<R>(g, s.vt, s.D, s.Sp, m, dp);  // the weights' gradient: grad_out . v_j
   for (int r = 0; r < R; ++r) {
     float dot = 0.f;  // sum_j p_j dp_j = grad_out . out

@@ -129,7 +129,7 @@ def test_per_length_evaluation_mixes_lengths_with_masks_in_place():
         cfg = compose(config_name="config", overrides=["task.variable_length=true", "task.min_length=2", "task.length=6", "task.vocab_size=4",
                                                          "train.eval_size=16", "train.val_size=16"])  # fmt: skip
     model = tiny_model()
-    batch, notes = analysis.per_length_batch(cfg, trained=set(), per_length=8)
+    batch, notes = analysis.per_length_batch(cfg, seen=set(), per_length=8)
     assert notes == []
     assert not batch.src_mask.all()  # padded: decoding runs through the masks
     table = analysis.per_length_accuracy(model, batch)

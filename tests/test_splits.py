@@ -45,13 +45,14 @@ def test_a_heldout_set_at_a_trained_length_leaves_out_training_and_validation_se
     trained = splits.training_sequences(cfg, cfg.train.steps)
     _, validation, _ = splits.heldout_keys(cfg)
     for length in range(1, 5):
-        batch, available = splits.heldout_at_length(cfg, length, 64, trained)
+        batch, available = splits.heldout_at_length(cfg, length, 64, splits.unscorable(cfg, cfg.train.steps))
         assert set(batch.src_lengths.tolist()) <= {length} and len(batch) == available
         assert not keys(batch) & (trained | keys(validation))
         assert len(keys(batch)) == len(batch)  # at a short length each sequence once
         left = 9**length - len({k for k in trained | keys(validation) if len(k) == 8 * length})
         assert available == min(64, left)
-    with pytest.raises(ValueError, match="training_sequences"):
+    assert splits.unscorable(cfg, cfg.train.steps) == trained | keys(validation)
+    with pytest.raises(ValueError, match="unscorable"):
         splits.heldout_at_length(cfg, 2, 64)
 
 
@@ -63,9 +64,9 @@ def test_the_test_set_is_the_heldout_set_at_a_fixed_length_runs_own_length(make_
 
 def test_the_per_length_set_holds_no_trained_sequence_and_names_the_short_lengths(make_config):
     cfg = make_config(*VARIABLE)
-    trained = splits.training_sequences(cfg, cfg.train.steps)
-    batch, notes = analysis.per_length_batch(cfg, trained, per_length=16)
-    assert not keys(batch) & trained
+    seen = splits.unscorable(cfg, cfg.train.steps)
+    batch, notes = analysis.per_length_batch(cfg, seen, per_length=16)
+    assert not keys(batch) & seen
     assert batch.src_lengths.tolist() != sorted(batch.src_lengths.tolist())  # shuffled: every chunk mixes lengths
     assert len(notes) == 1 and "of the 9 sequences of length 1" in notes[0]  # only length 1 has fewer than 16 left
 

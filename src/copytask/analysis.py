@@ -44,7 +44,7 @@ from . import store
 from .attention import Attention, Intervention
 from .data import Batch, copied_positions
 from .evaluation import Model, evaluate, load_run, output_mask, rounded, sequence_scores
-from .splits import heldout_at_length, test_batch, training_length_mix, training_sequences
+from .splits import heldout_at_length, test_batch, training_length_mix, unscorable
 from .devices import resolve_device, run_settings
 from .training import torch_threads
 
@@ -160,11 +160,11 @@ def heldout_batch(cfg: DictConfig, eval_size: int | None) -> Batch:
 
 
 def length_generalisation(
-    model: Model, cfg: DictConfig, lengths: list[int], eval_size: int | None = None, trained: set[bytes] | None = None
+    model: Model, cfg: DictConfig, lengths: list[int], eval_size: int | None = None, seen: set[bytes] | None = None
 ) -> list[dict]:
     """Greedy accuracy at each test length on `eval_size` (None: train.eval_size) held-out sequences of
-    that length (`splits.heldout_at_length`; `trained`: the run's training sequences, needed at a
-    length it trains at). Each row says how many sequences it was `scored` on; a length with fewer
+    that length (`splits.heldout_at_length`; `seen`: the run's `splits.unscorable` sequences, needed
+    at a length it trains at). Each row says how many sequences it was `scored` on; a length with fewer
     held-out sequences than asked gets a `note`, one with none no accuracy (None). A model with
     learned positions is not defined past its table: such a length gets no accuracy and a note
     saying why, never a number from positions it does not have."""
@@ -175,7 +175,7 @@ def length_generalisation(
             note = f"not defined: the learned position table covers lengths up to {longest} (model.max_length)"
             rows.append({"test_length": length, "token_acc": None, "seq_acc": None, "scored": 0, "note": note})
             continue
-        batch, available = heldout_at_length(cfg, length, size, trained)
+        batch, available = heldout_at_length(cfg, length, size, seen)
         row = {"test_length": length, "token_acc": None, "seq_acc": None, "scored": available}
         if available < size:
             row["note"] = held_out_note(length, available, size, cfg.task.vocab_size)
@@ -207,14 +207,14 @@ def accuracy_by_length(batch: Batch, tokens: Tensor) -> pd.DataFrame:
     return table.reset_index()[["length", "count", "token_acc", "seq_acc"]]
 
 
-def per_length_batch(cfg: DictConfig, trained: set[bytes], per_length: int = PER_LENGTH_SIZE) -> tuple[Batch, list[str]]:
+def per_length_batch(cfg: DictConfig, seen: set[bytes], per_length: int = PER_LENGTH_SIZE) -> tuple[Batch, list[str]]:
     """A mixed-length held-out set for a variable-length run: up to `per_length` held-out sequences
-    of each length in [min_length, length] (`splits.heldout_at_length`; `trained`: the run's training
-    sequences), padded to `length` and shuffled, so every decoding chunk mixes lengths and runs
+    of each length in [min_length, length] (`splits.heldout_at_length`; `seen`: the run's
+    `splits.unscorable` sequences), padded to `length` and shuffled, so every decoding chunk mixes lengths and runs
     through the masks as in training. -> the batch and a note for each length with fewer."""
     task, parts, notes = cfg.task, [], []
     for length in range(task.min_length, task.length + 1):
-        batch, available = heldout_at_length(cfg, length, per_length, trained)
+        batch, available = heldout_at_length(cfg, length, per_length, seen)
         if available < per_length:
             notes.append(held_out_note(length, available, per_length, task.vocab_size))
         if available:
@@ -239,8 +239,8 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, 
     model, cfg = load_run(folder, device)
     device = next(model.parameters()).device
     task = cfg.task
-    # the sequences its training drew, replayed, where an evaluation set could hold some
-    trained = training_sequences(cfg, store.read_json(folder / store.METRICS)["steps"]) if task.variable_length else None
+    # what its training drew (replayed) and its validation set, where an evaluation set could hold some
+    seen = unscorable(cfg, store.read_json(folder / store.METRICS)["steps"]) if task.variable_length else None
     analysis = {
         "run": folder.name,
         "attention": store.model_label(cfg),
@@ -250,10 +250,10 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, 
         "seed": cfg.seed,
         "eval_size": eval_size,
         "device": device.type,
-        "length_generalisation": length_generalisation(model, cfg, lengths, eval_size, trained),
+        "length_generalisation": length_generalisation(model, cfg, lengths, eval_size, seen),
     }
     if task.variable_length:
-        batch, notes = per_length_batch(cfg, trained)
+        batch, notes = per_length_batch(cfg, seen)
         per_length = per_length_accuracy(model, batch).rename(columns={"length": "test_length"})
         analysis["per_length"] = per_length.to_dict("records")
         analysis["per_length_notes"] = notes

@@ -6,7 +6,7 @@ stopping, the search's objective); every reported number comes from the test set
 
 The analysis scores at other lengths too (`heldout_at_length`): on sequences of one length that the
 run's training never drew (replayed from its seed: `training_sequences`) and that are not in its
-validation set. Where a length has fewer such sequences than asked, the set holds each of them
+validation set (together: `unscorable`). Where a length has fewer such sequences than asked, the set holds each of them
 once, and says so.
 
 A sequence is identified by its symbols up to its length (`sequence_keys`), so a length-3 source
@@ -99,6 +99,12 @@ def training_sequences(cfg: DictConfig, steps: int) -> set[bytes]:
     return seen
 
 
+def unscorable(cfg: DictConfig, steps: int) -> set[bytes]:
+    """What no evaluation set of the run may hold: every sequence its first `steps` training batches
+    drew (`training_sequences`) and its validation set."""
+    return training_sequences(cfg, steps) | set(sequence_keys(validation_batch(cfg)))
+
+
 def at_length(cfg: DictConfig, length: int) -> DictConfig:
     """`cfg` with every sequence exactly `length` symbols long."""
     return OmegaConf.merge(cfg, {"task": {"length": length, "variable_length": False}})
@@ -110,10 +116,10 @@ def trains_at(cfg: DictConfig, length: int) -> bool:
     return task.min_length <= length <= task.length if task.variable_length else length == task.length
 
 
-def heldout_at_length(cfg: DictConfig, length: int, size: int, trained: set[bytes] | None = None) -> tuple[Batch, int]:
+def heldout_at_length(cfg: DictConfig, length: int, size: int, seen: set[bytes] | None = None) -> tuple[Batch, int]:
     """Up to `size` sequences of exactly `length` symbols that the run never trained on and that are
     not in its validation set, and how many such sequences there are at most (`size` where there
-    are plenty). `trained`: `training_sequences` of the run, needed where it trains at `length`.
+    are plenty). `seen`: the run's `unscorable` sequences, needed where it trains at `length`.
 
     At the trained length of a fixed-length run this is the test set itself. Elsewhere the sequences
     come from the test seed: where a length has at most ENUMERATED sequences they are listed and
@@ -122,10 +128,12 @@ def heldout_at_length(cfg: DictConfig, length: int, size: int, trained: set[byte
     task = cfg.task
     if not task.variable_length and length == task.length:
         return test_batch(cfg).select(slice(0, size)), size
-    if trains_at(cfg, length) and trained is None:
-        raise ValueError(f"length {length} is a trained length of the run: give its training_sequences")
-    _, validation, _ = heldout_keys(cfg)
-    excluded = set(sequence_keys(validation)) | (trained if trains_at(cfg, length) else set())
+    if not trains_at(cfg, length):  # no training batch and no validation sequence has this length
+        excluded = set()
+    elif seen is None:
+        raise ValueError(f"length {length} is a trained length of the run: give its unscorable sequences")
+    else:
+        excluded = seen
     fixed = at_length(cfg, length)
     generator = torch.Generator().manual_seed(cfg.train.eval_seed)
     if task.vocab_size**length > ENUMERATED:

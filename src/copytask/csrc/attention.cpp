@@ -53,19 +53,18 @@ inline float sum_of(f8 v) {
   return total;
 }
 
-// exp(x) as 2^n p(r), x = n ln 2 + r, |r| <= ln 2 / 2, p Cephes' expf polynomial: within about 1 ulp
-// near 0 (the weights that matter), the error growing with |x| to about 1e-6 relative at x = -20,
-// where a weight is below 1e-8. Below -87.3 (float's exp leaves the normal numbers) it gives 0,
-// so -inf (a masked key) gives exactly 0; NaN stays NaN.
+// exp(x) for x <= 0 (a score less its row's largest, or less its row's log-sum-exp), as 2^n p(r),
+// x = n ln 2 + r, |r| <= ln 2 / 2, p Cephes' expf polynomial: within about 1 ulp near 0 (the weights
+// that matter), the error growing with |x| to about 1e-6 relative at x = -20, where a weight is
+// below 1e-8. Below -87.3 (float's exp leaves the normal numbers) it gives 0, so -inf (a masked key)
+// gives exactly 0; NaN stays NaN (r and so p are NaN).
 inline f8 exp_(f8 x) {
-  const f8 lowest = splat(-87.33654475f), highest = splat(88.f);
-  f8 c = x < lowest ? lowest : x;
-  c = c > highest ? highest : c;
-  const f8 t = c * 1.44269504088896341f + 0.5f;
+  const f8 lowest = splat(-87.33654475f);
+  const f8 t = x * 1.44269504088896341f + 0.5f;
   i8 n = __builtin_convertvector(t, i8);  // toward zero, then down where that rounded up: floor(t)
   n += __builtin_convertvector(n, f8) > t;
   const f8 nf = __builtin_convertvector(n, f8);
-  const f8 r = c - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln 2 in two parts, the first exact in float
+  const f8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln 2 in two parts, the first exact in float
   f8 p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -73,9 +72,8 @@ inline f8 exp_(f8 x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const f8 y = p * (f8)((n + 127) << 23);  // 2^n from its exponent bits: n in [-126, 127]
-  const f8 zero = f8{};
-  return x == x ? (x < lowest ? zero : y) : x;
+  const f8 y = p * (f8)((n + 127) << 23);  // 2^n from its exponent bits: n in [-126, 0]
+  return x < lowest ? f8{} : y;
 }
 
 // The row functions below take R query rows at once (BLOCK of them, then one at a time), so that each
@@ -155,20 +153,19 @@ inline void add_outer(ConstRows<R> x, ConstRows<R> a, int64_t D, int64_t stride,
   }
 }
 
-// A row of m scores (-inf past its keys) -> its weights exp(score - shift) in place, zero past its
-// keys; a row that sees no key (shift -inf) gets zeros. -> the weights' sum.
-inline float weights_in_place(float* __restrict p, int64_t m, float shift) {
-  if (shift == NEG_INF) {
-    std::fill(p, p + m, 0.f);
-    return 0.f;
-  }
-  f8 sum = {};
+// R rows of m scores (-inf past their keys) -> their weights exp(score - shift[r]) in place, zero
+// past their keys, a tile of every row at a time (R independent chains of exp's multiply-adds); a
+// row that sees no key (shift -inf) gets zeros. -> sum[r], each row's sum of weights.
+template <int R>
+inline void weights_rows(Rows<R> p, int64_t m, const float (&shift)[R], float (&sum)[R]) {
+  f8 total[R] = {}, by[R];
+  for (int r = 0; r < R; ++r) by[r] = splat(shift[r] == NEG_INF ? 0.f : shift[r]);
   for (int64_t j = 0; j < m; j += W) {
-    const f8 w = exp_(load(p + j) - shift);
-    store(p + j, w);
-    sum += w;
+    f8 w[R];
+    for (int r = 0; r < R; ++r) w[r] = exp_(load(p[r] + j) - by[r]);
+    for (int r = 0; r < R; ++r) store(p[r] + j, w[r]), total[r] += w[r];
   }
-  return sum_of(sum);
+  for (int r = 0; r < R; ++r) sum[r] = sum_of(total[r]);
 }
 
 // Head h of sequence b of x (B, S, H * D, rows `row_stride` apart) into out (D, stride) transposed,
@@ -238,8 +235,10 @@ template <int R>
 inline void forward_rows(const Slice& s, int64_t i0, ConstRows<R> q, Rows<R> qs, Rows<R> p, Rows<R> out, float* lse) {
   float top[R], inverse[R];
   const int64_t m = row_scores<R>(s, i0, q, qs, p, top);
+  float sums[R];
+  weights_rows<R>(p, m, top, sums);
   for (int r = 0; r < R; ++r) {
-    const float sum = weights_in_place(p[r], m, top[r]);
+    const float sum = sums[r];
     inverse[r] = sum > 0.f ? 1.f / sum : 0.f;  // no key seen: zero weights, zero output
     lse[r] = top[r] == NEG_INF ? NEG_INF : top[r] + std::log(sum);
   }
@@ -253,7 +252,9 @@ inline void backward_rows(const Slice& s, int64_t i0, ConstRows<R> q, ConstRows<
                           Rows<R> qs, Rows<R> p, Rows<R> dp, Rows<R> gq, float* gkt, float* gvt) {
   float top[R], scale[R];
   const int64_t m = row_scores<R>(s, i0, q, qs, p, top);          // the scores again, then
-  for (int r = 0; r < R; ++r) weights_in_place(p[r], m, lse[r]);  // the weights from the saved lse
+  float shift[R], sums[R];
+  std::copy(lse, lse + R, shift);
+  weights_rows<R>(p, m, shift, sums);  // the weights from the saved lse (their sums are 1)
   products<R>(g, s.vt, s.D, s.Sp, m, dp);  // the weights' gradient: grad_out . v_j
   for (int r = 0; r < R; ++r) {
     float dot = 0.f;  // sum_j p_j dp_j = grad_out . out

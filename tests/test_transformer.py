@@ -177,29 +177,34 @@ def test_every_path_computes_what_torchs_own_transformer_computes(make_config, f
 
 @pytest.mark.parametrize("heads, d", [(4, 32), (2, 8), (3, 18), (1, 5)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_attention_kernel_computes_torchs_batched_products(heads, d, causal):
-    """kernels.attention against transformer.scaled_dot_product: outputs and the gradients of q, k
-    and v, on strided slices of one fused projection (as the model passes them), ragged key masks
-    with an empty row, and key counts that are not a whole tile of 8."""
+@pytest.mark.parametrize("cross", [False, True])
+def test_the_attention_kernel_computes_torchs_batched_products(heads, d, causal, cross):
+    """kernels.attention against transformer.scaled_dot_product: outputs and the gradients of the
+    packed projections the model passes it (q | k | v of a self-attention; q, and k | v of a
+    cross-attention over a source of another length), ragged key masks with an empty row, and key
+    counts that are not a whole tile of 8."""
     if kernels.kernel() is None:
         pytest.skip("the fused kernels are not built on this machine")
     torch.manual_seed(0)
-    batch, steps = 4, 11
-    fused = torch.randn(batch, steps, 3 * d, requires_grad=True)
-    q, k, v = fused.chunk(3, -1)
-    key_mask = None if causal else length_mask(torch.tensor([11, 3, 0, 9]), steps)
+    batch, steps, source = 4, 11, (13 if cross else 11)
+    x = torch.randn(batch, steps, d if cross else 3 * d, requires_grad=True)
+    kv = torch.randn(batch, source, 2 * d, requires_grad=True) if cross else None
+    q, k, v = (x, *kv.chunk(2, -1)) if cross else x.chunk(3, -1)
+    key_mask = None if causal else length_mask(torch.tensor([source, 3, 0, 9]), source)
     grad = torch.randn(batch, steps, d)
     results = []
-    for attend in (kernels.attention, scaled_dot_product):
-        out = attend(q, k, v, heads, key_mask, causal)
+    for attend in (lambda: kernels.attention(x, kv, heads, key_mask, causal), lambda: scaled_dot_product(q, k, v, heads, key_mask, causal)):
+        out = attend()
         (out * grad).sum().backward()
-        results.append((out.detach(), fused.grad.clone()))
-        fused.grad = None
-    (out, grads), (want, want_grads) = results
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(grads, want_grads, atol=1e-5, rtol=1e-4)
+        leaves = [t for t in (x, kv) if t is not None]
+        results.append((out.detach(), *(t.grad.clone() for t in leaves)))
+        for t in leaves:
+            t.grad = None
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    out, *grads = results[0]
     if key_mask is not None:  # the empty source: zero output and no gradient, not NaN
-        assert out[2].abs().max() == 0 and grads[2].abs().max() == 0
+        assert out[2].abs().max() == 0 and all(grad[2].abs().max() == 0 for grad in grads)
 
 
 @pytest.mark.parametrize("overrides", [SMALL, [*SMALL, "model.positions=learned", "model.max_length=30"], ["model=transformer"]])

@@ -285,64 +285,61 @@ def _bahdanau_backward(ctx, grad_states, grad_contexts, grad_weights, *_grad_sav
 
 bahdanau_forward.register_autograd(_bahdanau_backward, setup_context=_bahdanau_setup)
 
-def _features_contiguous(t: Tensor) -> Tensor:
-    """t itself where its last dimension is contiguous (a slice of a fused projection is), else a contiguous copy."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 @torch.library.custom_op("copytask::attention_forward", mutates_args=())
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, heads: int, causal: bool) -> tuple[Tensor, Tensor]:
-    """q (B, T, d), k and v (B, S, d), `heads` heads of d / heads features each, mask (B, S) float
-    (1 real, 0 padding) or empty, causal: query i sees keys j <= i -> out (B, T, d), the heads'
-    outputs side by side, and, saved for the backward pass (no gradient flows back through it),
-    each query row's log-sum-exp of its scores (B, heads, T)."""
-    q, k, v = (_features_contiguous(t) for t in (q, k, v))
-    return tuple(_library().attention_forward(q, k, v, mask.contiguous(), heads, causal))
+def attention_forward(x: Tensor, kv: Tensor, mask: Tensor, heads: int, causal: bool) -> tuple[Tensor, Tensor]:
+    """The projections as the model makes them: a self-attention's x (B, T, 3d) holds q | k | v and
+    kv is absent (empty, not 3-d); a cross-attention's x (B, T, d) is q and kv (B, S, 2d) holds k | v.
+    `heads` heads of d / heads features each, mask (B, S) float (1 real, 0 padding) or empty,
+    causal: query i sees keys j <= i -> out (B, T, d), the heads' outputs side by side, and, saved
+    for the backward pass (no gradient flows back through it), each query row's log-sum-exp of its
+    scores (B, heads, T)."""
+    return tuple(_library().attention_forward(x.contiguous(), kv.contiguous(), mask.contiguous(), heads, causal))
 
 
 @attention_forward.register_fake
-def _(q, k, v, mask, heads, causal):
-    batch, steps, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty(batch, heads, steps)
+def _(x, kv, mask, heads, causal):
+    batch, steps, features = x.shape
+    return x.new_empty(batch, steps, features if kv.dim() == 3 else features // 3), x.new_empty(batch, heads, steps)
 
 
 @torch.library.custom_op("copytask::attention_backward", mutates_args=())
 def attention_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor, heads: int, causal: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """-> gradients of q (B, T, d), k and v (B, S, d)."""
-    q, k, v = (_features_contiguous(t) for t in (q, k, v))
-    tensors = (grad_out, out, lse, mask)
-    grad_out, out, lse, mask = (t.contiguous() for t in tensors)
-    return tuple(_library().attention_backward(grad_out, q, k, v, out, lse, mask, heads, causal))
+    grad_out: Tensor, x: Tensor, kv: Tensor, out: Tensor, lse: Tensor, mask: Tensor, heads: int, causal: bool
+) -> tuple[Tensor, Tensor]:
+    """-> the gradients of x and of kv, packed as they are (kv's empty where kv is absent)."""
+    tensors = (grad_out, x, kv, out, lse, mask)
+    return tuple(_library().attention_backward(*(t.contiguous() for t in tensors), heads, causal))
 
 
 @attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, mask, heads, causal):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(grad_out, x, kv, out, lse, mask, heads, causal):
+    return x.new_empty(x.shape), kv.new_empty(kv.shape if kv.dim() == 3 else (0,))
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, mask, heads, causal = inputs
-    ctx.save_for_backward(q, k, v, mask, *output)
+    x, kv, mask, heads, causal = inputs
+    ctx.save_for_backward(x, kv, mask, *output)
     ctx.heads, ctx.causal = heads, causal
     ctx.set_materialize_grads(False)
 
 
 def _attention_backward(ctx, grad_out, _grad_lse):
-    q, k, v, mask, out, lse = ctx.saved_tensors
-    return *attention_backward(grad_out, q, k, v, out, lse, mask, ctx.heads, ctx.causal), None, None, None
+    x, kv, mask, out, lse = ctx.saved_tensors
+    grad_x, grad_kv = attention_backward(grad_out, x, kv, out, lse, mask, ctx.heads, ctx.causal)
+    return grad_x, grad_kv if kv.dim() == 3 else None, None, None, None
 
 
 attention_forward.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, heads: int, key_mask: Tensor | None, causal: bool) -> Tensor:
-    """softmax(q_h k_h^T / sqrt(d / heads) + masks) v_h for each head h, in the kernel: q (B, T, d),
-    k and v (B, S, d), key_mask (B, S) bool, True on real keys, or None -> (B, T, d), the heads side
-    by side. A query that sees no key gets a zero output."""
-    mask = q.new_empty(0) if key_mask is None else padding(key_mask)
-    return attention_forward(q, k, v, mask, heads, causal)[0]
+def attention(x: Tensor, kv: Tensor | None, heads: int, key_mask: Tensor | None, causal: bool) -> Tensor:
+    """softmax(q_h k_h^T / sqrt(d / heads) + masks) v_h for each head h, in the kernel, on the
+    projections as one product makes them: x (B, T, 3d) = q | k | v with kv None (a self-attention),
+    or x (B, T, d) = q and kv (B, S, 2d) = k | v; key_mask (B, S) bool, True on real keys, or None
+    -> (B, T, d), the heads side by side. A query that sees no key gets a zero output. The
+    gradients come back packed as x and kv are, with no concatenation after the kernel."""
+    mask = x.new_empty(0) if key_mask is None else padding(key_mask)
+    return attention_forward(x, x.new_empty(0) if kv is None else kv, mask, heads, causal)[0]
 
 
 for _op in (gru_backward, additive_backward, bahdanau_backward, attention_backward):

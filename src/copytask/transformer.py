@@ -168,16 +168,16 @@ class TransformerSeq2Seq(nn.Module):
         `memory` (B, S, d), or over `x` itself (None: self-attention, one product for the query, key
         and value projections); key_mask (B, S) True on real keys, or None -> (B, T, d)."""
         d = x.size(-1)
-        if memory is None:
-            q, k, v = F.linear(x, attention.in_proj_weight, attention.in_proj_bias).chunk(3, -1)
-        else:
+        if memory is None:  # q | k | v (B, T, 3d)
+            queries, keys_values = F.linear(x, attention.in_proj_weight, attention.in_proj_bias), None
+        else:  # q (B, T, d), and k | v (B, S, 2d)
             (w_q, w_kv), (b_q, b_kv) = attention.in_proj_weight.split([d, 2 * d]), attention.in_proj_bias.split([d, 2 * d])
-            q = F.linear(x, w_q, b_q)
-            k, v = F.linear(memory, w_kv, b_kv).chunk(2, -1)
+            queries, keys_values = F.linear(x, w_q, b_q), F.linear(memory, w_kv, b_kv)
         dropout = attention.dropout if self.training else 0.0
-        if self.fused and not dropout and kernels.usable(q):
-            context = kernels.attention(q, k, v, attention.num_heads, key_mask, causal)
+        if self.fused and not dropout and kernels.usable(queries):
+            context = kernels.attention(queries, keys_values, attention.num_heads, key_mask, causal)
         else:
+            q, k, v = queries.chunk(3, -1) if keys_values is None else (queries, *keys_values.chunk(2, -1))
             context = scaled_dot_product(q, k, v, attention.num_heads, key_mask, causal, dropout)
         return attention.out_proj(context)
 

@@ -9,16 +9,19 @@
 // output are computed in one pass over them. The backward pass recomputes each row's weights
 // from the saved log-sum-exp (as flash attention does) instead of keeping the weights.
 //
-// Shapes: B sequences, T queries, S keys, H heads of size D (features H * D, head h at columns
-// h * D .. h * D + D - 1, as nn.MultiheadAttention splits them). q (B, T, H * D), k and v
-// (B, S, H * D) may be strided in their first two dimensions (slices of a fused projection), their
-// features must be contiguous. mask (B, S) float (1 real, 0 padding) or empty (nothing padded);
+// Shapes: B sequences, T queries, S keys, H heads of size D (features F = H * D, head h at columns
+// h * D .. h * D + D - 1, as nn.MultiheadAttention splits them). The inputs are the projections as
+// the model makes them: a self-attention's x (B, T, 3F) holds q | k | v side by side (one product
+// for all three) and kv is absent (not 3-d); a cross-attention's x (B, T, F) is q and kv (B, S, 2F)
+// holds k | v. The backward pass writes the gradients in the same packing, so that no
+// concatenation follows it. mask (B, S) float (1 real, 0 padding) or empty (nothing padded);
 // causal: query i sees keys j <= i only. A query with no key to see gets zero weights and a
 // zero output (as attention.masked_softmax gives), not torch's NaN.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -190,16 +193,24 @@ struct Sizes {
   int64_t B, T, S, H, D;
 };
 
-Sizes check(const char* kernel, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, int64_t heads) {
-  for (const Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->stride(2) == 1, kernel,
-                " expects float32 CPU tensors of 3 dimensions with contiguous features, got one of shape ", t->sizes(),
-                " and strides ", t->strides(), ", ", t->scalar_type(), ", on ", t->device());
+// q, k and v inside the packed x and kv (see the top of this file): views, no copies.
+std::array<Tensor, 3> unpack(const char* kernel, const Tensor& x, const Tensor& kv) {
+  check_inputs(kernel, {&x, &kv});
+  check_dim(kernel, "x", x, 3);
+  if (kv.dim() != 3) {
+    TORCH_CHECK(x.size(2) % 3 == 0, kernel, ": a self-attention's x holds q, k and v, got ", x.size(2), " features");
+    const int64_t F = x.size(2) / 3;
+    return {x.narrow(2, 0, F), x.narrow(2, F, F), x.narrow(2, 2 * F, F)};
+  }
+  const int64_t F = x.size(2);
+  check_shape(kernel, "kv", kv, {x.size(0), kv.size(1), 2 * F});
+  return {x, kv.narrow(2, 0, F), kv.narrow(2, F, F)};
+}
+
+Sizes check(const char* kernel, const Tensor& q, const Tensor& k, const Tensor& mask, int64_t heads) {
   check_inputs(kernel, {&mask});
   const int64_t B = q.size(0), T = q.size(1), S = k.size(1), features = q.size(2);
   TORCH_CHECK(heads >= 1 && features % heads == 0, kernel, ": ", heads, " heads do not divide ", features, " features");
-  check_shape(kernel, "k", k, {B, S, features});
-  check_shape(kernel, "v", v, {B, S, features});
   check_shape_or_empty(kernel, "mask", mask, {B, S});
   return {B, T, S, heads, features / heads};
 }
@@ -270,13 +281,14 @@ inline void backward_rows(const Slice& s, int64_t i0, ConstRows<R> q, ConstRows<
 constexpr int BLOCK = 4;  // query rows at a time: 15% faster than 2 at length 80, 8 no faster than 4
 
 // -> out (B, T, H * D), lse (B, H, T): each query row's log-sum-exp of its scores (-inf where it sees no key).
-std::vector<Tensor> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, int64_t heads,
-                                      bool causal) {
-  const auto [B, T, S, H, D] = check("attention_forward", q, k, v, mask, heads);
+std::vector<Tensor> attention_forward(const Tensor& x, const Tensor& kv, const Tensor& mask, int64_t heads, bool causal) {
+  const auto [q, k, v] = unpack("attention_forward", x, kv);
+  const auto [B, T, S, H, D] = check("attention_forward", q, k, mask, heads);
   auto out = at::empty({B, T, H * D}, q.options());
   auto lse = at::empty({B, H, T}, q.options());
   const int64_t Sp = round_up(S);
   const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>(), *v_p = v.data_ptr<float>();
+  const int64_t q_stride[2] = {q.stride(0), q.stride(1)};  // read once: Tensor::stride checks its argument
   const float* mask_p = mask.numel() > 0 ? mask.data_ptr<float>() : nullptr;
   float *out_p = out.data_ptr<float>(), *lse_p = lse.data_ptr<float>();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
@@ -291,7 +303,7 @@ std::vector<Tensor> attention_forward(const Tensor& q, const Tensor& k, const Te
       gather_transposed(k_p, k.stride(0), k.stride(1), b, h, S, D, Sp, kt);
       gather_transposed(v_p, v.stride(0), v.stride(1), b, h, S, D, Sp, vt);
       key_bias(mask_p, b, S, Sp, bias);
-      const auto q_row = [&](int64_t i) { return q_p + b * q.stride(0) + i * q.stride(1) + h * D; };
+      const auto q_row = [&](int64_t i) { return q_p + b * q_stride[0] + i * q_stride[1] + h * D; };
       const auto out_row = [&](int64_t i) { return out_p + (b * T + i) * H * D + h * D; };
       int64_t i = 0;
       for (; i + BLOCK <= T; i += BLOCK) {
@@ -312,23 +324,25 @@ std::vector<Tensor> attention_forward(const Tensor& q, const Tensor& k, const Te
   return {out, lse};
 }
 
-// grad_out (B, T, H * D), the forward's q, k, v, mask, out and lse -> gradients of q (B, T, H * D),
-// k and v (B, S, H * D).
-std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                                       const Tensor& out, const Tensor& lse, const Tensor& mask, int64_t heads, bool causal) {
-  const auto [B, T, S, H, D] = check("attention_backward", q, k, v, mask, heads);
+// grad_out (B, T, H * D), the forward's x, kv, mask, out and lse -> the gradients of x and kv, packed
+// as they are (kv's absent where kv is).
+std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& x, const Tensor& kv, const Tensor& out,
+                                       const Tensor& lse, const Tensor& mask, int64_t heads, bool causal) {
+  const auto [q, k, v] = unpack("attention_backward", x, kv);
+  const auto [B, T, S, H, D] = check("attention_backward", q, k, mask, heads);
   check_inputs("attention_backward", {&grad_out, &out, &lse});
   check_shape("attention_backward", "grad_out", grad_out, {B, T, H * D});
   check_shape("attention_backward", "out", out, {B, T, H * D});
   check_shape("attention_backward", "lse", lse, {B, H, T});
-  auto grad_q = at::empty({B, T, H * D}, q.options());
-  auto grad_k = at::empty({B, S, H * D}, q.options());
-  auto grad_v = at::empty({B, S, H * D}, q.options());
+  auto grad_x = at::empty_like(x), grad_kv = kv.dim() == 3 ? at::empty_like(kv) : at::empty({0}, x.options());
+  const auto [grad_q, grad_k, grad_v] = unpack("attention_backward", grad_x, grad_kv);
   const int64_t Sp = round_up(S);
   const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>(), *v_p = v.data_ptr<float>();
+  const int64_t q_stride[2] = {q.stride(0), q.stride(1)};  // read once: Tensor::stride checks its argument
   const float *g_p = grad_out.data_ptr<float>(), *out_p = out.data_ptr<float>(), *lse_p = lse.data_ptr<float>();
   const float* mask_p = mask.numel() > 0 ? mask.data_ptr<float>() : nullptr;
   float *gq_p = grad_q.data_ptr<float>(), *gk_p = grad_k.data_ptr<float>(), *gv_p = grad_v.data_ptr<float>();
+  const int64_t gq_stride[2] = {grad_q.stride(0), grad_q.stride(1)}, gkv_stride[2] = {grad_k.stride(0), grad_k.stride(1)};
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(4 * D * Sp + Sp + BLOCK * (2 * Sp + D));
     float *kt = buffer.data(), *vt = kt + D * Sp, *gkt = vt + D * Sp, *gvt = gkt + D * Sp, *bias = gvt + D * Sp;
@@ -341,31 +355,30 @@ std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& q, 
       gather_transposed(v_p, v.stride(0), v.stride(1), b, h, S, D, Sp, vt);
       key_bias(mask_p, b, S, Sp, bias);
       std::fill(gkt, gkt + 2 * D * Sp, 0.f);  // gkt and gvt
-      const auto q_row = [&](int64_t i) { return q_p + b * q.stride(0) + i * q.stride(1) + h * D; };
+      const auto q_row = [&](int64_t i) { return q_p + b * q_stride[0] + i * q_stride[1] + h * D; };
       const auto at_row = [&](int64_t i) { return (b * T + i) * H * D + h * D; };
+      const auto gq_row = [&](int64_t i) { return gq_p + b * gq_stride[0] + i * gq_stride[1] + h * D; };
       int64_t i = 0;
       for (; i + BLOCK <= T; i += BLOCK) {
         const float *qr[BLOCK], *gr[BLOCK], *orow[BLOCK];
         float* gqr[BLOCK];
         for (int r = 0; r < BLOCK; ++r)
-          qr[r] = q_row(i + r), gr[r] = g_p + at_row(i + r), orow[r] = out_p + at_row(i + r), gqr[r] = gq_p + at_row(i + r);
+          qr[r] = q_row(i + r), gr[r] = g_p + at_row(i + r), orow[r] = out_p + at_row(i + r), gqr[r] = gq_row(i + r);
         backward_rows<BLOCK>(slice_, i, qr, gr, orow, lse_p + slice * T + i, qs, p, dp, gqr, gkt, gvt);
       }
       for (; i < T; ++i) {
         const float* qr[1] = {q_row(i)};
         const float* gr[1] = {g_p + at_row(i)};
         const float* orow[1] = {out_p + at_row(i)};
-        float* gqr[1] = {gq_p + at_row(i)};
+        float* gqr[1] = {gq_row(i)};
         float *qs1[1] = {qs[0]}, *p1[1] = {p[0]}, *dp1[1] = {dp[0]};
         backward_rows<1>(slice_, i, qr, gr, orow, lse_p + slice * T + i, qs1, p1, dp1, gqr, gkt, gvt);
       }
-      for (int64_t j = 0; j < S; ++j)
-        for (int64_t c = 0; c < D; ++c) {
-          const int64_t at = (b * S + j) * H * D + h * D + c;
-          gk_p[at] = gkt[c * Sp + j];
-          gv_p[at] = gvt[c * Sp + j];
-        }
+      for (int64_t j = 0; j < S; ++j) {
+        float *gk_row = gk_p + b * gkv_stride[0] + j * gkv_stride[1] + h * D, *gv_row = gv_p + b * gkv_stride[0] + j * gkv_stride[1] + h * D;
+        for (int64_t c = 0; c < D; ++c) gk_row[c] = gkt[c * Sp + j], gv_row[c] = gvt[c * Sp + j];
+      }
     }
   });
-  return {grad_q, grad_k, grad_v};
+  return {grad_x, grad_kv};
 }

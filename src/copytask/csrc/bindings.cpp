@@ -20,10 +20,9 @@ std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& g
                                       const Tensor& inputs, const Tensor& gates, const Tensor& before,
                                       const Tensor& values, const Tensor& w_q, const Tensor& v,
                                       const Tensor& w_ih, const Tensor& w_hh);
-std::vector<Tensor> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, int64_t heads,
-                                      bool causal);
-std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                                       const Tensor& out, const Tensor& lse, const Tensor& mask, int64_t heads, bool causal);
+std::vector<Tensor> attention_forward(const Tensor& x, const Tensor& kv, const Tensor& mask, int64_t heads, bool causal);
+std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& x, const Tensor& kv, const Tensor& out,
+                                       const Tensor& lse, const Tensor& mask, int64_t heads, bool causal);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gru_forward", &gru_forward, "one GRU layer's recurrence, forward (csrc/gru.cpp)");

@@ -291,3 +291,26 @@ def test_a_run_takes_one_thread_unless_a_launcher_or_the_user_says_more(make_con
     assert training.thread_count(3) == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # as joblib and the SLURM launcher's setup do
     assert training.thread_count(None) == 2
+
+
+@pytest.mark.parametrize("overrides", [["attention=luong_general"], ["model=transformer"]])
+def test_flat_adam_computes_torchs_adam_on_the_separate_tensors_to_the_bit(make_config, overrides):
+    """A run's CPU optimiser (training.FlatAdam: every parameter a view of one buffer) against
+    torch's Adam on the model's own tensors: after steps with clipping, the same parameters bit for
+    bit, and each gradient still a view of the optimiser's one gradient buffer."""
+    cfg = make_config(*TINY, *overrides)
+    generator = torch.Generator().manual_seed(0)
+    batches = [splits.sample_batch(cfg, 16, generator) for _ in range(5)]
+    models = []
+    for flat in (True, False):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        optimizer = training.FlatAdam(model, lr=1e-2) if flat else torch.optim.Adam(model.parameters(), lr=1e-2)
+        for batch in batches:
+            train_step(model, optimizer, batch, clip=0.1)  # a small clip: every step clips
+        models.append(model)
+        if flat:
+            (buffer,) = optimizer.param_groups[0]["params"]
+            start, end = buffer.grad.data_ptr(), buffer.grad.data_ptr() + buffer.grad.numel() * 4
+            assert all(start <= p.grad.data_ptr() < end for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(*(model.parameters() for model in models)))

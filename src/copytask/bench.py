@@ -57,7 +57,7 @@ from .devices import fused_adam, resolve_device, run_settings
 from .evaluation import build_model
 from .splits import sample_batch
 from .jobs import cpu_model
-from .training import train, train_step
+from .training import adam, train, train_step
 
 CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # the reference's GRU models
 ATTENTIONS = (*CLASSICAL, "scaled_dot", "multihead", "luong_local", "luong_local_m", "rnnencdec", "transformer")
@@ -106,15 +106,18 @@ def synchronize(device: torch.device) -> None:
 
 
 def setups(cfg: DictConfig, device: torch.device) -> dict[str, Setup]:
-    """Project and (for REFERENCED attention) reference model with the same weights, each with its
-    Adam, on one batch."""
+    """Project and (for REFERENCED attention) reference model with the same weights, on one batch:
+    the project's with the optimiser its runs train with (training.adam), the reference with torch's
+    Adam over its parameters, as the tutorials train it."""
     batch = sample_batch(cfg, cfg.train.batch_size, torch.Generator().manual_seed(cfg.seed)).to(device)
     torch.manual_seed(cfg.seed)
     models = {name: build_model(cfg, *IMPLEMENTATIONS[name]).to(device) for name in implementations(store.architecture(cfg))}
     if "reference" in models:
         models["reference"].load_state_dict(models["project"].state_dict())
-    return {name: (m, torch.optim.Adam(m.parameters(), lr=cfg.train.lr, fused=fused_adam(device)), batch, cfg.train.clip)
-            for name, m in models.items()}
+    def optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return adam(model, cfg.train.lr, device) if name == "project" else torch.optim.Adam(model.parameters(), lr=cfg.train.lr, fused=fused_adam(device))
+
+    return {name: (m, optimizer(name, m), batch, cfg.train.clip) for name, m in models.items()}
 
 
 def step_seconds(setup: Setup, device: torch.device) -> float:

@@ -96,18 +96,32 @@ inline void scores(ConstRows<R> x, const float* __restrict keys, const float* __
   const i8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
   f8 best[R];
   for (int r = 0; r < R; ++r) best[r] = splat(NEG_INF);
-  for (int64_t j = 0; j < n[R - 1]; j += W) {
+  const auto finish = [&](int64_t j, f8 (&acc)[R]) {
+    for (int r = 0; r < R; ++r) {
+      if (j + W > n[r]) acc[r] = lane + static_cast<int32_t>(j) < static_cast<int32_t>(n[r]) ? acc[r] : splat(NEG_INF);
+      store(out[r] + j, acc[r]);
+      best[r] = acc[r] > best[r] ? acc[r] : best[r];
+    }
+  };
+  int64_t j = 0;
+  for (; j + W < n[R - 1]; j += 2 * W) {  // two tiles at a time: each x[r][c] broadcast once for both
+    f8 a[R], b[R];
+    for (int r = 0; r < R; ++r) a[r] = load(bias + j), b[r] = load(bias + j + W);
+    for (int64_t c = 0; c < D; ++c) {
+      const f8 k0 = load(keys + c * stride + j), k1 = load(keys + c * stride + j + W);
+      for (int r = 0; r < R; ++r) a[r] += x[r][c] * k0, b[r] += x[r][c] * k1;
+    }
+    finish(j, a);
+    finish(j + W, b);
+  }
+  if (j < n[R - 1]) {
     f8 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = load(bias + j);
     for (int64_t c = 0; c < D; ++c) {
       const f8 k = load(keys + c * stride + j);
       for (int r = 0; r < R; ++r) acc[r] += x[r][c] * k;
     }
-    for (int r = 0; r < R; ++r) {
-      if (j + W > n[r]) acc[r] = lane + static_cast<int32_t>(j) < static_cast<int32_t>(n[r]) ? acc[r] : splat(NEG_INF);
-      store(out[r] + j, acc[r]);
-      best[r] = acc[r] > best[r] ? acc[r] : best[r];
-    }
+    finish(j, acc);
   }
   for (int r = 0; r < R; ++r) {
     top[r] = NEG_INF;
@@ -118,7 +132,16 @@ inline void scores(ConstRows<R> x, const float* __restrict keys, const float* __
 // out[r][j] = sum_c x[r][c] * rows[c * stride + j] for j < m (a multiple of W).
 template <int R>
 inline void products(ConstRows<R> x, const float* __restrict rows, int64_t D, int64_t stride, int64_t m, Rows<R> out) {
-  for (int64_t j = 0; j < m; j += W) {
+  int64_t j = 0;
+  for (; j + 2 * W <= m; j += 2 * W) {
+    f8 a[R] = {}, b[R] = {};
+    for (int64_t c = 0; c < D; ++c) {
+      const f8 k0 = load(rows + c * stride + j), k1 = load(rows + c * stride + j + W);
+      for (int r = 0; r < R; ++r) a[r] += x[r][c] * k0, b[r] += x[r][c] * k1;
+    }
+    for (int r = 0; r < R; ++r) store(out[r] + j, a[r]), store(out[r] + j + W, b[r]);
+  }
+  if (j < m) {
     f8 acc[R] = {};
     for (int64_t c = 0; c < D; ++c) {
       const f8 k = load(rows + c * stride + j);

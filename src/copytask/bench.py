@@ -115,7 +115,9 @@ def setups(cfg: DictConfig, device: torch.device) -> dict[str, Setup]:
     if "reference" in models:
         models["reference"].load_state_dict(models["project"].state_dict())
     def optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-        return adam(model, cfg.train.lr, device) if name == "project" else torch.optim.Adam(model.parameters(), lr=cfg.train.lr, fused=fused_adam(device))
+        if name == "project":
+            return adam(model, cfg.train.lr, device)
+        return torch.optim.Adam(model.parameters(), lr=cfg.train.lr, fused=fused_adam(device))
 
     return {name: (m, optimizer(name, m), batch, cfg.train.clip) for name, m in models.items()}
 

@@ -1,3 +1,4 @@
+import copy
 import itertools
 import json
 from typing import Callable
@@ -314,3 +315,25 @@ def test_flat_adam_computes_torchs_adam_on_the_separate_tensors_to_the_bit(make_
             start, end = buffer.grad.data_ptr(), buffer.grad.data_ptr() + buffer.grad.numel() * 4
             assert all(start <= p.grad.data_ptr() < end for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(*(model.parameters() for model in models)))
+
+
+def test_flat_adam_goes_on_from_the_state_torchs_adam_saved(make_config):
+    """A resumable checkpoint written before FlatAdam holds torch's Adam state of the separate
+    tensors: FlatAdam takes it, and the run goes on to the same parameters bit for bit as with
+    torch's Adam."""
+    cfg = make_config(*TINY, "model=transformer")
+    generator = torch.Generator().manual_seed(0)
+    batches = [splits.sample_batch(cfg, 16, generator) for _ in range(6)]
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for batch in batches[:3]:
+        train_step(model, optimizer, batch, clip=0.1)
+    resumed = build_model(cfg)
+    resumed.load_state_dict(model.state_dict())
+    flat = training.FlatAdam(resumed, lr=1e-2)
+    flat.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # as a checkpoint file holds it: not the live tensors
+    for batch in batches[3:]:
+        train_step(model, optimizer, batch, clip=0.1)
+        train_step(resumed, flat, batch, clip=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))

@@ -50,6 +50,7 @@ class FlatAdam(torch.optim.Adam):
 
     def __init__(self, model: nn.Module, **options):
         parameters = list(model.parameters())
+        self.sizes = [p.numel() for p in parameters]
         values = torch.cat([p.detach().reshape(-1) for p in parameters])
         grads = torch.zeros_like(values)
         offset = 0
@@ -62,6 +63,17 @@ class FlatAdam(torch.optim.Adam):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.param_groups[0]["params"][0].grad.zero_()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Adam's state, also as torch's Adam on the model's separate tensors saves it (a checkpoint
+        written before FlatAdam): its moments are joined in the buffer's order, so such a run goes on
+        as it would have."""
+        (group,) = state_dict["param_groups"]
+        states = [state_dict["state"].get(index) for index in group["params"]]
+        if len(states) > 1 and all(states) and len(states) == len(self.sizes):
+            joined = {key: torch.cat([state[key].reshape(-1) for state in states]) for key in ("exp_avg", "exp_avg_sq")}
+            state_dict = {"state": {0: {"step": torch.as_tensor(states[0]["step"]).clone(), **joined}}, "param_groups": [{**group, "params": [0]}]}
+        super().load_state_dict(state_dict)
 
 
 def adam(model: nn.Module, lr: float, device: torch.device) -> torch.optim.Adam:

@@ -212,6 +212,14 @@ inline void key_bias(const float* mask, int64_t b, int64_t S, int64_t stride, fl
     for (int64_t j = 0; j < S; ++j) bias[j] = mask[b * S + j] > 0.f ? 0.f : NEG_INF;
 }
 
+// Slice (b, h)'s keys and values transposed into kt and vt (D, Sp), and its key bias (Sp).
+inline void gather_slice(const Tensor& k, const Tensor& v, const float* mask, int64_t b, int64_t h, int64_t S, int64_t D,
+                         int64_t Sp, float* kt, float* vt, float* bias) {
+  gather_transposed(k.data_ptr<float>(), k.stride(0), k.stride(1), b, h, S, D, Sp, kt);
+  gather_transposed(v.data_ptr<float>(), v.stride(0), v.stride(1), b, h, S, D, Sp, vt);
+  key_bias(mask, b, S, Sp, bias);
+}
+
 struct Sizes {
   int64_t B, T, S, H, D;
 };
@@ -310,7 +318,7 @@ std::vector<Tensor> attention_forward(const Tensor& x, const Tensor& kv, const T
   auto out = at::empty({B, T, H * D}, q.options());
   auto lse = at::empty({B, H, T}, q.options());
   const int64_t Sp = round_up(S);
-  const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>(), *v_p = v.data_ptr<float>();
+  const float* q_p = q.data_ptr<float>();
   const int64_t q_stride[2] = {q.stride(0), q.stride(1)};  // read once: Tensor::stride checks its argument
   const float* mask_p = mask.numel() > 0 ? mask.data_ptr<float>() : nullptr;
   float *out_p = out.data_ptr<float>(), *lse_p = lse.data_ptr<float>();
@@ -323,9 +331,7 @@ std::vector<Tensor> attention_forward(const Tensor& x, const Tensor& kv, const T
     const Slice slice_{T, S, D, Sp, H, causal, 1.f / std::sqrt(static_cast<float>(D)), kt, vt, bias};
     for (int64_t slice = begin; slice < end; ++slice) {
       const int64_t b = slice / H, h = slice % H;
-      gather_transposed(k_p, k.stride(0), k.stride(1), b, h, S, D, Sp, kt);
-      gather_transposed(v_p, v.stride(0), v.stride(1), b, h, S, D, Sp, vt);
-      key_bias(mask_p, b, S, Sp, bias);
+      gather_slice(k, v, mask_p, b, h, S, D, Sp, kt, vt, bias);
       const auto q_row = [&](int64_t i) { return q_p + b * q_stride[0] + i * q_stride[1] + h * D; };
       const auto out_row = [&](int64_t i) { return out_p + (b * T + i) * H * D + h * D; };
       int64_t i = 0;
@@ -360,7 +366,7 @@ std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& x, 
   auto grad_x = at::empty_like(x), grad_kv = kv.dim() == 3 ? at::empty_like(kv) : at::empty({0}, x.options());
   const auto [grad_q, grad_k, grad_v] = unpack("attention_backward", grad_x, grad_kv);
   const int64_t Sp = round_up(S);
-  const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>(), *v_p = v.data_ptr<float>();
+  const float* q_p = q.data_ptr<float>();
   const int64_t q_stride[2] = {q.stride(0), q.stride(1)};  // read once: Tensor::stride checks its argument
   const float *g_p = grad_out.data_ptr<float>(), *out_p = out.data_ptr<float>(), *lse_p = lse.data_ptr<float>();
   const float* mask_p = mask.numel() > 0 ? mask.data_ptr<float>() : nullptr;
@@ -374,9 +380,7 @@ std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& x, 
     const Slice slice_{T, S, D, Sp, H, causal, 1.f / std::sqrt(static_cast<float>(D)), kt, vt, bias};
     for (int64_t slice = begin; slice < end; ++slice) {
       const int64_t b = slice / H, h = slice % H;
-      gather_transposed(k_p, k.stride(0), k.stride(1), b, h, S, D, Sp, kt);
-      gather_transposed(v_p, v.stride(0), v.stride(1), b, h, S, D, Sp, vt);
-      key_bias(mask_p, b, S, Sp, bias);
+      gather_slice(k, v, mask_p, b, h, S, D, Sp, kt, vt, bias);
       std::fill(gkt, gkt + 2 * D * Sp, 0.f);  // gkt and gvt
       const auto q_row = [&](int64_t i) { return q_p + b * q_stride[0] + i * q_stride[1] + h * D; };
       const auto at_row = [&](int64_t i) { return (b * T + i) * H * D + h * D; };

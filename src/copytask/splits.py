@@ -89,10 +89,12 @@ def heldout_keys(cfg: DictConfig) -> tuple[Batch, Batch, set[bytes]]:
     return test, validation, set(sequence_keys(test)) | set(sequence_keys(validation))
 
 
-def training_sequences(cfg: DictConfig, steps: int) -> set[bytes]:
+def training_sequences(cfg: DictConfig, steps: int, heldout: set[bytes] | None = None) -> set[bytes]:
     """Every sequence the first `steps` training batches of the run hold: its data stream replayed
-    from its seed, as training draws it (the data generator draws nothing else)."""
-    *_, heldout = heldout_keys(cfg)
+    from its seed, as training draws it (the data generator draws nothing else). `heldout`: what
+    training excludes (`heldout_keys`), drawn here if not given."""
+    if heldout is None:
+        *_, heldout = heldout_keys(cfg)
     generator, seen = torch.Generator().manual_seed(cfg.seed), set()
     for _ in range(steps):
         seen.update(sequence_keys(training_batch(cfg, generator, heldout)))
@@ -102,7 +104,8 @@ def training_sequences(cfg: DictConfig, steps: int) -> set[bytes]:
 def unscorable(cfg: DictConfig, steps: int) -> set[bytes]:
     """What no evaluation set of the run may hold: every sequence its first `steps` training batches
     drew (`training_sequences`) and its validation set."""
-    return training_sequences(cfg, steps) | set(sequence_keys(validation_batch(cfg)))
+    _, validation, heldout = heldout_keys(cfg)
+    return training_sequences(cfg, steps, heldout) | set(sequence_keys(validation))
 
 
 def at_length(cfg: DictConfig, length: int) -> DictConfig:

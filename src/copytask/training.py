@@ -50,7 +50,7 @@ class FlatAdam(torch.optim.Adam):
 
     def __init__(self, model: nn.Module, **options):
         parameters = list(model.parameters())
-        self.sizes = [p.numel() for p in parameters]
+        self.tensors = len(parameters)  # what a state saved per tensor has (`load_state_dict`)
         values = torch.cat([p.detach().reshape(-1) for p in parameters])
         grads = torch.zeros_like(values)
         offset = 0
@@ -70,7 +70,7 @@ class FlatAdam(torch.optim.Adam):
         as it would have."""
         (group,) = state_dict["param_groups"]
         states = [state_dict["state"].get(index) for index in group["params"]]
-        if len(states) > 1 and all(states) and len(states) == len(self.sizes):
+        if len(states) == self.tensors > 1 and all(states):
             joined = {key: torch.cat([state[key].reshape(-1) for state in states]) for key in ("exp_avg", "exp_avg_sq")}
             state_dict = {"state": {0: {"step": torch.as_tensor(states[0]["step"]).clone(), **joined}}, "param_groups": [{**group, "params": [0]}]}
         super().load_state_dict(state_dict)

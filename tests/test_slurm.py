@@ -172,13 +172,15 @@ def test_killed_cancelled_and_preempted_jobs_are_named_or_requeued_and_the_rerun
 @pytest.mark.slow
 def test_a_job_past_its_time_limit_is_requeued_and_finishes(slurm, tmp_path):
     runs_dir = tmp_path / "runs"
-    # A one-minute limit, and a first attempt slowed down (tests/first_attempt_slow: 50 ms a step, so
-    # 1200 steps would take over a minute): SLURM signals the job (USR2, signal_delay_s before the
-    # limit, but slurmctld looks every 30 s: 20 to 50 s after the start, once Python has started and
-    # submitit has its handler), submitit requeues it, and the requeued attempt continues the run
-    # from its checkpoint at full speed, to its end.
+    # A two-minute limit, and a first attempt slowed down (tests/first_attempt_slow: 80 ms a step, so
+    # 1200 steps would take 96 s): SLURM signals the job (USR2, signal_delay_s before the limit, but
+    # slurmctld looks every 30 s: 60 to 90 s after the start, when the run has written a checkpoint
+    # even where Python took long to start on a loaded machine, and still trains), submitit requeues
+    # it, and the requeued attempt continues the run from its checkpoint at full speed, to its end.
+    # (A one-minute limit signalled 20 to 50 s after the start: once, on a loaded machine, before the
+    # first checkpoint, and the rerun then trained from step 0.)
     args = [*(o for o in LONG if not o.startswith("train.steps=")), "train.steps=1200", "train.eval_every=50", *SLURM,
-            "hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=40", "hydra.launcher.max_num_timeout=3", f"runs_dir={runs_dir}"]
+            "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=60", "hydra.launcher.max_num_timeout=3", f"runs_dir={runs_dir}"]
     (run,) = compose_grid(args)[1]
     env = {**os.environ, "PYTHONPATH": f"{Path(__file__).with_name('first_attempt_slow')}{os.pathsep}{SRC}"}
     result = subprocess.run([sys.executable, "-m", "copytask", "sweep", *args], capture_output=True, text=True, env=env, timeout=600)

@@ -175,6 +175,40 @@ def test_every_path_computes_what_torchs_own_transformer_computes(make_config, f
     torch.testing.assert_close(logits[valid], model.out(padded)[valid], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["fixed", "mixed"])
+def test_the_layers_in_one_kernel_call_compute_their_ops_in_python_to_the_bit(make_config, monkeypatch, mixed):
+    """kernels.transformer_layer (a layer's ops and autograd's formulas for them in C++) against
+    the same layers op by op in Python: logits and every gradient equal, in a training step and
+    without autograd; under autocast the layers run torch's ops."""
+    if kernels.kernel() is None:
+        pytest.skip("the fused kernels are not built on this machine")
+    cfg = make_config("task.length=9", *SMALL)
+    torch.manual_seed(0)
+    model = trained_a_little(build_model(cfg), cfg).train()
+    batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 9, cfg.task.vocab_size, torch.Generator().manual_seed(4))
+    calls = []
+    layer = kernels.transformer_layer
+    monkeypatch.setattr(kernels, "transformer_layer", lambda *args: calls.append(args) or layer(*args))
+    results = []
+    for in_one_call in (True, False):
+        if not in_one_call:
+            model._layer_fused = lambda x: False  # the layers op by op
+        logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
+        with torch.no_grad():
+            memory, _ = model.encode(batch.src, batch.src_lengths)
+        results.append((logits.detach(), memory, loss_and_gradients(model, logits, batch)))
+        if in_one_call:
+            assert len(calls) == 6  # training: 2 encoder and 2 decoder layers; the no_grad encode: 2 more
+    (logits, memory, grads), (want, want_memory, want_grads) = results
+    assert torch.equal(logits, want) and torch.equal(memory, want_memory)
+    assert grads.keys() == want_grads.keys() and all(torch.equal(grads[name], want_grads[name]) for name in grads)
+    del model._layer_fused
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
+    assert not calls and logits.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("heads, d", [(4, 32), (2, 8), (3, 18), (1, 5)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("cross", [False, True])

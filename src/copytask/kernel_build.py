@@ -29,7 +29,7 @@ import filelock
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "bahdanau.cpp", "attention.cpp")]
+SOURCES = [CSRC / name for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "bahdanau.cpp", "attention.cpp", "layers.cpp")]
 # -ffast-math lets the compiler vectorise the sums over a row; it is a compile flag only, so
 # the library is not linked with the start-up code that would set flush-to-zero for the process.
 # -fno-finite-math-only keeps NaN and inf meaning what they mean, so that they propagate as in torch.

@@ -14,7 +14,10 @@ rows per step.
   Luong's concat score needs under teacher forcing (`attention.Attention.additive_scores`).
 - `attention`: multi-head scaled dot-product attention, the Transformer's self- and
   cross-attention in a training step (`transformer.TransformerSeq2Seq`): not a recurrence, but
-  at its sizes (heads of 8 features) torch's attention runs far below the matmul rate.
+  at its sizes (heads of 8 features) torch's attention runs far below the matmul rate;
+- `transformer_layer`: a whole Transformer layer, its ATen ops and autograd's formulas for them
+  called from C++ around the attention kernel (the numbers of the ops in Python, to the bit):
+  at length 20 a layer's dozen ops and autograd nodes cost more dispatch than arithmetic.
 
 They are used for float32 on CPU; everywhere else (CUDA, float64, `fused=False`, no C++
 compiler) the torch code runs. They agree with it to float rounding, NaN and inf included
@@ -22,7 +25,9 @@ compiler) the torch code runs. They agree with it to float rounding, NaN and inf
 
 They are torch custom ops (`torch.ops.copytask.*`, torch.library) with their autograd formulas
 and shapes for fake tensors, so that autograd and torch.compile treat them as torch's own ops;
-under autocast they run in float32. There is no second derivative: a double backward through
+under autocast they run in float32. `transformer_layer` is an autograd Function instead: a custom
+op's wrapper of its 18 parameters and 20 saved tensors cost as much as the Python ops it replaces
+(0.4 ms a layer); under autocast the model runs the layers' ops in Python. There is no second derivative: a double backward through
 them raises an error that says so (build the model with `fused=False` for one).
 
 They are built and loaded by `copytask.kernel_build`.
@@ -340,6 +345,48 @@ def attention(x: Tensor, kv: Tensor | None, heads: int, key_mask: Tensor | None,
     gradients come back packed as x and kv are, with no concatenation after the kernel."""
     mask = x.new_empty(0) if key_mask is None else padding(key_mask)
     return attention_forward(x, x.new_empty(0) if kv is None else kv, mask, heads, causal)[0]
+
+
+class _Layer(torch.autograd.Function):
+    """A Transformer layer (csrc/layers.cpp) as an autograd Function: x (B, T, d); memory (B, S, d)
+    for a decoder layer, empty (not 3-d) for an encoder layer; mask (B, S) float or empty; then
+    the layer's parameters as `layer_parameters` lists them -> (B, T, d)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, memory: Tensor, mask: Tensor, heads: int, eps: float, *params: Tensor) -> Tensor:
+        out, *saved = _library().layer_forward(x.contiguous(), memory.contiguous(), mask.contiguous(), list(params), heads, eps)
+        ctx.save_for_backward(x, memory, mask, *params, *saved)
+        ctx.parameters, ctx.heads = len(params), heads
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        x, memory, mask, *rest = ctx.saved_tensors
+        params, saved = rest[: ctx.parameters], rest[ctx.parameters :]
+        grad_x, grad_memory, *grad_params = _library().layer_backward(grad_out.contiguous(), x, memory, mask, params, saved, ctx.heads)
+        return grad_x, grad_memory if memory.dim() == 3 else None, None, None, None, *grad_params
+
+
+def layer_parameters(layer: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer) -> list[Tensor]:
+    """A layer's parameters in the order csrc/layers.cpp takes them."""
+    decoder = isinstance(layer, nn.TransformerDecoderLayer)
+    attentions = [layer.self_attn, layer.multihead_attn] if decoder else [layer.self_attn]
+    norms = [layer.norm1, layer.norm2, layer.norm3] if decoder else [layer.norm1, layer.norm2]
+    return [
+        *(t for a in attentions for t in (a.in_proj_weight, a.in_proj_bias, a.out_proj.weight, a.out_proj.bias)),
+        layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias,
+        *(t for norm in norms for t in (norm.weight, norm.bias)),
+    ]
+
+
+def transformer_layer(layer: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer, x: Tensor, memory: Tensor | None, mask: Tensor) -> Tensor:
+    """`layer`'s forward (post-norm, ReLU, no dropout) in one call of the kernel, the same numbers
+    as its ops in Python to the bit: x (B, T, d); memory (B, S, d) for a decoder layer, None for an
+    encoder layer; mask from `padding` of the keys (B, S) an encoder layer's self-attention or a
+    decoder layer's cross-attention sees -> (B, T, d)."""
+    memory = x.new_empty(0) if memory is None else memory
+    return _Layer.apply(x, memory, mask, layer.self_attn.num_heads, layer.norm1.eps, *layer_parameters(layer))
 
 
 for _op in (gru_backward, additive_backward, bahdanau_backward, attention_backward):

@@ -13,6 +13,9 @@ the layers' forward is written out here (post-norm, as torch's default), for thr
 does not give:
 - a training step's attention in `kernels.attention` on CPU (each (sequence, head) slice in cache,
   no weights kept: docs/bench.md has the profile that chose it), else in torch's batched products;
+  and on CPU without dropout each layer in one call of `kernels.transformer_layer` (the ops below
+  and autograd's formulas for them in C++: the same numbers to the bit, without a dozen ops' and
+  autograd nodes' dispatch a layer);
 - cross-attention weights, per head: when weights are wanted (outside autograd, or with a
   counterfactual set), each decoder layer's cross-attention runs through `attention.Attention`,
   whose `multihead` score is that layer's nn.MultiheadAttention itself: the last layer's weights
@@ -108,6 +111,7 @@ class TransformerSeq2Seq(nn.Module):
     ):
         super().__init__()
         self.d_model = d_model
+        self.dropout = dropout
         self.fused = fused
         self.src_embedding = nn.Embedding(vocab, d_model, padding_idx=PAD)
         self.tgt_embedding = nn.Embedding(vocab, d_model, padding_idx=PAD)
@@ -128,7 +132,7 @@ class TransformerSeq2Seq(nn.Module):
         encoder = nn.TransformerEncoder(encoder_layer, layers, nn.LayerNorm(d_model), enable_nested_tensor=False)
         self.transformer = nn.Transformer(d_model, heads, layers, layers, ff_size, dropout, custom_encoder=encoder, batch_first=True)
         layers = self.transformer.decoder.layers
-        assert not any(layer.norm_first for layer in [*layers, *encoder.layers]), "the layers here are post-norm"
+        assert not any(layer.norm_first or layer.activation is not F.relu for layer in [*layers, *encoder.layers]), "the layers here are post-norm, ReLU"
         # each layer's own nn.MultiheadAttention, read through Attention (the same parameters, not a copy)
         self.cross_attentions = nn.ModuleList(Attention("multihead", d_model, d_model, heads=heads, fused=fused, mha=layer.multihead_attn) for layer in layers)
         self.out = nn.Linear(d_model, vocab)
@@ -158,10 +162,20 @@ class TransformerSeq2Seq(nn.Module):
         nn.TransformerEncoderLayer's forward (post-norm), each layer, then the encoder's final norm."""
         src_mask = length_mask(src_lengths, src.size(1))
         x = self._embed(self.src_embedding, src)
-        for layer in self.transformer.encoder.layers:
-            x = layer.norm1(x + layer.dropout1(self._attend(layer.self_attn, x, None, src_mask)))
-            x = layer.norm2(x + layer.dropout2(self._feed_forward(layer, x)))
+        if self._layer_fused(x):
+            mask = kernels.padding(src_mask)
+            for layer in self.transformer.encoder.layers:
+                x = kernels.transformer_layer(layer, x, None, mask)
+        else:
+            for layer in self.transformer.encoder.layers:
+                x = layer.norm1(x + layer.dropout1(self._attend(layer.self_attn, x, None, src_mask)))
+                x = layer.norm2(x + layer.dropout2(self._feed_forward(layer, x)))
         return self.transformer.encoder.norm(x), src_mask
+
+    def _layer_fused(self, x: Tensor) -> bool:
+        """Whether a layer runs in one call of `kernels.transformer_layer`: fused, float32 on CPU, no
+        dropout, and no autocast (whose lower precision is its ops' own: torch's ops run it)."""
+        return self.fused and not (self.training and self.dropout) and kernels.usable(x) and not torch.is_autocast_enabled(x.device.type)
 
     def _attend(self, attention: nn.MultiheadAttention, x: Tensor, memory: Tensor | None, key_mask: Tensor | None, causal: bool = False) -> Tensor:
         """nn.MultiheadAttention's output, without its weights, for the queries `x` (B, T, d) over
@@ -204,6 +218,11 @@ class TransformerSeq2Seq(nn.Module):
         memory, src_mask = self.encode(src, src_lengths)
         weighted = not torch.is_grad_enabled() or any(attention.intervention is not None for attention in self.cross_attentions)
         x = self._embed(self.tgt_embedding, tgt_in)
+        if not weighted and self._layer_fused(x):
+            mask = kernels.padding(src_mask)
+            for layer in self.transformer.decoder.layers:
+                x = kernels.transformer_layer(layer, x, memory, mask)
+            return self.out(self.transformer.decoder.norm(x)), None
         for layer, cross_attention in zip(self.transformer.decoder.layers, self.cross_attentions):
             attended = self._attend(layer.self_attn, x, None, None, causal=True)
             if weighted:  # the layer's cross-attention as Attention: its weights, and a counterfactual's hook

@@ -354,8 +354,9 @@ class _Layer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, memory: Tensor, mask: Tensor, heads: int, eps: float, *params: Tensor) -> Tensor:
-        out, *saved = _library().layer_forward(x.contiguous(), memory.contiguous(), mask.contiguous(), list(params), heads, eps)
-        ctx.save_for_backward(x, memory, mask, *params, *saved)
+        x, memory, mask = x.contiguous(), memory.contiguous(), mask.contiguous()
+        out, *saved = _library().layer_forward(x, memory, mask, list(params), heads, eps)
+        ctx.save_for_backward(x, memory, mask, *params, *saved)  # freed as soon as the layer's backward has run
         ctx.parameters, ctx.heads = len(params), heads
         return out
 

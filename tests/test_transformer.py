@@ -209,6 +209,21 @@ def test_the_layers_in_one_kernel_call_compute_their_ops_in_python_to_the_bit(ma
     assert not calls and logits.dtype == torch.bfloat16
 
 
+def test_a_double_backward_through_the_fused_layers_raises(make_config):
+    """The layers in one kernel call have no second derivative: a gradient penalty raises an error
+    that says so, never a silently missing term (fused=False has it)."""
+    if kernels.kernel() is None:
+        pytest.skip("the fused kernels are not built on this machine")
+    cfg = make_config("task.length=5", *SMALL)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    batch = make_batch("copy", 4, 5, cfg.task.vocab_size, torch.Generator().manual_seed(4))
+    logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
+    grads = torch.autograd.grad(logits.square().mean(), list(model.parameters()), create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        sum(grad.square().sum() for grad in grads).backward()
+
+
 @pytest.mark.parametrize("heads, d", [(4, 32), (2, 8), (3, 18), (1, 5)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("cross", [False, True])

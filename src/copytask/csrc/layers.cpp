@@ -46,7 +46,6 @@ std::array<Tensor, 3> linear_backward(const Tensor& g, const Tensor& x, const Te
 struct Layer {
   int64_t B, heads;
   double eps;
-  const Tensor& mask;
   std::vector<Tensor>& saved;
 
   // LayerNorm(x + sublayer): saves the sum, mean and rstd.
@@ -57,18 +56,19 @@ struct Layer {
     return out;
   }
 
-  // A self-attention (memory empty) or cross-attention block on rows x: p its 4 parameters, n its norm's 2.
-  Tensor attention(const Tensor& x, const Tensor& memory, const Tensor& keys_mask, bool causal, const Tensor* p, const Tensor* n) {
+  // A self-attention (memory empty) or cross-attention block on rows x, its keys masked by mask: p its 4
+  // parameters, n its norm's 2.
+  Tensor attention(const Tensor& x, const Tensor& memory, const Tensor& mask, bool causal, const Tensor* p, const Tensor* n) {
     const int64_t F = x.size(1);
     std::vector<Tensor> out;
     if (memory.dim() != 3) {
       const Tensor qkv = linear(x, p[0], p[1]);
-      out = attention_forward(qkv.view({B, -1, 3 * F}), qkv.new_empty({0}), keys_mask, heads, causal);
+      out = attention_forward(qkv.view({B, -1, 3 * F}), qkv.new_empty({0}), mask, heads, causal);
       saved.push_back(qkv);
     } else {
       const Tensor q = linear(x, p[0].narrow(0, 0, F), p[1].narrow(0, 0, F));
       const Tensor kv = linear(memory.view({-1, F}), p[0].narrow(0, F, 2 * F), p[1].narrow(0, F, 2 * F));
-      out = attention_forward(q.view({B, -1, F}), kv.view({B, -1, 2 * F}), keys_mask, heads, causal);
+      out = attention_forward(q.view({B, -1, F}), kv.view({B, -1, 2 * F}), mask, heads, causal);
       saved.insert(saved.end(), {q, kv});
     }
     const Tensor context = out[0].view({-1, F});
@@ -86,7 +86,6 @@ struct Layer {
 // The backward pass takes `saved` from its end (the forward's order reversed).
 struct LayerBackward {
   int64_t B, heads;
-  const Tensor& mask;
   std::vector<Tensor>& saved;
   std::vector<Tensor>& grads;  // the parameters' gradients, in params' order
 
@@ -107,7 +106,7 @@ struct LayerBackward {
 
   // An attention block's output gradient g -> its input's; a cross-attention's memory gradient into
   // grad_memory. p its parameters (at index i), n its norm's (at index j); x the block's input.
-  Tensor attention(const Tensor& g, const Tensor& x, const Tensor& memory, const Tensor& keys_mask, bool causal,
+  Tensor attention(const Tensor& g, const Tensor& x, const Tensor& memory, const Tensor& mask, bool causal,
                    const Tensor* p, size_t i, const Tensor* n, size_t j, Tensor& grad_memory) {
     const int64_t F = g.size(1);
     const Tensor grad_sum = add_norm(g, n, j);
@@ -119,13 +118,13 @@ struct LayerBackward {
     if (memory.dim() != 3) {
       const Tensor qkv = pop();
       const Tensor grad_qkv = attention_backward(grad_out, qkv.view({B, -1, 3 * F}), qkv.new_empty({0}), out, lse,
-                                                 keys_mask, heads, causal)[0];
+                                                 mask, heads, causal)[0];
       auto [gx, gw, gb] = linear_backward(grad_qkv.view({-1, 3 * F}), x, p[0]);
       grad_x = gx, grads[i] = gw, grads[i + 1] = gb;
     } else {
       const Tensor kv = pop(), q = pop();
       const auto qkv_grads = attention_backward(grad_out, q.view({B, -1, F}), kv.view({B, -1, 2 * F}), out, lse,
-                                                keys_mask, heads, causal);
+                                                mask, heads, causal);
       auto [gx, gw_q, gb_q] = linear_backward(qkv_grads[0].view({-1, F}), x, p[0].narrow(0, 0, F));
       auto [gm, gw_kv, gb_kv] = linear_backward(qkv_grads[1].view({-1, 2 * F}), memory.view({-1, F}), p[0].narrow(0, F, 2 * F));
       grad_x = gx, grad_memory = gm.view(memory.sizes());
@@ -160,12 +159,12 @@ std::vector<Tensor> layer_forward(const Tensor& x, const Tensor& memory, const T
                                   int64_t heads, double eps) {
   check_layer("layer_forward", x, memory, params);
   std::vector<Tensor> saved;
-  Layer layer{x.size(0), heads, eps, mask, saved};
+  Layer layer{x.size(0), heads, eps, saved};
   const Tensor* p = params.data();
   const Tensor empty = x.new_empty({0});
   const Tensor rows = x.reshape({-1, x.size(2)});
   Tensor out;
-  if (memory.dim() != 3) {  // encoder: self-attention over the unmasked keys, feed-forward
+  if (memory.dim() != 3) {  // encoder: self-attention over the real (unpadded) positions, feed-forward
     const Tensor h1 = layer.attention(rows, empty, mask, false, p, p + 8);
     out = layer.feed_forward(h1, p + 4, p + 10);
     saved.push_back(h1);
@@ -189,7 +188,7 @@ std::vector<Tensor> layer_backward(const Tensor& grad_out, const Tensor& x, cons
   check_shape("layer_backward", "grad_out", grad_out, x.sizes());
   std::vector<Tensor> grads(2 + params.size());
   Tensor grad_memory = x.new_empty({0});
-  LayerBackward layer{x.size(0), heads, mask, saved, grads};
+  LayerBackward layer{x.size(0), heads, saved, grads};
   const Tensor* p = params.data();
   const Tensor empty = x.new_empty({0});
   const Tensor rows = x.reshape({-1, x.size(2)});

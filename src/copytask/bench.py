@@ -160,13 +160,16 @@ def matmul_rate(device: torch.device, size: int, repeats: int = 5) -> float:
     return 2 * size**3 / best
 
 
-def speed(lengths: list[int], overrides: list[str], repeats: int, warmup: int, device: torch.device) -> pd.DataFrame:
-    """ms/step, tokens/s and FLOPs for every (attention, length, implementation)."""
+def speed(lengths: list[int], overrides: list[str], repeats: int, warmup: int, device: torch.device,
+          attentions: list[str] = list(ATTENTIONS)) -> pd.DataFrame:
+    """ms/step, tokens/s and FLOPs for every (attention, length, implementation), of `attentions`
+    and Luong general (what vs_luong_general divides by)."""
     rows = []
-    setups_per_length = sum(len(implementations(attention)) for attention in ATTENTIONS)
+    chosen = [attention for attention in ATTENTIONS if attention in attentions or attention == "luong_general"]
+    setups_per_length = sum(len(implementations(attention)) for attention in chosen)
     bar = tqdm(total=len(lengths) * setups_per_length * (warmup + repeats), desc="step times", unit="step")
     for length in lengths:
-        cfgs = {attention: bench_config(attention, length, overrides) for attention in ATTENTIONS}
+        cfgs = {attention: bench_config(attention, length, overrides) for attention in chosen}
         runs = {(attention, name): setup for attention, cfg in cfgs.items() for name, setup in setups(cfg, device).items()}
         seconds: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
         for round_ in range(warmup + repeats):  # interleaved: drift on a shared machine hits all alike
@@ -298,7 +301,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per configuration (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--memory-steps", type=int, default=3, help="training steps of the peak-memory run")
-    parser.add_argument("--memory-attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS)
+    parser.add_argument("--attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS,
+                        help="the step-time table's attention types (Luong general is always timed too: vs_luong_general)")
+    parser.add_argument("--memory-attentions", nargs="+", choices=ATTENTIONS, help="the peak-memory runs' (default: --attentions)")
     parser.add_argument("--gemm-size", type=int, default=2048, help="matrix size of the matmul-rate measurement")
     parser.add_argument("--time-to-target", action="store_true", help="also train to the target accuracy (minutes)")
     parser.add_argument("--target-attentions", nargs="+", default=list(TARGET_ATTENTIONS), choices=ATTENTIONS)
@@ -309,6 +314,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     # Overrides first: argparse would take one after a list option (--memory-attentions a b key=value) as one of its values.
     overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
     args = parser.parse_args([*overrides, *(arg for arg in argv if arg not in overrides)])
+    args.memory_attentions = args.memory_attentions or args.attentions
     if args.quick:
         args.lengths, args.repeats, args.warmup, args.gemm_size = QUICK["lengths"], QUICK["repeats"], QUICK["warmup"], QUICK["gemm_size"]
         args.memory_steps, args.memory_attentions = 1, QUICK["memory_attentions"]
@@ -329,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 
     longest = max(args.lengths)
     with run_settings(device):  # the steps a run computes: on CUDA full float32 (no TF32), deterministic algorithms
-        parts = [speed(args.lengths, args.overrides, args.repeats, args.warmup, device), memory(args.memory_attentions, longest, args.overrides, args.memory_steps)]
+        parts = [speed(args.lengths, args.overrides, args.repeats, args.warmup, device, args.attentions), memory(args.memory_attentions, longest, args.overrides, args.memory_steps)]
         if args.time_to_target:
             parts.append(time_to_target(args.target_attentions, longest, args.overrides, args.target_settings, args.csv.parent / "time_to_target"))
         rate = matmul_rate(device, args.gemm_size)

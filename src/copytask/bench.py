@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -161,7 +162,7 @@ def matmul_rate(device: torch.device, size: int, repeats: int = 5) -> float:
 
 
 def speed(lengths: list[int], overrides: list[str], repeats: int, warmup: int, device: torch.device,
-          attentions: list[str] = list(ATTENTIONS)) -> pd.DataFrame:
+          attentions: Sequence[str] = ATTENTIONS) -> pd.DataFrame:
     """ms/step, tokens/s and FLOPs for every (attention, length, implementation), of `attentions`
     and Luong general (what vs_luong_general divides by)."""
     rows = []

@@ -43,23 +43,27 @@ std::array<Tensor, 3> linear_backward(const Tensor& g, const Tensor& x, const Te
   return {at::mm(g, w), at::mm(g.t(), x), g.sum(0)};
 }
 
+// A block's parameters are named by their offset in params, as in LayerBackward.
 struct Layer {
   int64_t B, heads;
   double eps;
+  const Tensor* params;
   std::vector<Tensor>& saved;
 
-  // LayerNorm(x + sublayer): saves the sum, mean and rstd.
-  Tensor add_norm(const Tensor& x, const Tensor& sublayer, const Tensor& weight, const Tensor& bias) {
+  // LayerNorm(x + sublayer), the norm's parameters params[n] and params[n + 1]: saves the sum, mean
+  // and rstd.
+  Tensor add_norm(const Tensor& x, const Tensor& sublayer, int64_t n) {
     const Tensor sum = at::add(x, sublayer);
-    auto [out, mean, rstd] = at::native_layer_norm(sum, {sum.size(1)}, weight, bias, eps);
+    auto [out, mean, rstd] = at::native_layer_norm(sum, {sum.size(1)}, params[n], params[n + 1], eps);
     saved.insert(saved.end(), {sum, mean, rstd});
     return out;
   }
 
-  // A self-attention (memory empty) or cross-attention block on rows x, its keys masked by mask: p its 4
-  // parameters, n its norm's 2.
-  Tensor attention(const Tensor& x, const Tensor& memory, const Tensor& mask, bool causal, const Tensor* p, const Tensor* n) {
+  // A self-attention (memory empty) or cross-attention block on rows x, its keys masked by mask: its 4
+  // parameters from params[k], its norm's 2 from params[n].
+  Tensor attention(const Tensor& x, const Tensor& memory, const Tensor& mask, bool causal, int64_t k, int64_t n) {
     const int64_t F = x.size(1);
+    const Tensor* p = params + k;
     std::vector<Tensor> out;
     if (memory.dim() != 3) {
       const Tensor qkv = linear(x, p[0], p[1]);
@@ -73,21 +77,24 @@ struct Layer {
     }
     const Tensor context = out[0].view({-1, F});
     saved.insert(saved.end(), {context, out[1]});
-    return add_norm(x, linear(context, p[2], p[3]), n[0], n[1]);
+    return add_norm(x, linear(context, p[2], p[3]), n);
   }
 
-  Tensor feed_forward(const Tensor& x, const Tensor* p, const Tensor* n) {
+  Tensor feed_forward(const Tensor& x, int64_t k, int64_t n) {
+    const Tensor* p = params + k;
     const Tensor hidden = at::relu(linear(x, p[0], p[1]));
     saved.push_back(hidden);
-    return add_norm(x, linear(hidden, p[2], p[3]), n[0], n[1]);
+    return add_norm(x, linear(hidden, p[2], p[3]), n);
   }
 };
 
-// The backward pass takes `saved` from its end (the forward's order reversed).
+// The backward pass takes `saved` from its end (the forward's order reversed). A block's parameters
+// are named by their offset in params: params[k] has its gradient at grads[2 + k].
 struct LayerBackward {
   int64_t B, heads;
+  const Tensor* params;
   std::vector<Tensor>& saved;
-  std::vector<Tensor>& grads;  // the parameters' gradients, in params' order
+  std::vector<Tensor>& grads;  // x's, the memory's, then the parameters' gradients
 
   Tensor pop() {
     Tensor t = saved.back();
@@ -95,24 +102,26 @@ struct LayerBackward {
     return t;
   }
 
-  // The gradient of an add_norm's sum, and its norm's parameters' (at index i, i + 1).
-  Tensor add_norm(const Tensor& g, const Tensor* n, size_t i) {
+  // The gradient of an add_norm's sum, and its norm's parameters' (params[n], params[n + 1]).
+  Tensor add_norm(const Tensor& g, int64_t n) {
     const Tensor rstd = pop(), mean = pop(), sum = pop();
-    auto [grad_sum, grad_weight, grad_bias] =
-        at::native_layer_norm_backward(g, sum, {sum.size(1)}, mean, rstd, n[0], n[1], {true, true, true});
-    grads[i] = grad_weight, grads[i + 1] = grad_bias;
+    auto [grad_sum, grad_weight, grad_bias] = at::native_layer_norm_backward(
+        g, sum, {sum.size(1)}, mean, rstd, params[n], params[n + 1], {true, true, true});
+    grads[2 + n] = grad_weight, grads[3 + n] = grad_bias;
     return grad_sum;
   }
 
   // An attention block's output gradient g -> its input's; a cross-attention's memory gradient into
-  // grad_memory. p its parameters (at index i), n its norm's (at index j); x the block's input.
-  Tensor attention(const Tensor& g, const Tensor& x, const Tensor& memory, const Tensor& mask, bool causal,
-                   const Tensor* p, size_t i, const Tensor* n, size_t j, Tensor& grad_memory) {
+  // grad_memory. Its parameters from params[k], its norm's from params[n]; x the block's input.
+  Tensor attention(const Tensor& g, const Tensor& x, const Tensor& memory, const Tensor& mask, bool causal, int64_t k,
+                   int64_t n, Tensor& grad_memory) {
     const int64_t F = g.size(1);
-    const Tensor grad_sum = add_norm(g, n, j);
+    const Tensor* p = params + k;
+    Tensor* grad = grads.data() + 2 + k;
+    const Tensor grad_sum = add_norm(g, n);
     const Tensor lse = pop(), context = pop();
     auto [grad_context, grad_w_out, grad_b_out] = linear_backward(grad_sum, context, p[2]);
-    grads[i + 2] = grad_w_out, grads[i + 3] = grad_b_out;
+    grad[2] = grad_w_out, grad[3] = grad_b_out;
     const Tensor grad_out = grad_context.view({B, -1, F}), out = context.view({B, -1, F});
     Tensor grad_x;
     if (memory.dim() != 3) {
@@ -120,7 +129,7 @@ struct LayerBackward {
       const Tensor grad_qkv = attention_backward(grad_out, qkv.view({B, -1, 3 * F}), qkv.new_empty({0}), out, lse,
                                                  mask, heads, causal)[0];
       auto [gx, gw, gb] = linear_backward(grad_qkv.view({-1, 3 * F}), x, p[0]);
-      grad_x = gx, grads[i] = gw, grads[i + 1] = gb;
+      grad_x = gx, grad[0] = gw, grad[1] = gb;
     } else {
       const Tensor kv = pop(), q = pop();
       const auto qkv_grads = attention_backward(grad_out, q.view({B, -1, F}), kv.view({B, -1, 2 * F}), out, lse,
@@ -128,17 +137,19 @@ struct LayerBackward {
       auto [gx, gw_q, gb_q] = linear_backward(qkv_grads[0].view({-1, F}), x, p[0].narrow(0, 0, F));
       auto [gm, gw_kv, gb_kv] = linear_backward(qkv_grads[1].view({-1, 2 * F}), memory.view({-1, F}), p[0].narrow(0, F, 2 * F));
       grad_x = gx, grad_memory = gm.view(memory.sizes());
-      grads[i] = at::cat({gw_q, gw_kv}), grads[i + 1] = at::cat({gb_q, gb_kv});
+      grad[0] = at::cat({gw_q, gw_kv}), grad[1] = at::cat({gb_q, gb_kv});
     }
     return at::add(grad_sum, grad_x);  // the residual's gradient and the projection's
   }
 
-  Tensor feed_forward(const Tensor& g, const Tensor& x, const Tensor* p, size_t i, const Tensor* n, size_t j) {
-    const Tensor grad_sum = add_norm(g, n, j);
+  Tensor feed_forward(const Tensor& g, const Tensor& x, int64_t k, int64_t n) {
+    const Tensor* p = params + k;
+    const Tensor grad_sum = add_norm(g, n);
     const Tensor hidden = pop();
     auto [grad_hidden, grad_w2, grad_b2] = linear_backward(grad_sum, hidden, p[2]);
     auto [grad_x, grad_w1, grad_b1] = linear_backward(at::threshold_backward(grad_hidden, hidden, 0), x, p[0]);
-    grads[i] = grad_w1, grads[i + 1] = grad_b1, grads[i + 2] = grad_w2, grads[i + 3] = grad_b2;
+    Tensor* grad = grads.data() + 2 + k;
+    grad[0] = grad_w1, grad[1] = grad_b1, grad[2] = grad_w2, grad[3] = grad_b2;
     return at::add(grad_sum, grad_x);
   }
 };
@@ -159,20 +170,19 @@ std::vector<Tensor> layer_forward(const Tensor& x, const Tensor& memory, const T
                                   int64_t heads, double eps) {
   check_layer("layer_forward", x, memory, params);
   std::vector<Tensor> saved;
-  Layer layer{x.size(0), heads, eps, saved};
-  const Tensor* p = params.data();
+  Layer layer{x.size(0), heads, eps, params.data(), saved};
   const Tensor empty = x.new_empty({0});
   const Tensor rows = x.reshape({-1, x.size(2)});
   Tensor out;
   if (memory.dim() != 3) {  // encoder: self-attention over the real (unpadded) positions, feed-forward
-    const Tensor h1 = layer.attention(rows, empty, mask, false, p, p + 8);
-    out = layer.feed_forward(h1, p + 4, p + 10);
+    const Tensor h1 = layer.attention(rows, empty, mask, false, 0, 8);
+    out = layer.feed_forward(h1, 4, 10);
     saved.push_back(h1);
   } else {  // decoder: causal self-attention, cross-attention over the memory, feed-forward
-    const Tensor h1 = layer.attention(rows, empty, empty, true, p, p + 12);
-    const Tensor h2 = layer.attention(h1, memory, mask, false, p + 4, p + 14);
+    const Tensor h1 = layer.attention(rows, empty, empty, true, 0, 12);
+    const Tensor h2 = layer.attention(h1, memory, mask, false, 4, 14);
     saved.push_back(h1);
-    out = layer.feed_forward(h2, p + 8, p + 16);
+    out = layer.feed_forward(h2, 8, 16);
     saved.push_back(h2);
   }
   saved.insert(saved.begin(), out.view(x.sizes()));
@@ -188,21 +198,20 @@ std::vector<Tensor> layer_backward(const Tensor& grad_out, const Tensor& x, cons
   check_shape("layer_backward", "grad_out", grad_out, x.sizes());
   std::vector<Tensor> grads(2 + params.size());
   Tensor grad_memory = x.new_empty({0});
-  LayerBackward layer{x.size(0), heads, saved, grads};
-  const Tensor* p = params.data();
+  LayerBackward layer{x.size(0), heads, params.data(), saved, grads};
   const Tensor empty = x.new_empty({0});
   const Tensor rows = x.reshape({-1, x.size(2)});
   Tensor g = grad_out.reshape({-1, x.size(2)});
   if (memory.dim() != 3) {
     const Tensor h1 = layer.pop();
-    g = layer.feed_forward(g, h1, p + 4, 6, p + 10, 12);
-    g = layer.attention(g, rows, empty, mask, false, p, 2, p + 8, 10, grad_memory);
+    g = layer.feed_forward(g, h1, 4, 10);
+    g = layer.attention(g, rows, empty, mask, false, 0, 8, grad_memory);
   } else {
     const Tensor h2 = layer.pop();
-    g = layer.feed_forward(g, h2, p + 8, 10, p + 16, 18);
+    g = layer.feed_forward(g, h2, 8, 16);
     const Tensor h1 = layer.pop();
-    g = layer.attention(g, h1, memory, mask, false, p + 4, 6, p + 14, 16, grad_memory);
-    g = layer.attention(g, rows, empty, empty, true, p, 2, p + 12, 14, grad_memory);
+    g = layer.attention(g, h1, memory, mask, false, 4, 14, grad_memory);
+    g = layer.attention(g, rows, empty, empty, true, 0, 12, grad_memory);
   }
   grads[0] = g.view(x.sizes()), grads[1] = grad_memory;
   return grads;

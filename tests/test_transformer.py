@@ -224,14 +224,15 @@ def test_a_double_backward_through_the_fused_layers_raises(make_config):
         sum(grad.square().sum() for grad in grads).backward()
 
 
-@pytest.mark.parametrize("heads, d", [(4, 32), (2, 8), (3, 18), (1, 5)])
+@pytest.mark.parametrize("heads, d", [(4, 32), (2, 32), (2, 8), (3, 18), (1, 5)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("cross", [False, True])
 def test_the_attention_kernel_computes_torchs_batched_products(heads, d, causal, cross):
     """kernels.attention against transformer.scaled_dot_product: outputs and the gradients of the
     packed projections the model passes it (q | k | v of a self-attention; q, and k | v of a
     cross-attention over a source of another length), ragged key masks with an empty row, and key
-    counts that are not a whole tile of 8."""
+    counts that are not a whole tile of 8; heads of 8 and 16 features (8 x 8 blocks transposed in
+    registers) and of other sizes (element by element)."""
     if kernels.kernel() is None:
         pytest.skip("the fused kernels are not built on this machine")
     torch.manual_seed(0)

@@ -20,6 +20,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -194,14 +198,65 @@ inline void weights_rows(Rows<R> p, int64_t m, const float (&shift)[R], float (&
   for (int r = 0; r < R; ++r) sum[r] = sum_of(total[r]);
 }
 
+// An 8 x 8 block of floats transposed in registers: m[u][c] becomes m[c][u].
+inline void transpose8(f8 (&m)[W]) {
+#if defined(__AVX__)
+  __m256 t[W], s[W];
+  for (int u = 0; u < W; u += 2)
+    t[u] = _mm256_unpacklo_ps((__m256)m[u], (__m256)m[u + 1]), t[u + 1] = _mm256_unpackhi_ps((__m256)m[u], (__m256)m[u + 1]);
+  for (int u = 0; u < W; u += 4) {
+    s[u] = _mm256_shuffle_ps(t[u], t[u + 2], 0x44), s[u + 1] = _mm256_shuffle_ps(t[u], t[u + 2], 0xee);
+    s[u + 2] = _mm256_shuffle_ps(t[u + 1], t[u + 3], 0x44), s[u + 3] = _mm256_shuffle_ps(t[u + 1], t[u + 3], 0xee);
+  }
+  for (int u = 0; u < 4; ++u)
+    m[u] = (f8)_mm256_permute2f128_ps(s[u], s[u + 4], 0x20), m[u + 4] = (f8)_mm256_permute2f128_ps(s[u], s[u + 4], 0x31);
+#else
+  f8 t[W];
+  for (int u = 0; u < W; ++u)
+    for (int c = 0; c < W; ++c) t[c][u] = m[u][c];
+  std::copy(t, t + W, m);
+#endif
+}
+
+// Rows of D features, `row_stride` apart, into out (D, stride) transposed, zero from row `rows` to
+// `stride` (a whole number of tiles); heads of whole 8-float vectors go 8 x 8 blocks at a time.
+inline void transpose_in(const float* x, int64_t row_stride, int64_t rows, int64_t D, int64_t stride, float* __restrict out) {
+  if (D % W != 0) {
+    std::fill(out, out + D * stride, 0.f);
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t c = 0; c < D; ++c) out[c * stride + j] = x[j * row_stride + c];
+    return;
+  }
+  for (int64_t c0 = 0; c0 < D; c0 += W)
+    for (int64_t j = 0; j < stride; j += W) {
+      f8 m[W];
+      for (int u = 0; u < W; ++u) m[u] = j + u < rows ? load(x + (j + u) * row_stride + c0) : f8{};
+      transpose8(m);
+      for (int c = 0; c < W; ++c) store(out + (c0 + c) * stride + j, m[c]);
+    }
+}
+
+// The inverse: in (D, stride) transposed into the first `rows` rows of D features, `row_stride` apart.
+inline void transpose_out(const float* __restrict in, int64_t rows, int64_t D, int64_t stride, float* x, int64_t row_stride) {
+  if (D % W != 0) {
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t c = 0; c < D; ++c) x[j * row_stride + c] = in[c * stride + j];
+    return;
+  }
+  for (int64_t c0 = 0; c0 < D; c0 += W)
+    for (int64_t j = 0; j < rows; j += W) {
+      f8 m[W];
+      for (int c = 0; c < W; ++c) m[c] = load(in + (c0 + c) * stride + j);
+      transpose8(m);
+      for (int u = 0; u < W && j + u < rows; ++u) store(x + (j + u) * row_stride + c0, m[u]);
+    }
+}
+
 // Head h of sequence b of x (B, S, H * D, rows `row_stride` apart) into out (D, stride) transposed,
 // zero past S.
 inline void gather_transposed(const float* x, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t h, int64_t S,
                               int64_t D, int64_t stride, float* __restrict out) {
-  std::fill(out, out + D * stride, 0.f);
-  const float* base = x + b * batch_stride + h * D;
-  for (int64_t j = 0; j < S; ++j)
-    for (int64_t c = 0; c < D; ++c) out[c * stride + j] = base[j * row_stride + c];
+  transpose_in(x + b * batch_stride + h * D, row_stride, S, D, stride, out);
 }
 
 // Per sequence: the scores' additive mask, 0 on real keys, -inf on padding and past S.
@@ -401,10 +456,8 @@ std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& x, 
         float *qs1[1] = {qs[0]}, *p1[1] = {p[0]}, *dp1[1] = {dp[0]};
         backward_rows<1>(slice_, i, qr, gr, orow, lse_p + slice * T + i, qs1, p1, dp1, gqr, gkt, gvt);
       }
-      for (int64_t j = 0; j < S; ++j) {
-        float *gk_row = gk_p + b * gkv_stride[0] + j * gkv_stride[1] + h * D, *gv_row = gv_p + b * gkv_stride[0] + j * gkv_stride[1] + h * D;
-        for (int64_t c = 0; c < D; ++c) gk_row[c] = gkt[c * Sp + j], gv_row[c] = gvt[c * Sp + j];
-      }
+      transpose_out(gkt, S, D, Sp, gk_p + b * gkv_stride[0] + h * D, gkv_stride[1]);
+      transpose_out(gvt, S, D, Sp, gv_p + b * gkv_stride[0] + h * D, gkv_stride[1]);
     }
   });
   return {grad_x, grad_kv};

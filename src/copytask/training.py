@@ -68,9 +68,10 @@ class FlatAdam(torch.optim.Adam):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ of the model's parameters, to the bit: the total norm from
-        the norms of the separate gradients, as torch computes it, then one product scales the whole
-        buffer (torch's is a product per tensor). -> the total norm."""
-        total = torch.nn.utils.get_total_norm(self.grads)
+        the norms of the separate gradients, as torch computes them (`get_total_norm`'s ops, without
+        its grouping by device and a copy call per tensor: 0.2 ms of a step with 68 tensors), then
+        one product scales the whole buffer (torch's is a product per tensor). -> the total norm."""
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self.grads, 2.0)), 2.0)
         torch.nn.utils.clip_grads_with_norm_(self.param_groups[0]["params"], max_norm, total)
         return total
 

@@ -107,6 +107,67 @@ def test_greedys_cross_attention_on_the_memory_projected_once_is_the_layers_atte
     assert weights[4].abs().max() == 0 and weights[lengths > 0].sum(-1).sub(1).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["fixed", "mixed"])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_greedy_with_each_steps_attention_in_the_kernel_decodes_what_torchs_ops_decode(make_config, monkeypatch, positions, mixed):
+    """Greedy decoding on CPU runs each step's attention in kernels.attention_step (keys and values
+    cached transposed); with fused=False, nn.MultiheadAttention's ops. The same tokens, and the
+    same weights to float rounding, on sources of 12 (not a whole tile of 8), fixed or mixed lengths
+    with an empty source, and a step count that is not a whole tile either."""
+    if kernels.kernel() is None:
+        pytest.skip("the fused kernels are not built on this machine")
+    cfg = make_config("task.length=12", "task.variable_length=true", "task.min_length=2", *SMALL, f"model.positions={positions}")
+    torch.manual_seed(0)
+    model = trained_a_little(build_model(cfg), cfg)
+    batch = mixed_batch(cfg, size=9) if mixed else make_batch("copy", 9, 12, cfg.task.vocab_size, torch.Generator().manual_seed(3))
+    lengths = batch.src_lengths.clone()
+    if mixed:
+        lengths[4] = 0  # an empty source
+    calls = []
+    step = kernels.attention_step
+    monkeypatch.setattr(kernels, "attention_step", lambda *args: calls.append(args[-1]) or step(*args))
+    results = []
+    for fused in (True, False):
+        model.fused = fused
+        results.append(model.greedy(batch.src, lengths, steps=13))
+    assert len(calls) == 13 * 2 * len(model.transformer.decoder.layers)  # the fused decode, and only it
+    (tokens, weights), (want_tokens, want_weights) = results
+    assert torch.equal(tokens, want_tokens) and len(set(tokens.flatten().tolist())) > 2
+    torch.testing.assert_close(weights, want_weights, atol=1e-5, rtol=1e-4)
+    if mixed:
+        assert weights[4].abs().max() == 0  # the empty source: no weight anywhere
+
+
+@pytest.mark.parametrize("head_size", [8, 5])
+@pytest.mark.parametrize("keys_seen", [0, 5, 8, 13])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_decoding_steps_kernel_computes_torchs_batched_products(head_size, keys_seen, masked):
+    """kernels.attention_step, one query per sequence over the first keys of a cache held
+    transposed and zero past them, against transformer.scaled_dot_product; and its weights."""
+    if kernels.kernel() is None:
+        pytest.skip("the fused kernels are not built on this machine")
+    torch.manual_seed(0)
+    batch, heads = 4, 3
+    d = heads * head_size
+    q, k, v = torch.randn(batch, 1, d), torch.randn(batch, keys_seen, d), torch.randn(batch, keys_seen, d)
+    key_mask = length_mask(torch.tensor([keys_seen, keys_seen // 2, 0, 1]).clamp(max=keys_seen), keys_seen) if masked else None
+    cache = torch.zeros(2, batch, heads, head_size, kernels.cache_length(keys_seen + 3))
+    cache[..., :keys_seen] = torch.stack([k, v]).view(2, batch, keys_seen, heads, head_size).permute(0, 1, 3, 4, 2)
+    mask = q.new_empty(0) if key_mask is None else kernels.padding(key_mask)
+    with torch.no_grad():
+        out, weights = kernels.attention_step(q[:, 0], cache[0], cache[1], mask, keys_seen)
+    want = scaled_dot_product(q, k, v, heads, key_mask, causal=False)[:, 0]
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    assert weights.shape == (batch, heads, keys_seen)
+    if keys_seen:
+        torch.testing.assert_close(torch.einsum("bhs,bshc->bhc", weights, v.view(batch, keys_seen, heads, head_size)).flatten(1), out, atol=1e-5, rtol=1e-4)
+        seen = torch.ones(batch, keys_seen, dtype=torch.bool) if key_mask is None else key_mask
+        assert torch.allclose(weights.sum(-1), seen.any(-1, keepdim=True).float().expand(-1, heads))
+        assert weights.masked_fill(seen[:, None, :], 0.0).abs().max() == 0
+    with pytest.raises(RuntimeError, match="no backward"):
+        kernels.attention_step(q[:, 0].requires_grad_(), cache[0], cache[1], mask, keys_seen)
+
+
 def test_the_decoder_is_causal(model_and_config):
     model, cfg = model_and_config
     batch = mixed_batch(cfg)

@@ -15,6 +15,8 @@ rows per step.
 - `attention`: multi-head scaled dot-product attention, the Transformer's self- and
   cross-attention in a training step (`transformer.TransformerSeq2Seq`): not a recurrence, but
   at its sizes (heads of 8 features) torch's attention runs far below the matmul rate;
+- `attention_step`: the same attention for one query row per sequence over a cache of keys and
+  values, forward only: a greedy decoding step of the Transformer;
 - `transformer_layer`: a whole Transformer layer, its ATen ops and autograd's formulas for them
   called from C++ around the attention kernel (the numbers of the ops in Python, to the bit):
   at length 20 a layer's dozen ops and autograd nodes cost more dispatch than arithmetic.
@@ -346,6 +348,23 @@ def attention(x: Tensor, kv: Tensor | None, heads: int, key_mask: Tensor | None,
     gradients come back packed as x and kv are, with no concatenation after the kernel."""
     mask = x.new_empty(0) if key_mask is None else padding(key_mask)
     return attention_forward(x, x.new_empty(0) if kv is None else kv, mask, heads, causal)[0]
+
+
+def cache_length(steps: int) -> int:
+    """The length of a cache that `attention_step` reads `steps` keys from: a whole number of its tiles of 8."""
+    return -(-steps // 8) * 8
+
+
+def attention_step(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, keys_seen: int) -> tuple[Tensor, Tensor]:
+    """One greedy decoding step's multi-head attention, no autograd: q (B, d), each sequence's one
+    query, over the first `keys_seen` keys and values of a cache that holds them transposed, keys and
+    values (B, heads, d / heads, C), C = cache_length(at least keys_seen) and zero past what was
+    written; mask from `padding` of the keys (B, keys_seen), or empty -> (B, d), the heads side by
+    side, and the weights (B, heads, keys_seen). A query that sees no key gets zero weights and a
+    zero output."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values)):
+        raise RuntimeError("kernels.attention_step has no backward; call it under torch.no_grad()")
+    return tuple(_library().attention_step(q.contiguous(), keys, values, mask, keys_seen))
 
 
 class _Layer(torch.autograd.Function):

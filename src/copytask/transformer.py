@@ -27,9 +27,11 @@ tests/test_transformer.py checks every path against torch's own nn.Transformer, 
 Greedy decoding caches each decoder layer's self-attention keys and values at the positions decoded
 so far: a step runs only the new position through every layer (the causal mask makes earlier
 positions' outputs independent of later ones, so nothing before is recomputed). Each layer's
-cross-attention keys and values of the memory are projected once per decode, not once per step,
-by nn.MultiheadAttention's own ops, so the tokens and weights are the module's to the bit.
-docs/bench.md has both caches' costs.
+cross-attention keys and values of the memory are projected once per decode, not once per step.
+On CPU (float32, fused) a step's attention runs in `kernels.attention_step` on caches that hold the
+keys and values transposed: the tokens of nn.MultiheadAttention's ops, the weights to float
+rounding. Elsewhere (GPU, `fused=False`) it runs nn.MultiheadAttention's own ops, and the tokens and
+weights are the module's to the bit. docs/bench.md has the caches' costs.
 """
 
 from __future__ import annotations
@@ -234,16 +236,27 @@ class TransformerSeq2Seq(nn.Module):
         return self.out(x), weights
 
     @staticmethod
-    def _cached_self_attention(attention: nn.MultiheadAttention, x: Tensor, keys: Tensor, values: Tensor, t: int) -> Tensor:
+    def _cached_self_attention(attention: nn.MultiheadAttention, cache: Tensor, x: Tensor, t: int) -> Tensor:
         """nn.MultiheadAttention (eval mode) of step t's input `x` (B, 1, d) over steps 0 .. t, whose
-        projected keys and values are in `keys`, `values` (B, heads, steps, d / heads); step t's are
+        projected keys and values are in `cache` (2, B, heads, steps, d / heads); step t's are
         written there first. -> (B, 1, d)."""
         batch, _, d = x.shape
         heads = attention.num_heads
         query, key, value = (part.view(batch, heads, 1, d // heads) for part in F.linear(x, attention.in_proj_weight, attention.in_proj_bias).chunk(3, -1))
+        keys, values = cache
         keys[:, :, t : t + 1], values[:, :, t : t + 1] = key, value
         context = F.scaled_dot_product_attention(query, keys[:, :, : t + 1], values[:, :, : t + 1])  # (B, heads, 1, d / heads)
         return attention.out_proj(context.reshape(batch, 1, d))
+
+    @staticmethod
+    def _step_self_attention(attention: nn.MultiheadAttention, cache: Tensor, x: Tensor, t: int) -> Tensor:
+        """`_cached_self_attention` in kernels.attention_step, the same numbers to float rounding:
+        `cache` (2, B, heads, d / heads, C) holds the keys and values transposed. -> (B, 1, d)."""
+        batch, _, d = x.shape
+        query, key, value = F.linear(x[:, 0], attention.in_proj_weight, attention.in_proj_bias).chunk(3, -1)  # each (B, d)
+        cache[0, ..., t], cache[1, ..., t] = key.view(batch, attention.num_heads, -1), value.view(batch, attention.num_heads, -1)
+        context, _ = kernels.attention_step(query, cache[0], cache[1], query.new_empty(0), t + 1)  # (B, d)
+        return attention.out_proj(context)[:, None]
 
     @staticmethod
     def _project_memory(attention: nn.MultiheadAttention, memory: Tensor) -> tuple[Tensor, Tensor]:
@@ -273,24 +286,53 @@ class TransformerSeq2Seq(nn.Module):
         weights = weights.view(batch, heads, 1, -1).masked_fill(empty[:, None, None, None], 0.0)
         return torch.where(empty[:, None, None], attention.out_proj.bias, context), weights.mean(1)
 
+    @staticmethod
+    def _transposed_memory(attention: nn.MultiheadAttention, memory: Tensor) -> Tensor:
+        """A cross-attention's keys and values of `memory` (B, T_enc, d) as kernels.attention_step
+        takes them: (2, B, heads, d / heads, C), transposed, zero from T_enc to C (a multiple of 8)."""
+        batch, source, d = memory.shape
+        heads = attention.num_heads
+        projected = F.linear(memory, attention.in_proj_weight[d:], attention.in_proj_bias[d:])  # (B, T_enc, 2d): k | v
+        cache = memory.new_zeros(2, batch, heads, d // heads, kernels.cache_length(source))
+        cache[..., :source] = projected.view(batch, source, 2, heads, d // heads).permute(2, 0, 3, 4, 1)
+        return cache
+
+    @staticmethod
+    def _step_cross_attention(attention: nn.MultiheadAttention, cache: Tensor, mask: Tensor, source: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        """`_cached_cross_attention` in kernels.attention_step, the same numbers to float rounding (an
+        empty source: zero weights, and the projection of a zero context, its bias), on the memory's
+        keys and values from `_transposed_memory`, `mask` (kernels.padding of the source's (B, T_enc))
+        and its length T_enc -> context (B, 1, d), weights (B, 1, T_enc), mean over heads."""
+        d = x.size(-1)
+        query = F.linear(x[:, 0], attention.in_proj_weight[:d], attention.in_proj_bias[:d])  # (B, d)
+        context, weights = kernels.attention_step(query, cache[0], cache[1], mask, source)
+        return attention.out_proj(context)[:, None], weights.mean(1, keepdim=True)
+
     @torch.no_grad()
     def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor]:
         """Greedy decoding, each step fed its own previous prediction, with each layer's
         self-attention keys and values cached, and its cross-attention's keys and values of the
-        memory projected once: -> tokens (B, steps), weights (B, steps, T_enc). With a
-        counterfactual set, the cross-attention runs through Attention, which projects them at every
-        step (its hook sees the weights there)."""
+        memory projected once: -> tokens (B, steps), weights (B, steps, T_enc). On CPU each step's
+        attention runs in kernels.attention_step (fused, float32), elsewhere in
+        nn.MultiheadAttention's ops. With a counterfactual set, the cross-attention runs through
+        Attention, which projects them at every step (its hook sees the weights there)."""
         if self.longest_source is not None and steps - 1 > self.longest_source:
             raise ValueError(f"learned positions cover sources up to {self.longest_source} symbols, not {steps - 1}")
         memory, src_mask = self.encode(src, src_lengths)
         tokens = torch.full((src.size(0), 1), BOS, dtype=torch.long, device=src.device)
         layers = list(zip(self.transformer.decoder.layers, self.cross_attentions))
-        heads = self.cross_attentions[0].heads
-        # per layer: keys and values (B, heads, steps, d / heads), filled one step at a time
-        cache = [memory.new_zeros(2, src.size(0), heads, steps, self.d_model // heads) for _ in layers]
-        if any(cross_attention.intervention is not None for _, cross_attention in layers):
-            cross_attends = [partial(cross_attention, keys=memory, values=memory, mask=src_mask) for _, cross_attention in layers]
+        batch, heads = src.size(0), self.cross_attentions[0].heads
+        head_size = self.d_model // heads
+        if self.fused and kernels.usable(memory):
+            # per layer: keys and values transposed (B, heads, d / heads, C), filled one step at a time
+            self_attends = [partial(self._step_self_attention, layer.self_attn, memory.new_zeros(2, batch, heads, head_size, kernels.cache_length(steps)))
+                            for layer, _ in layers]
+            mask = kernels.padding(src_mask)
+            cross_attends = [partial(self._step_cross_attention, layer.multihead_attn, self._transposed_memory(layer.multihead_attn, memory), mask, src.size(1))
+                             for layer, _ in layers]
         else:
+            # per layer: keys and values (B, heads, steps, d / heads), filled one step at a time
+            self_attends = [partial(self._cached_self_attention, layer.self_attn, memory.new_zeros(2, batch, heads, steps, head_size)) for layer, _ in layers]
             # nn.MultiheadAttention's mask as it builds it: 0 or -inf per key, one row per sequence and head
             mask_bias = memory.new_zeros(src_mask.shape).masked_fill_(~src_mask, float("-inf"))
             mask_bias = mask_bias[:, None, None, :].expand(-1, heads, -1, -1).reshape(-1, 1, src_mask.size(1))
@@ -299,13 +341,14 @@ class TransformerSeq2Seq(nn.Module):
                 partial(self._cached_cross_attention, layer.multihead_attn, *self._project_memory(layer.multihead_attn, memory), mask_bias, empty)
                 for layer, _ in layers
             ]
+        if any(cross_attention.intervention is not None for _, cross_attention in layers):
+            cross_attends = [partial(cross_attention, keys=memory, values=memory, mask=src_mask) for _, cross_attention in layers]
         outputs, weights = [], []
         for t in range(steps):
             x = self._embed(self.tgt_embedding, tokens, start=t)  # (B, 1, d)
-            for (layer, _), (keys, values), cross_attend in zip(layers, cache, cross_attends):
+            for (layer, _), self_attend, cross_attend in zip(layers, self_attends, cross_attends):
                 # the newest position attends to every step so far: the causal mask, with nothing to mask
-                attended = self._cached_self_attention(layer.self_attn, x, keys, values, t)
-                x, step_weights = self._decoder_layer(layer, x, attended, cross_attend)
+                x, step_weights = self._decoder_layer(layer, x, self_attend(x, t), cross_attend)
             tokens = self.out(self.transformer.decoder.norm(x)).argmax(-1)  # (B, 1)
             outputs.append(tokens)
             weights.append(step_weights)

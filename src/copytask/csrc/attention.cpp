@@ -462,3 +462,42 @@ std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& x, 
   });
   return {grad_x, grad_kv};
 }
+
+// One step of greedy decoding, no backward: each sequence's query row q (B, H * D) over the first S
+// keys and values of a cache that holds them transposed, keys and values (B, H, D, C), C a whole
+// number of tiles and zero past what was written; mask (B, S) float or empty -> out (B, H * D), the
+// heads side by side, and the weights (B, H, S). The rows are forward_rows' for one query, with the
+// normalised weights written out (a greedy step's cross-attention weights are the model's maps);
+// the cache's layout spares the gather of a slice at every step.
+std::vector<Tensor> attention_step(const Tensor& q, const Tensor& keys, const Tensor& values, const Tensor& mask, int64_t S) {
+  check_inputs("attention_step", {&q, &keys, &values, &mask});
+  check_dim("attention_step", "keys", keys, 4);
+  const int64_t B = keys.size(0), H = keys.size(1), D = keys.size(2), C = keys.size(3);
+  TORCH_CHECK(C % W == 0 && S >= 0 && S <= C, "attention_step: ", S, " keys in a cache of ", C, " (a multiple of ", W, ")");
+  check_shape("attention_step", "values", values, keys.sizes());
+  check_shape("attention_step", "q", q, {B, H * D});
+  check_shape_or_empty("attention_step", "mask", mask, {B, S});
+  auto out = at::empty({B, H * D}, q.options());
+  auto weights = at::empty({B, H, S}, q.options());
+  const float *q_p = q.data_ptr<float>(), *keys_p = keys.data_ptr<float>(), *values_p = values.data_ptr<float>();
+  const float* mask_p = mask.numel() > 0 ? mask.data_ptr<float>() : nullptr;
+  float *out_p = out.data_ptr<float>(), *weights_p = weights.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(2 * C + D);
+    float *bias = buffer.data(), *p[1] = {bias + C}, *qs[1] = {bias + 2 * C};
+    for (int64_t slice = begin; slice < end; ++slice) {  // slice = b * H + h: q's and out's row b, head h
+      key_bias(mask_p, slice / H, S, C, bias);
+      const Slice slice_{1, S, D, C, H, false, 1.f / std::sqrt(static_cast<float>(D)), keys_p + slice * D * C,
+                         values_p + slice * D * C, bias};
+      const float* q_row[1] = {q_p + slice * D};
+      float* out_row[1] = {out_p + slice * D};
+      float top[1], sums[1];
+      const int64_t m = row_scores<1>(slice_, 0, q_row, qs, p, top);
+      weights_rows<1>(p, m, top, sums);
+      const float inverse[1] = {sums[0] > 0.f ? 1.f / sums[0] : 0.f};  // no key seen: zero weights, zero output
+      weighted_sums<1>(reinterpret_cast<ConstRows<1>>(p), slice_.vt, D, C, m, inverse, out_row);
+      for (int64_t j = 0; j < S; ++j) weights_p[slice * S + j] = p[0][j] * inverse[0];
+    }
+  });
+  return {out, weights};
+}

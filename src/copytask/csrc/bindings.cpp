@@ -23,6 +23,7 @@ std::vector<Tensor> bahdanau_backward(const Tensor& grad_states, const Tensor& g
 std::vector<Tensor> attention_forward(const Tensor& x, const Tensor& kv, const Tensor& mask, int64_t heads, bool causal);
 std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& x, const Tensor& kv, const Tensor& out,
                                        const Tensor& lse, const Tensor& mask, int64_t heads, bool causal);
+std::vector<Tensor> attention_step(const Tensor& q, const Tensor& keys, const Tensor& values, const Tensor& mask, int64_t S);
 std::vector<Tensor> layer_forward(const Tensor& x, const Tensor& memory, const Tensor& mask, const std::vector<Tensor>& params,
                                   int64_t heads, double eps);
 std::vector<Tensor> layer_backward(const Tensor& grad_out, const Tensor& x, const Tensor& memory, const Tensor& mask,
@@ -37,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bahdanau_backward", &bahdanau_backward, "Bahdanau's decoder under teacher forcing, backward");
   m.def("attention_forward", &attention_forward, "multi-head scaled dot-product attention, forward (csrc/attention.cpp)");
   m.def("attention_backward", &attention_backward, "multi-head scaled dot-product attention, backward");
+  m.def("attention_step", &attention_step, "one greedy decoding step's attention over a cache of keys and values");
   m.def("layer_forward", &layer_forward, "a Transformer encoder or decoder layer, forward (csrc/layers.cpp)");
   m.def("layer_backward", &layer_backward, "a Transformer encoder or decoder layer, backward");
 }

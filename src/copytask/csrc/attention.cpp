@@ -218,6 +218,15 @@ inline void transpose8(f8 (&m)[W]) {
 #endif
 }
 
+// A block of up to 8 x 8 floats transposed: the first `rows` of 8 rows from src (`src_stride`
+// apart, zero past them) into the first `columns` of 8 rows of dst (`dst_stride` apart).
+inline void transpose_block(const float* src, int64_t src_stride, int64_t rows, float* dst, int64_t dst_stride, int64_t columns) {
+  f8 m[W];
+  for (int u = 0; u < W; ++u) m[u] = u < rows ? load(src + u * src_stride) : f8{};
+  transpose8(m);
+  for (int c = 0; c < W && c < columns; ++c) store(dst + c * dst_stride, m[c]);
+}
+
 // Rows of D features, `row_stride` apart, into out (D, stride) transposed, zero from row `rows` to
 // `stride` (a whole number of tiles); heads of whole 8-float vectors go 8 x 8 blocks at a time.
 inline void transpose_in(const float* x, int64_t row_stride, int64_t rows, int64_t D, int64_t stride, float* __restrict out) {
@@ -227,13 +236,8 @@ inline void transpose_in(const float* x, int64_t row_stride, int64_t rows, int64
       for (int64_t c = 0; c < D; ++c) out[c * stride + j] = x[j * row_stride + c];
     return;
   }
-  for (int64_t c0 = 0; c0 < D; c0 += W)
-    for (int64_t j = 0; j < stride; j += W) {
-      f8 m[W];
-      for (int u = 0; u < W; ++u) m[u] = j + u < rows ? load(x + (j + u) * row_stride + c0) : f8{};
-      transpose8(m);
-      for (int c = 0; c < W; ++c) store(out + (c0 + c) * stride + j, m[c]);
-    }
+  for (int64_t c = 0; c < D; c += W)
+    for (int64_t j = 0; j < stride; j += W) transpose_block(x + j * row_stride + c, row_stride, rows - j, out + c * stride + j, stride, W);
 }
 
 // The inverse: in (D, stride) transposed into the first `rows` rows of D features, `row_stride` apart.
@@ -243,13 +247,8 @@ inline void transpose_out(const float* __restrict in, int64_t rows, int64_t D, i
       for (int64_t c = 0; c < D; ++c) x[j * row_stride + c] = in[c * stride + j];
     return;
   }
-  for (int64_t c0 = 0; c0 < D; c0 += W)
-    for (int64_t j = 0; j < rows; j += W) {
-      f8 m[W];
-      for (int c = 0; c < W; ++c) m[c] = load(in + (c0 + c) * stride + j);
-      transpose8(m);
-      for (int u = 0; u < W && j + u < rows; ++u) store(x + (j + u) * row_stride + c0, m[u]);
-    }
+  for (int64_t c = 0; c < D; c += W)
+    for (int64_t j = 0; j < rows; j += W) transpose_block(in + c * stride + j, stride, W, x + j * row_stride + c, row_stride, rows - j);
 }
 
 // Head h of sequence b of x (B, S, H * D, rows `row_stride` apart) into out (D, stride) transposed,

@@ -323,16 +323,19 @@ class TransformerSeq2Seq(nn.Module):
         layers = list(zip(self.transformer.decoder.layers, self.cross_attentions))
         batch, heads = src.size(0), self.cross_attentions[0].heads
         head_size = self.d_model // heads
-        if self.fused and kernels.usable(memory):
-            # per layer: keys and values transposed (B, heads, d / heads, C), filled one step at a time
+        fused = self.fused and kernels.usable(memory)
+        if fused:  # per layer: keys and values transposed (B, heads, d / heads, C), filled one step at a time
             self_attends = [partial(self._step_self_attention, layer.self_attn, memory.new_zeros(2, batch, heads, head_size, kernels.cache_length(steps)))
                             for layer, _ in layers]
+        else:  # per layer: keys and values (B, heads, steps, d / heads), filled one step at a time
+            self_attends = [partial(self._cached_self_attention, layer.self_attn, memory.new_zeros(2, batch, heads, steps, head_size)) for layer, _ in layers]
+        if any(cross_attention.intervention is not None for _, cross_attention in layers):
+            cross_attends = [partial(cross_attention, keys=memory, values=memory, mask=src_mask) for _, cross_attention in layers]
+        elif fused:
             mask = kernels.padding(src_mask)
             cross_attends = [partial(self._step_cross_attention, layer.multihead_attn, self._transposed_memory(layer.multihead_attn, memory), mask, src.size(1))
                              for layer, _ in layers]
         else:
-            # per layer: keys and values (B, heads, steps, d / heads), filled one step at a time
-            self_attends = [partial(self._cached_self_attention, layer.self_attn, memory.new_zeros(2, batch, heads, steps, head_size)) for layer, _ in layers]
             # nn.MultiheadAttention's mask as it builds it: 0 or -inf per key, one row per sequence and head
             mask_bias = memory.new_zeros(src_mask.shape).masked_fill_(~src_mask, float("-inf"))
             mask_bias = mask_bias[:, None, None, :].expand(-1, heads, -1, -1).reshape(-1, 1, src_mask.size(1))
@@ -341,8 +344,6 @@ class TransformerSeq2Seq(nn.Module):
                 partial(self._cached_cross_attention, layer.multihead_attn, *self._project_memory(layer.multihead_attn, memory), mask_bias, empty)
                 for layer, _ in layers
             ]
-        if any(cross_attention.intervention is not None for _, cross_attention in layers):
-            cross_attends = [partial(cross_attention, keys=memory, values=memory, mask=src_mask) for _, cross_attention in layers]
         outputs, weights = [], []
         for t in range(steps):
             x = self._embed(self.tgt_embedding, tokens, start=t)  # (B, 1, d)

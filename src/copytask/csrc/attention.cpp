@@ -251,13 +251,6 @@ inline void transpose_out(const float* __restrict in, int64_t rows, int64_t D, i
     for (int64_t j = 0; j < rows; j += W) transpose_block(in + c * stride + j, stride, W, x + j * row_stride + c, row_stride, rows - j);
 }
 
-// Head h of sequence b of x (B, S, H * D, rows `row_stride` apart) into out (D, stride) transposed,
-// zero past S.
-inline void gather_transposed(const float* x, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t h, int64_t S,
-                              int64_t D, int64_t stride, float* __restrict out) {
-  transpose_in(x + b * batch_stride + h * D, row_stride, S, D, stride, out);
-}
-
 // Per sequence: the scores' additive mask, 0 on real keys, -inf on padding and past S.
 inline void key_bias(const float* mask, int64_t b, int64_t S, int64_t stride, float* __restrict bias) {
   std::fill(bias, bias + S, 0.f);
@@ -269,8 +262,8 @@ inline void key_bias(const float* mask, int64_t b, int64_t S, int64_t stride, fl
 // Slice (b, h)'s keys and values transposed into kt and vt (D, Sp), and its key bias (Sp).
 inline void gather_slice(const Tensor& k, const Tensor& v, const float* mask, int64_t b, int64_t h, int64_t S, int64_t D,
                          int64_t Sp, float* kt, float* vt, float* bias) {
-  gather_transposed(k.data_ptr<float>(), k.stride(0), k.stride(1), b, h, S, D, Sp, kt);
-  gather_transposed(v.data_ptr<float>(), v.stride(0), v.stride(1), b, h, S, D, Sp, vt);
+  transpose_in(k.data_ptr<float>() + b * k.stride(0) + h * D, k.stride(1), S, D, Sp, kt);
+  transpose_in(v.data_ptr<float>() + b * v.stride(0) + h * D, v.stride(1), S, D, Sp, vt);
   key_bias(mask, b, S, Sp, bias);
 }
 

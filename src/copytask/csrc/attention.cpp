@@ -60,48 +60,50 @@ inline float sum_of(f8 v) {
   return total;
 }
 
-// exp(x) for x <= 0 (a score less its row's largest, or less its row's log-sum-exp), in place on R
-// vectors, as 2^n p(r), x = n ln 2 + r, |r| <= ln 2 / 2, p Cephes' expf polynomial: within about 1
-// ulp near 0 (the weights that matter), the error growing with |x| to about 1e-6 relative at
-// x = -20, where a weight is below 1e-8. Below -87.3 (float's exp leaves the normal numbers) it gives
-// 0, so -inf (a masked key) gives exactly 0; NaN stays NaN (r and so p are NaN). The R vectors go
-// step by step together: each step's R operations are independent, where one exp after another
-// would be a chain of a dozen dependent multiply-adds each.
-//
-// With FMA the steps are written as the fused multiply-adds that -ffast-math made of this
-// function's plain expression in earlier builds (ln 2 as one float, p * r * r + r + 1 as
-// (p * r + 1) * r + 1), so the weights are theirs to the bit, whatever the compiler now makes of
-// the code around them.
-template <int R>
-inline void exp_(f8 (&x)[R]) {
-  constexpr float coefficients[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                                    1.6666665459e-1f, 5.0000001201e-1f};
-  f8 nf[R], r[R], p[R];
-  i8 n[R];
+// exp(x) for x <= 0 (a score less its row's largest, or less its row's log-sum-exp), as 2^n p(r),
+// x = n ln 2 + r, |r| <= ln 2 / 2, p Cephes' expf polynomial: within about 1 ulp near 0 (the weights
+// that matter), the error growing with |x| to about 1e-6 relative at x = -20, where a weight is
+// below 1e-8. Below -87.3 (float's exp leaves the normal numbers) it gives 0, so -inf (a masked key)
+// gives exactly 0; NaN stays NaN (r and so p are NaN).
+inline f8 exp_(f8 x) {
+  const f8 lowest = splat(-87.33654475f);
+  const f8 t = x * 1.44269504088896341f + 0.5f;
+  i8 n = __builtin_convertvector(t, i8);  // toward zero, then down where that rounded up: floor(t)
+  n += __builtin_convertvector(n, f8) > t;
+  const f8 nf = __builtin_convertvector(n, f8);
+  const f8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln 2 in two parts, the first exact in float
+  f8 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const f8 y = p * (f8)((n + 127) << 23);  // 2^n from its exponent bits: n in [-126, 0]
+  return x < lowest ? f8{} : y;
+}
+
 #if defined(__FMA__)
+// exp_ of R vectors in place, the R step by step together: each step's R operations are independent,
+// where one exp_ after another is a chain of a dozen dependent multiply-adds each; the floor in one
+// rounding. The steps are the fused multiply-adds that -ffast-math makes of exp_'s expression with
+// FMA (ln 2 as one float, p * r * r + r + 1 as (p * r + 1) * r + 1), written out so that the weights
+// are exp_'s to the bit whatever the compiler makes of the code around them. (Without FMA the
+// kernels call exp_ itself: a build without it keeps its numbers.)
+template <int R>
+inline void exp_rows(f8 (&x)[R]) {
   const auto fma = [](f8 a, f8 b, f8 c) { return (f8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); };
+  f8 nf[R], r[R], p[R];
   for (int u = 0; u < R; ++u) nf[u] = (f8)_mm256_floor_ps((__m256)fma(x[u], splat(1.44269504088896341f), splat(0.5f)));
-  for (int u = 0; u < R; ++u) n[u] = __builtin_convertvector(nf[u], i8), r[u] = fma(nf[u], splat(-0.693147182f), x[u]);
-  for (int u = 0; u < R; ++u) p[u] = splat(coefficients[0]);
-  for (float c : {coefficients[1], coefficients[2], coefficients[3], coefficients[4], coefficients[5], 1.f, 1.f})
+  for (int u = 0; u < R; ++u) r[u] = fma(nf[u], splat(-0.693147182f), x[u]), p[u] = splat(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f, 1.f, 1.f})
     for (int u = 0; u < R; ++u) p[u] = fma(p[u], r[u], splat(c));
-#else
   for (int u = 0; u < R; ++u) {
-    const f8 t = x[u] * 1.44269504088896341f + 0.5f;
-    n[u] = __builtin_convertvector(t, i8);  // toward zero, then down where that rounded up: floor(t)
-    n[u] += __builtin_convertvector(n[u], f8) > t;
-    nf[u] = __builtin_convertvector(n[u], f8);
-    r[u] = x[u] - nf[u] * 0.693359375f + nf[u] * 2.12194440e-4f;  // ln 2 in two parts, the first exact in float
-    p[u] = splat(coefficients[0]);
-    for (int k = 1; k < 6; ++k) p[u] = p[u] * r[u] + coefficients[k];
-    p[u] = p[u] * r[u] * r[u] + r[u] + 1.f;
-  }
-#endif
-  for (int u = 0; u < R; ++u) {
-    const f8 y = p[u] * (f8)((n[u] + 127) << 23);  // 2^n from its exponent bits: n in [-126, 0]
+    const f8 y = p[u] * (f8)((__builtin_convertvector(nf[u], i8) + 127) << 23);  // 2^n: n in [-126, 0]
     x[u] = x[u] < splat(-87.33654475f) ? f8{} : y;
   }
 }
+#endif
 
 // The row functions below take R query rows at once (BLOCK of them, then one at a time), so that each
 // tile of keys or values loaded serves both: the loads, not the multiply-adds, bound these loops.
@@ -212,8 +214,12 @@ inline void weights_rows(Rows<R> p, int64_t m, const float (&shift)[R], float (&
   for (int r = 0; r < R; ++r) by[r] = splat(shift[r] == NEG_INF ? 0.f : shift[r]);
   for (int64_t j = 0; j < m; j += W) {
     f8 w[R];
+#if defined(__FMA__)
     for (int r = 0; r < R; ++r) w[r] = load(p[r] + j) - by[r];
-    exp_<R>(w);
+    exp_rows<R>(w);
+#else
+    for (int r = 0; r < R; ++r) w[r] = exp_(load(p[r] + j) - by[r]);
+#endif
     for (int r = 0; r < R; ++r) store(p[r] + j, w[r]), total[r] += w[r];
   }
   for (int r = 0; r < R; ++r) sum[r] = sum_of(total[r]);

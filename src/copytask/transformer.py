@@ -30,8 +30,9 @@ positions' outputs independent of later ones, so nothing before is recomputed). 
 cross-attention keys and values of the memory are projected once per decode, not once per step.
 On CPU (float32, fused) a step's attention runs in `kernels.attention_step` on caches that hold the
 keys and values transposed: the tokens of nn.MultiheadAttention's ops (but where two logits tie
-to float rounding), the weights to float rounding. Elsewhere (GPU, `fused=False`) it runs nn.MultiheadAttention's own ops, and the tokens and
-weights are the module's to the bit. docs/bench.md has the caches' costs.
+to float rounding), the weights to float rounding. Elsewhere (GPU, `fused=False`) it runs
+nn.MultiheadAttention's own ops, and the tokens and weights are the module's to the bit.
+docs/bench.md has the caches' costs.
 """
 
 from __future__ import annotations

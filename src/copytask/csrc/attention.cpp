@@ -65,19 +65,24 @@ inline float sum_of(f8 v) {
 // that matter), the error growing with |x| to about 1e-6 relative at x = -20, where a weight is
 // below 1e-8. Below -87.3 (float's exp leaves the normal numbers) it gives 0, so -inf (a masked key)
 // gives exactly 0; NaN stays NaN (r and so p are NaN).
+constexpr float LOG2E = 1.44269504088896341f;
+constexpr float EXP_LOWEST = -87.33654475f;
+constexpr float EXP_POLYNOMIAL[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                                    1.6666665459e-1f, 5.0000001201e-1f};  // highest power first
+
 inline f8 exp_(f8 x) {
-  const f8 lowest = splat(-87.33654475f);
-  const f8 t = x * 1.44269504088896341f + 0.5f;
+  const f8 lowest = splat(EXP_LOWEST);
+  const f8 t = x * LOG2E + 0.5f;
   i8 n = __builtin_convertvector(t, i8);  // toward zero, then down where that rounded up: floor(t)
   n += __builtin_convertvector(n, f8) > t;
   const f8 nf = __builtin_convertvector(n, f8);
   const f8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln 2 in two parts, the first exact in float
-  f8 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  f8 p = splat(EXP_POLYNOMIAL[0]);
+  p = p * r + EXP_POLYNOMIAL[1];
+  p = p * r + EXP_POLYNOMIAL[2];
+  p = p * r + EXP_POLYNOMIAL[3];
+  p = p * r + EXP_POLYNOMIAL[4];
+  p = p * r + EXP_POLYNOMIAL[5];
   p = p * r * r + r + 1.f;
   const f8 y = p * (f8)((n + 127) << 23);  // 2^n from its exponent bits: n in [-126, 0]
   return x < lowest ? f8{} : y;
@@ -94,13 +99,13 @@ template <int R>
 inline void exp_rows(f8 (&x)[R]) {
   const auto fma = [](f8 a, f8 b, f8 c) { return (f8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); };
   f8 nf[R], r[R], p[R];
-  for (int u = 0; u < R; ++u) nf[u] = (f8)_mm256_floor_ps((__m256)fma(x[u], splat(1.44269504088896341f), splat(0.5f)));
-  for (int u = 0; u < R; ++u) r[u] = fma(nf[u], splat(-0.693147182f), x[u]), p[u] = splat(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f, 1.f, 1.f})
+  for (int u = 0; u < R; ++u) nf[u] = (f8)_mm256_floor_ps((__m256)fma(x[u], splat(LOG2E), splat(0.5f)));
+  for (int u = 0; u < R; ++u) r[u] = fma(nf[u], splat(-0.693147182f), x[u]), p[u] = splat(EXP_POLYNOMIAL[0]);
+  for (float c : {EXP_POLYNOMIAL[1], EXP_POLYNOMIAL[2], EXP_POLYNOMIAL[3], EXP_POLYNOMIAL[4], EXP_POLYNOMIAL[5], 1.f, 1.f})
     for (int u = 0; u < R; ++u) p[u] = fma(p[u], r[u], splat(c));
   for (int u = 0; u < R; ++u) {
     const f8 y = p[u] * (f8)((__builtin_convertvector(nf[u], i8) + 127) << 23);  // 2^n: n in [-126, 0]
-    x[u] = x[u] < splat(-87.33654475f) ? f8{} : y;
+    x[u] = x[u] < splat(EXP_LOWEST) ? f8{} : y;
   }
 }
 #endif

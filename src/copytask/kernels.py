@@ -27,9 +27,10 @@ compiler) the torch code runs. They agree with it to float rounding, NaN and inf
 
 They are torch custom ops (`torch.ops.copytask.*`, torch.library) with their autograd formulas
 and shapes for fake tensors, so that autograd and torch.compile treat them as torch's own ops;
-under autocast they run in float32. `transformer_layer` is an autograd Function instead (a custom
-op's wrapper of its 18 parameters and 20 saved tensors cost as much as the Python ops it replaces,
-0.4 ms a layer); under autocast the model runs the layers' ops in Python. There is no second
+under autocast they run in float32. `transformer_layer` is an autograd node written in C++ instead
+(a custom op's wrapper of its 18 parameters and 20 saved tensors cost as much as the Python ops it
+replaces, 0.4 ms a layer, and a Python autograd Function's 2-5% of a step at length 20); under
+autocast the model runs the layers' ops in Python. There is no second
 derivative: a double backward through them raises an error that says so (build the model with
 `fused=False` for one).
 
@@ -367,28 +368,6 @@ def attention_step(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, keys_s
     return tuple(_library().attention_step(q.contiguous(), keys, values, mask, keys_seen))
 
 
-class _Layer(torch.autograd.Function):
-    """A Transformer layer (csrc/layers.cpp) as an autograd Function: x (B, T, d); memory (B, S, d)
-    for a decoder layer, empty (not 3-d) for an encoder layer; mask (B, S) float or empty; then
-    the layer's parameters as `layer_parameters` lists them -> (B, T, d)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, memory: Tensor, mask: Tensor, heads: int, eps: float, *params: Tensor) -> Tensor:
-        x, memory, mask = x.contiguous(), memory.contiguous(), mask.contiguous()
-        out, *saved = _library().layer_forward(x, memory, mask, list(params), heads, eps)
-        ctx.save_for_backward(x, memory, mask, *params, *saved)  # freed as soon as the layer's backward has run
-        ctx.parameters, ctx.heads = len(params), heads
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: Tensor):
-        x, memory, mask, *rest = ctx.saved_tensors
-        params, saved = rest[: ctx.parameters], rest[ctx.parameters :]
-        grad_x, grad_memory, *grad_params = _library().layer_backward(grad_out.contiguous(), x, memory, mask, params, saved, ctx.heads)
-        return grad_x, grad_memory if memory.dim() == 3 else None, None, None, None, *grad_params
-
-
 def layer_parameters(layer: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer) -> list[Tensor]:
     """A layer's parameters in the order csrc/layers.cpp takes them."""
     decoder = isinstance(layer, nn.TransformerDecoderLayer)
@@ -407,7 +386,7 @@ def transformer_layer(layer: nn.TransformerEncoderLayer | nn.TransformerDecoderL
     encoder layer; mask from `padding` of the keys (B, S) an encoder layer's self-attention or a
     decoder layer's cross-attention sees -> (B, T, d)."""
     memory = x.new_empty(0) if memory is None else memory
-    return _Layer.apply(x, memory, mask, layer.self_attn.num_heads, layer.norm1.eps, *layer_parameters(layer))
+    return _library().transformer_layer(x, memory, mask, layer_parameters(layer), layer.self_attn.num_heads, layer.norm1.eps)
 
 
 for _op in (gru_backward, additive_backward, bahdanau_backward, attention_backward):

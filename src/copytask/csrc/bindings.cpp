@@ -24,10 +24,8 @@ std::vector<Tensor> attention_forward(const Tensor& x, const Tensor& kv, const T
 std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& x, const Tensor& kv, const Tensor& out,
                                        const Tensor& lse, const Tensor& mask, int64_t heads, bool causal);
 std::vector<Tensor> attention_step(const Tensor& q, const Tensor& keys, const Tensor& values, const Tensor& mask, int64_t S);
-std::vector<Tensor> layer_forward(const Tensor& x, const Tensor& memory, const Tensor& mask, const std::vector<Tensor>& params,
-                                  int64_t heads, double eps);
-std::vector<Tensor> layer_backward(const Tensor& grad_out, const Tensor& x, const Tensor& memory, const Tensor& mask,
-                                   const std::vector<Tensor>& params, std::vector<Tensor> saved, int64_t heads);
+Tensor transformer_layer(const Tensor& x, const Tensor& memory, const Tensor& mask, const std::vector<Tensor>& params,
+                         int64_t heads, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gru_forward", &gru_forward, "one GRU layer's recurrence, forward (csrc/gru.cpp)");
@@ -39,6 +37,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_forward", &attention_forward, "multi-head scaled dot-product attention, forward (csrc/attention.cpp)");
   m.def("attention_backward", &attention_backward, "multi-head scaled dot-product attention, backward");
   m.def("attention_step", &attention_step, "one greedy decoding step's attention over a cache of keys and values");
-  m.def("layer_forward", &layer_forward, "a Transformer encoder or decoder layer, forward (csrc/layers.cpp)");
-  m.def("layer_backward", &layer_backward, "a Transformer encoder or decoder layer, backward");
+  m.def("transformer_layer", &transformer_layer, "a Transformer encoder or decoder layer as one autograd node (csrc/layers.cpp)");
 }

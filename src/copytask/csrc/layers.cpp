@@ -20,7 +20,13 @@
 // an attention block's projections (q | k | v, or q and k | v), attention output and lse, a
 // feed-forward block's ReLU output, then every block's residual sum, mean and rstd, and after each
 // block but the first, its input (the block before's output).
+//
+// transformer_layer records a layer for autograd as one node, written in C++ (LayerFunction): as a
+// Python autograd Function the layer's 18 parameters and 20 saved tensors crossed into Python and
+// back at every call, 2-5% of a training step at length 20 (docs/bench.md).
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 
 #include <array>
 #include <vector>
@@ -170,7 +176,7 @@ std::vector<Tensor> layer_forward(const Tensor& x, const Tensor& memory, const T
                                   int64_t heads, double eps) {
   check_layer("layer_forward", x, memory, params);
   // The ops below go straight to their CPU kernels, past autograd's and the views' bookkeeping (the
-  // layer is one autograd Function: nothing inside it is recorded anyway). The same kernels, the same
+  // layer is one autograd node: nothing inside it is recorded anyway). The same kernels, the same
   // numbers; a quarter less time on a small layer's dispatch.
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   std::vector<Tensor> saved;
@@ -220,4 +226,59 @@ std::vector<Tensor> layer_backward(const Tensor& grad_out, const Tensor& x, cons
   }
   grads[0] = g.view(x.sizes()), grads[1] = grad_memory;
   return grads;
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// A layer as one autograd node: x, the memory (empty for an encoder layer), the mask, then the
+// layer's parameters as layer_forward takes them; its backward is layer_backward. There is no
+// second derivative: a backward under create_graph returns gradients whose own backward raises, as
+// torch's once_differentiable makes a Python Function's do.
+struct LayerFunction : public torch::autograd::Function<LayerFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& memory, const Tensor& mask, at::TensorList params,
+                        int64_t heads, double eps) {
+    const Tensor x_ = x.contiguous(), memory_ = memory.contiguous(), mask_ = mask.contiguous();
+    const std::vector<Tensor> outputs = layer_forward(x_, memory_, mask_, params.vec(), heads, eps);
+    variable_list saved{x_, memory_, mask_};  // then the parameters, then what layer_backward needs
+    saved.insert(saved.end(), params.begin(), params.end());
+    saved.insert(saved.end(), outputs.begin() + 1, outputs.end());
+    ctx->save_for_backward(std::move(saved));  // freed as soon as the backward has run
+    ctx->saved_data["parameters"] = static_cast<int64_t>(params.size());
+    ctx->saved_data["heads"] = heads;
+    return outputs.front();
+  }
+
+  // -> a gradient for each of forward's arguments, the parameters one by one (undefined: none).
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const int64_t n = ctx->saved_data["parameters"].toInt();
+    const Tensor &x = saved[0], &memory = saved[1], &mask = saved[2];
+    std::vector<Tensor> grads = layer_backward(grad_outputs[0].contiguous(), x, memory, mask, {saved.begin() + 3, saved.begin() + 3 + n},
+                                               {saved.begin() + 3 + n, saved.end()}, ctx->saved_data["heads"].toInt());
+    if (memory.dim() != 3) grads[1] = Tensor();
+    if (at::GradMode::is_enabled()) {  // create_graph: gradients whose backward raises
+      variable_list detached;
+      for (const Tensor& grad : grads) detached.push_back(grad.defined() ? grad.detach().requires_grad_() : grad);
+      const auto error = std::make_shared<torch::autograd::DelayedError>(
+          "trying to differentiate twice the fused Transformer layer (copytask.kernels), which has no second "
+          "derivative; build the model with fused=False for one",
+          static_cast<int64_t>(detached.size()));
+      grads = (*error)(std::move(detached));
+    }
+    variable_list result{grads[0], grads[1], Tensor()};  // x, memory, mask
+    result.insert(result.end(), grads.begin() + 2, grads.end());
+    result.insert(result.end(), {Tensor(), Tensor()});  // heads, eps
+    return result;
+  }
+};
+
+}  // namespace
+
+// The layer's output (B, T, F), recorded for autograd as one node (LayerFunction).
+Tensor transformer_layer(const Tensor& x, const Tensor& memory, const Tensor& mask, const std::vector<Tensor>& params,
+                         int64_t heads, double eps) {
+  return LayerFunction::apply(x, memory, mask, at::TensorList(params), heads, eps);  // a TensorList: each parameter an input
 }

@@ -29,8 +29,8 @@ They are torch custom ops (`torch.ops.copytask.*`, torch.library) with their aut
 and shapes for fake tensors, so that autograd and torch.compile treat them as torch's own ops;
 under autocast they run in float32. `transformer_layer` is an autograd node written in C++ instead
 (a custom op's wrapper of its 18 parameters and 20 saved tensors cost as much as the Python ops it
-replaces, 0.4 ms a layer, and a Python autograd Function's 2-5% of a step at length 20); under
-autocast the model runs the layers' ops in Python. There is no second
+replaces, 0.4 ms a layer; a Python autograd Function, 2-5% of a step at length 20); under autocast
+the model runs the layers' ops in Python. There is no second
 derivative: a double backward through them raises an error that says so (build the model with
 `fused=False` for one).
 

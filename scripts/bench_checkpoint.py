@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from copytask import api, checkpoints
+from copytask import api
+from copytask.training import checkpoints
 from copytask.bench import matmul_rate
 
 

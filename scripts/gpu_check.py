@@ -57,8 +57,11 @@ def main() -> int:
     import pandas as pd
     from hydra import compose, initialize_config_dir
 
-    from copytask import analysis, evaluation, splits, store, training
-    from copytask.config import config_dir
+    from copytask.evaluation import analysis
+    from copytask.models import build
+    from copytask.training import splits, loop
+    from copytask import store
+    from copytask.config.schema import config_dir
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -69,7 +72,7 @@ def main() -> int:
     built = copytask("build", out=out)
     print(f"fused CPU kernels: {'built' if built.returncode == 0 else 'not built (CPU runs use torch ops)'}", flush=True)
 
-    step = training.train_step
+    step = loop.train_step
 
     def checked_step(*step_args):
         torch.cuda.set_sync_debug_mode("error")  # a host sync inside the step raises
@@ -78,7 +81,7 @@ def main() -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    training.train_step = checked_step  # what train() calls every step: this script's process only
+    loop.train_step = checked_step  # what train() calls every step: this script's process only
 
     def config(attention: str, device: str, runs: str):
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
@@ -90,7 +93,7 @@ def main() -> int:
     def run(attention: str, device: str, runs: str) -> dict:
         cfg = config(attention, device, runs)
         try:
-            metrics = training.train(cfg)
+            metrics = loop.train(cfg)
             error = ""
         except Exception as failure:  # noqa: BLE001 - one setting's failure is a finding, not the end of the check
             metrics, error = {}, f"{type(failure).__name__}: {str(failure).splitlines()[0][:120]}"
@@ -113,8 +116,8 @@ def main() -> int:
         cfg = config("luong_general", "cuda", "cuda")
         tokens = {}
         for device in ("cuda", "cpu"):
-            model, _ = evaluation.load_run(folder, device=device)
-            tokens[device] = evaluation.evaluate(model, splits.test_batch(cfg).to(device))["tokens"].cpu()
+            model, _ = build.load_run(folder, device=device)
+            tokens[device] = build.evaluate(model, splits.test_batch(cfg).to(device))["tokens"].cpu()
         agree = f"{int((tokens['cuda'] == tokens['cpu']).all(1).sum())} of {len(tokens['cpu'])}"
         analysis.analyze([folder], lengths=[LENGTH], eval_size=128, progress=False, device="cuda")
         recorded = store.read_json(folder / store.ANALYSIS) if (folder / store.ANALYSIS).is_file() else {}
@@ -133,7 +136,7 @@ def main() -> int:
 
     print(f"\n## GPU check: {gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, host {socket.gethostname()}\n")
     print(f"Training at length {LENGTH}, {args.steps} steps, every step under `torch.cuda.set_sync_debug_mode(\"error\")`:\n")
-    print("| attention | device | token acc | seq acc | train s | ms per step (with evaluation) | fused | result |")
+    print("| attention | device | token acc | seq acc | train s | ms per step (with build) | fused | result |")
     print("|---|---|---|---|---|---|---|---|")
     for row in [*rows, again, on_cpu]:
         if row["error"]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from copytask.config import config_dir
+from copytask.config.schema import config_dir
 
-from copytask.grid import compose_grid
+from copytask.store.grid import compose_grid
 
 
 def presets() -> list[list[str]]:

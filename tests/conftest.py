@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from copytask.config import config_dir
+from copytask.config.schema import config_dir
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -78,16 +78,16 @@ def runs_copy(swept, tmp_path) -> Path:
 @pytest.fixture
 def fails_at_length_4(monkeypatch):
     """A job's training that raises for task.length=4 and trains every other run."""
-    from copytask import training
+    from copytask.training import loop
 
-    real_train = training.train
+    real_train = loop.train
 
     def train(cfg):
         if cfg.task.length == 4:
             raise RuntimeError("injected failure at length 4")
         return real_train(cfg)
 
-    monkeypatch.setattr(training, "train", train)  # what the job imports when it runs
+    monkeypatch.setattr(loop, "train", train)  # what the job imports when it runs
 
 
 @pytest.fixture

@@ -10,10 +10,16 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from copytask import analysis, analysis_figures, cli, config, data, figures, store
-from copytask.data import EOS, Batch, make_batch, total_vocab
-from copytask.model import Seq2Seq
-from copytask.evaluation import evaluate
+from copytask.evaluation import analysis
+from copytask.reporting import analysis_figures, analysis_tables, figures
+from copytask import cli, store
+from copytask.config.messages import CopytaskWarning
+from copytask.config import schema
+from copytask.data import batches
+from copytask.data.vocab import EOS, total_vocab
+from copytask.data.batches import Batch, make_batch
+from copytask.models.recurrent import Seq2Seq
+from copytask.models.greedy import evaluate
 
 LENGTHS = torch.tensor([5, 3, 1])
 T_ENC = 5
@@ -125,7 +131,7 @@ def test_interventions_act_inside_greedy_decoding_and_are_removed_after():
 
 
 def test_per_length_evaluation_mixes_lengths_with_masks_in_place():
-    with initialize_config_dir(config_dir=config.config_dir(), version_base="1.3"):
+    with initialize_config_dir(config_dir=schema.config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["task.variable_length=true", "task.min_length=2", "task.length=6", "task.vocab_size=4",
                                                          "train.eval_size=16", "train.val_size=16"])  # fmt: skip
     model = tiny_model()
@@ -166,7 +172,7 @@ def test_analyze_writes_analysis_json_for_every_complete_run(analysed_runs, caps
     metrics = store.read_json(folders["luong_general"] / store.METRICS)
     assert attended["attention"] == "luong_general-2heads"
     assert attended["counterfactual"]["own"] == pytest.approx(metrics["token_acc"])  # the same held-out set
-    assert set(attended["drop"]) == set(analysis.COUNTERFACTUALS)
+    assert set(attended["drop"]) == set(analysis_tables.COUNTERFACTUALS)
     assert 0 <= attended["alignment"]["hit"] <= 1
     assert [row["test_length"] for row in attended["length_generalisation"]] == [3, 4]  # lengths in runs_dir
     assert torch.tensor(attended["head_weights"]["weights"]).shape == (2, 5, 4)
@@ -194,7 +200,7 @@ def test_analyze_skips_a_corrupt_run_with_a_warning_naming_it(analysed_runs, tmp
         (folder / store.ANALYSIS).unlink()
     # readable but damaged (a half-written one means an unfinished run, which analyze never sees)
     (corrupt / store.METRICS).write_text('{"attention": "luong_general"}')
-    with pytest.warns(store.CopytaskWarning, match=f"skipping {re.escape(str(corrupt))}"):
+    with pytest.warns(CopytaskWarning, match=f"skipping {re.escape(str(corrupt))}"):
         assert cli.main(["analyze", f"runs_dir={runs_dir}"]) == 0
     assert (intact / store.ANALYSIS).is_file() and not (corrupt / store.ANALYSIS).exists()
 
@@ -204,13 +210,13 @@ def test_figures_are_drawn_from_the_analysis_files(analysed_runs, tmp_path):
 
     analyses = [store.read_json(folder / store.ANALYSIS) for folder in store.complete_runs(analysed_runs)]
     paths = [
-        analysis_figures.plot_counterfactual(analysis.analysis_table(analyses).assign(chance=1 / 9), tmp_path / "counterfactual.png"),
-        analysis_figures.plot_length_generalisation(analysis.length_generalisation_table(analyses), tmp_path / "generalisation.png"),
+        analysis_figures.plot_counterfactual(analysis_tables.analysis_table(analyses).assign(chance=1 / 9), tmp_path / "counterfactual.png"),
+        analysis_figures.plot_length_generalisation(analysis_tables.length_generalisation_table(analyses), tmp_path / "generalisation.png"),
     ]
     attended = next(f for f in store.complete_runs(analysed_runs) if f.name.startswith("luong_general"))
     paths.append(analysis_figures.plot_head_weights(json.loads((attended / store.ANALYSIS).read_text()), 9, tmp_path / "heads.png"))
     figure, ax = plt.subplots()
-    analysis_figures.plot_per_length(ax, analysis.per_length_table(analyses))
+    analysis_figures.plot_per_length(ax, analysis_tables.per_length_table(analyses))
     assert len(ax.lines) == 1
     plt.close(figure)
     assert all(path.stat().st_size > 1000 for path in paths)
@@ -218,9 +224,9 @@ def test_figures_are_drawn_from_the_analysis_files(analysed_runs, tmp_path):
 
 @pytest.mark.parametrize("task, expected", [("copy", [0, 1, 2, 3]), ("reverse", [3, 2, 1, 0])])
 def test_copied_source_positions_are_the_alignment_targets(task, expected):
-    assert data.copied_source_positions(task, 4) == expected
+    assert batches.copied_source_positions(task, 4) == expected
     lengths = torch.tensor([4, 2])
-    assert data.copied_positions(task, lengths, 4)[0].tolist() == expected  # what alignment scores
+    assert batches.copied_positions(task, lengths, 4)[0].tolist() == expected  # what alignment scores
 
 
 @pytest.mark.parametrize("task", ["copy", "reverse"])

@@ -45,7 +45,7 @@ def test_train_returns_the_metrics_and_reads_a_finished_run_instead_of_training_
     cfg = copytask.compose([*TINY, f"runs_dir={tmp_path}"])
     metrics = copytask.train(cfg)
     assert metrics == store.read_json(store.run_dir(cfg) / store.METRICS)
-    monkeypatch.setattr("copytask.training.build_model", lambda *args: pytest.fail("a complete run was trained again"))
+    monkeypatch.setattr("copytask.training.loop.build_model", lambda *args: pytest.fail("a complete run was trained again"))
     assert copytask.train([*TINY, f"runs_dir={tmp_path}"]) == metrics  # overrides are composed first
 
 
@@ -65,7 +65,7 @@ def test_results_compare_and_report_read_a_folder_as_the_command_line_does(runs_
     assert summary["token_acc_lo"].le(summary["token_acc"]).all() and summary["token_acc_hi"].ge(summary["token_acc"]).all()
 
     from copytask.cli import main
-    from copytask.tables import comparison_table
+    from copytask.reporting.tables import comparison_table
 
     capsys.readouterr()
     assert main(["compare", f"runs_dir={runs_copy}"]) == 0
@@ -103,7 +103,7 @@ def command_and_api(runs_dir, capsys, *flags: str) -> dict:
     each selects and the tables they give."""
     from copytask.api import load, select
     from copytask.cli import main
-    from copytask.tables import comparison_table
+    from copytask.reporting.tables import comparison_table
 
     all_runs = "--all" in flags
     capsys.readouterr()

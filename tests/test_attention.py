@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from copytask.attention import Attention, masked_softmax
+from copytask.models.attention import Attention, masked_softmax
 
 CASES = [("additive", 6, 8, 5), ("dot", 8, 8, None), ("general", 6, 8, None)]
 

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from copytask.attention import Attention, masked_softmax
-from copytask.data import length_mask
+from copytask.models.attention import Attention, masked_softmax
+from copytask.data.batches import length_mask
 
 B, T_DEC, T_ENC, H = 3, 5, 7, 8
 

@@ -1,6 +1,7 @@
 import torch
 
-from copytask.data import BOS, EOS, NUM_SPECIAL, PAD, make_batch
+from copytask.data.vocab import BOS, EOS, NUM_SPECIAL, PAD
+from copytask.data.batches import make_batch
 
 
 def test_copy_batch_layout():

@@ -15,14 +15,18 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from copytask import analysis, bench, devices, evaluation, kernels, store
-from copytask.config import ConfigError, config_dir
-from copytask.validation import analysis_device, validate
-from copytask.data import task_batch
-from copytask.grid import check_grid
-from copytask.evaluation import build_model
-from copytask.splits import sample_batch
-from copytask.training import train, train_step
+from copytask.evaluation import analysis
+from copytask import bench, store
+from copytask.training import devices
+from copytask.evaluation.load import load_run
+from copytask.kernels import ops
+from copytask.config.schema import ConfigError, config_dir
+from copytask.config.checks import analysis_device, validate
+from copytask.data.batches import task_batch
+from copytask.store.grid import check_grid
+from copytask.models.build import build_model
+from copytask.training.splits import sample_batch
+from copytask.training.loop import train, train_step
 
 from .conftest import TINY, run_cli
 
@@ -115,7 +119,7 @@ def test_a_step_decoding_and_interventions_run_on_the_meta_device(config, attent
 def test_a_training_step_as_a_gpu_runs_it_reads_nothing_on_the_host(config, monkeypatch, attention, ragged):
     """The CUDA path on CPU: torch's ops (the fused kernels are CPU-only), the lengths treated as
     living on a device, and Adam as CUDA gets it (fused). Not one host read in the whole step."""
-    monkeypatch.setattr(kernels, "on_host", lambda lengths: False, raising=False)  # absent before the device path existed
+    monkeypatch.setattr(ops, "on_host", lambda lengths: False, raising=False)  # absent before the device path existed
     cfg = config(attention, "train.fused=false", *(RAGGED if ragged else []))
     model = build_model(cfg)
     batch = sample_batch(cfg, cfg.train.batch_size, torch.Generator().manual_seed(0))
@@ -138,10 +142,10 @@ def test_the_counter_sees_the_host_reads_of_the_cpu_path(config, ragged):
 
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_the_gru_without_host_reads_computes_what_packing_does(bidirectional):
-    """`kernels.GRU` on lengths that live on a device gives packing's states, final states and
+    """`ops.GRU` on lengths that live on a device gives packing's states, final states and
     gradients: zero states past each length, each direction's last real state."""
     torch.manual_seed(0)
-    gru = kernels.GRU(5, 6, bidirectional, fused=False).double()
+    gru = ops.GRU(5, 6, bidirectional, fused=False).double()
     x = torch.randn(4, 7, 5, dtype=torch.double, requires_grad=True)
     hx = torch.randn(2 if bidirectional else 1, 4, 6, dtype=torch.double, requires_grad=True)
     lengths = torch.tensor([7, 3, 1, 5])
@@ -209,7 +213,7 @@ def test_a_checkpoint_saved_on_a_gpu_loads_on_the_cpu(trained_run, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="CUDA"):
         torch.load(checkpoint, weights_only=True)  # the tags are real: without map_location it wants a GPU
-    model, _ = evaluation.load_run(trained_run, device="cpu")
+    model, _ = load_run(trained_run, device="cpu")
     for name, value in model.state_dict().items():
         assert value.device.type == "cpu" and torch.equal(value, before[name]), name
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from copytask import bench, cli, decoding
-from copytask.grid import check_grid, compose_grid
-from copytask.hydra_internals import override_args
-from copytask.validation import check_launcher, remote_job_check, remote_launcher, validate
+from copytask import bench, cli
+from copytask.evaluation import decode
+from copytask.store.grid import check_grid, compose_grid
+from copytask.config.hydra_internals import override_args
+from copytask.config.checks import check_launcher, remote_job_check, remote_launcher, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -101,7 +102,7 @@ def test_a_documented_command_is_accepted_as_written(where, args, fake_slurm):
         assert set(flags) <= set(cli.COMMAND_FLAGS.get(command, ())), f"{where}: {command} has no option {flags}"
         compose_grid([arg for arg in rest if arg not in flags], expand_grid=False)
     elif command == "decode":
-        decoding.parser().parse_args(rest)
+        decode.parser().parse_args(rest)
     elif command == "bench":
         options = bench.parse(rest)
         bench.bench_config(bench.ATTENTIONS[0], options.lengths[0], options.overrides)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from copytask import kernels
-from copytask.attention import Attention, masked_softmax
+from copytask.kernels import ops
+from copytask.models.attention import Attention, masked_softmax
 
 
 def test_masked_softmax_gives_a_fully_masked_row_zero_weights_and_keeps_nan_scores_nan():
@@ -37,13 +37,13 @@ def test_every_score_gives_an_empty_source_zero_weights(score, local, interventi
 
 
 def test_the_fused_bahdanau_kernel_gives_an_empty_source_zero_weights():
-    if kernels.kernel() is None:
+    if ops.kernel() is None:
         pytest.skip("the fused kernels are not built on this machine")
     torch.manual_seed(0)
     cell = torch.nn.GRUCell(5 + 8, 8)
     embedded, s0 = torch.randn(2, 3, 5), torch.randn(2, 8)
     keys, values, w_q, v = torch.randn(2, 4, 6), torch.randn(2, 4, 8), torch.randn(6, 8), torch.randn(6)
     mask = torch.tensor([[True, True, True, False], [False] * 4])
-    states, contexts, weights = kernels.bahdanau_decode(embedded, s0, keys, values, mask, w_q, v, cell)
+    states, contexts, weights = ops.bahdanau_decode(embedded, s0, keys, values, mask, w_q, v, cell)
     assert torch.isfinite(states).all() and torch.isfinite(contexts).all() and torch.isfinite(weights).all()
     assert weights[1].abs().sum() == 0 and contexts[1].abs().sum() == 0

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from copytask.config import config_dir
-from copytask.hydra_internals import compose, compose_job, override_args, proposes_jobs, search_samples, search_space, sweep_jobs
+from copytask.config.schema import config_dir
+from copytask.config.hydra_internals import compose, compose_job, override_args, proposes_jobs, search_samples, search_space, sweep_jobs
 
 
 def test_override_args_separates_hydra_flags_from_overrides():

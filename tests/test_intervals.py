@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from copytask.tables import TARGET_STEP, interval, load, scored, summarise
-from copytask.grid import compose_grid
-from copytask.training import train
+from copytask.reporting.tables import TARGET_STEP, interval, load, scored, summarise
+from copytask.store.grid import compose_grid
+from copytask.training.loop import train
 
 from .conftest import TINY
 

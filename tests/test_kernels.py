@@ -12,9 +12,10 @@ import filelock
 import pytest
 import torch
 
-from copytask import kernel_build, kernels
-from copytask.data import length_mask, make_batch, total_vocab
-from copytask.model import Seq2Seq
+from copytask.kernels import build, ops
+from copytask.data.batches import length_mask, make_batch
+from copytask.data.vocab import total_vocab
+from copytask.models.recurrent import Seq2Seq
 
 from .conftest import SRC, run_cli
 
@@ -22,7 +23,7 @@ from .conftest import SRC, run_cli
 @pytest.fixture
 def kernel():
     """The compiled kernel. CI must build it; elsewhere a machine without a C++ compiler skips."""
-    built = kernels.kernel()
+    built = ops.kernel()
     if built is None:
         if os.environ.get("CI"):
             pytest.fail("the fused CPU kernels did not build (see the warning above)")
@@ -67,7 +68,7 @@ def assert_same_training_step(fused: Seq2Seq, other: Seq2Seq, batch, through_wei
 @pytest.mark.parametrize("initial", [False, True])
 def test_fused_equals_torch(kernel, bidirectional, ragged, initial):
     torch.manual_seed(0)
-    fused = kernels.GRU(6, 5, bidirectional, fused=True)
+    fused = ops.GRU(6, 5, bidirectional, fused=True)
     reference = copy.deepcopy(fused)
     reference.fused = False
     B, T, D = 4, 7, 2 if bidirectional else 1
@@ -92,31 +93,31 @@ def test_seq2seq_fused_equals_torch(kernel):
             module.fused = False
     batch = make_batch("copy", 8, 12, 9, torch.Generator().manual_seed(0), min_length=4)
     assert_same_training_step(fused, plain, batch)
-    assert kernels.runs_fused(fused) and not kernels.runs_fused(plain)
+    assert ops.runs_fused(fused) and not ops.runs_fused(plain)
 
 
 def test_without_kernel_torch_runs(monkeypatch):
     """No compiler: the same module runs torch's nn.GRU, bit for bit what fused=False gives."""
     torch.manual_seed(0)
-    layer = kernels.GRU(6, 5, bidirectional=True)
+    layer = ops.GRU(6, 5, bidirectional=True)
     x, lengths = torch.randn(3, 5, 6), torch.tensor([5, 2, 4])
     with torch.no_grad():
         reference = copy.deepcopy(layer)
         reference.fused = False
         want = reference(x, lengths=lengths)
-        monkeypatch.setattr(kernels, "kernel", lambda: None)
+        monkeypatch.setattr(ops, "kernel", lambda: None)
         got = layer(x, lengths=lengths)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert not kernels.runs_fused(Seq2Seq(total_vocab(9), "plain"))
+    assert not ops.runs_fused(Seq2Seq(total_vocab(9), "plain"))
 
 
 @pytest.fixture
 def fresh_build_root(monkeypatch, tmp_path):
     """An empty build folder, and kernel() forgetting the loaded build until the test ends."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    kernel_build.kernel.cache_clear()
+    build.kernel.cache_clear()
     yield tmp_path
-    kernel_build.kernel.cache_clear()  # the next caller loads the real kernel again
+    build.kernel.cache_clear()  # the next caller loads the real kernel again
 
 
 def test_failed_build_warns_and_falls_back(monkeypatch, fresh_build_root):
@@ -125,7 +126,7 @@ def test_failed_build_warns_and_falls_back(monkeypatch, fresh_build_root):
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
     with pytest.warns(UserWarning, match="could not build the fused CPU kernels .*c\\+\\+: not found"):
-        assert kernels.kernel() is None
+        assert ops.kernel() is None
 
 
 def test_a_failed_build_is_remembered_until_the_toolchain_changes(monkeypatch, fresh_build_root):
@@ -137,20 +138,20 @@ def test_a_failed_build_is_remembered_until_the_toolchain_changes(monkeypatch, f
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
     with pytest.warns(UserWarning, match="could not build"):
-        assert kernels.kernel() is None
-    kernel_build.kernel.cache_clear()  # the next process
+        assert ops.kernel() is None
+    build.kernel.cache_clear()  # the next process
     with pytest.warns(UserWarning, match=r"did not build on this machine \(c\+\+: not found\).*copytask build"):
-        assert kernels.kernel() is None
+        assert ops.kernel() is None
     assert len(attempts) == 1  # not tried (and not announced as a compile) again
 
-    kernel_build.kernel.cache_clear()
-    monkeypatch.setattr(kernel_build, "toolchain", lambda: '{"cxx": "/usr/bin/c++ (installed now)"}')
+    build.kernel.cache_clear()
+    monkeypatch.setattr(build, "toolchain", lambda: '{"cxx": "/usr/bin/c++ (installed now)"}')
     with pytest.warns(UserWarning, match="could not build"):
-        assert kernels.kernel() is None
+        assert ops.kernel() is None
     assert len(attempts) == 2  # a new toolchain: tried again
-    kernel_build.retry_build()
+    build.retry_build()
     with pytest.warns(UserWarning, match="could not build"):
-        assert kernels.kernel() is None
+        assert ops.kernel() is None
     assert len(attempts) == 3  # `copytask build` forgets the failure and tries again
 
 
@@ -194,7 +195,7 @@ def test_additive_scores_equal_torch(kernel, ragged):
 def test_avx2_builds_are_named_apart(monkeypatch, capability, avx2):
     """A build with AVX2 instructions must never be loaded by a CPU without them (shared homes)."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    name, flags = kernel_build.build_name_and_flags()
+    name, flags = build.build_name_and_flags()
     assert ("-mavx2" in flags) == avx2 and name.startswith("copytask_kernels_avx2_") == avx2
 
 
@@ -238,7 +239,7 @@ def test_gru_propagates_non_finite_as_torch(kernel):
     """A diverging input must reach the output as torch's would, not be clamped into a finite
     number; a bad value at a padded position stays out, as packing leaves it out."""
     torch.manual_seed(0)
-    fused = kernels.GRU(6, 5, bidirectional=True)
+    fused = ops.GRU(6, 5, bidirectional=True)
     reference = copy.deepcopy(fused)
     reference.fused = False
     x, lengths = torch.randn(4, 7, 6), torch.tensor([7, 4, 7, 7])
@@ -275,7 +276,7 @@ def test_attention_kernels_propagate_non_finite_as_torch(kernel, attention):
 
 
 def small_model(attention: str, score: str) -> tuple[Seq2Seq, Seq2Seq, object]:
-    """A model on the kernels, the same on torch's ops, and a batch."""
+    """A model on the ops, the same on torch's ops, and a batch."""
     torch.manual_seed(0)
     fused = Seq2Seq(total_vocab(9), attention, score, attention_size=16)
     plain = copy.deepcopy(fused)
@@ -333,7 +334,7 @@ def test_ops_are_registered_as_torch_asks(kernel):
     bahdanau = (torch.randn(T, B, E, **grad), torch.randn(B, H, **grad), torch.randn(B, S, A, **grad), torch.randn(B, S, H, **grad),
                 torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]), torch.randn(A, H, **grad), torch.randn(A, **grad),
                 torch.randn(3 * H, E + H, **grad), torch.randn(3 * H, **grad), torch.randn(3 * H, H, **grad), torch.randn(3 * H, **grad))
-    for op, args in ((kernels.gru_forward, gru), (kernels.additive_forward, additive), (kernels.bahdanau_forward, bahdanau)):
+    for op, args in ((ops.gru_forward, gru), (ops.additive_forward, additive), (ops.bahdanau_forward, bahdanau)):
         torch.library.opcheck(op, args)
 
 
@@ -341,48 +342,48 @@ def test_build_name_keys_everything_the_library_depends_on(monkeypatch, tmp_path
     """Another torch, other flags, other sources or another CPU architecture: another build folder,
     so no process ever rebuilds or replaces a library that another (another checkout, another venv,
     another kind of node) has loaded."""
-    name = kernel_build.build_name_and_flags()[0]
+    name = build.build_name_and_flags()[0]
     monkeypatch.setattr(torch, "__version__", "2.99.0")
-    other_torch = kernel_build.build_name_and_flags()[0]
+    other_torch = build.build_name_and_flags()[0]
     monkeypatch.undo()
-    monkeypatch.setattr(kernel_build, "CFLAGS", [*kernel_build.CFLAGS, "-g"])
-    other_flags = kernel_build.build_name_and_flags()[0]
+    monkeypatch.setattr(build, "CFLAGS", [*build.CFLAGS, "-g"])
+    other_flags = build.build_name_and_flags()[0]
     monkeypatch.undo()
     csrc = tmp_path / "csrc"
     csrc.mkdir()
-    for path in kernel_build.CSRC.iterdir():
+    for path in build.CSRC.iterdir():
         (csrc / path.name).write_bytes(path.read_bytes() + b"\n" * (path.name == "gru.cpp"))
-    monkeypatch.setattr(kernel_build, "CSRC", csrc)
-    other_sources = kernel_build.build_name_and_flags()[0]
+    monkeypatch.setattr(build, "CSRC", csrc)
+    other_sources = build.build_name_and_flags()[0]
     monkeypatch.undo()
-    other = "aarch64" if kernel_build.platform.machine() != "aarch64" else "x86_64"
-    monkeypatch.setattr(kernel_build.platform, "machine", lambda: other)
-    other_machine = kernel_build.build_name_and_flags()[0]  # a cluster's nodes of another kind, sharing a home directory
+    other = "aarch64" if build.platform.machine() != "aarch64" else "x86_64"
+    monkeypatch.setattr(build.platform, "machine", lambda: other)
+    other_machine = build.build_name_and_flags()[0]  # a cluster's nodes of another kind, sharing a home directory
     assert len({name, other_torch, other_flags, other_sources, other_machine}) == 5
 
 
 def test_a_build_killed_midway_is_redone_not_waited_for(monkeypatch, fresh_build_root):
     """torch's own lock file, left by a build killed midway, made every later process wait for
     it forever; the half-built library beside it is not to be trusted either."""
-    name = kernel_build.build_name_and_flags()[0]
+    name = build.build_name_and_flags()[0]
     stale = fresh_build_root / name
     stale.mkdir()
     (stale / "lock").touch()
     (stale / f"{name}.so").write_bytes(b"half a library")
     builds = []
     monkeypatch.setattr("torch.utils.cpp_extension.load", lambda name, sources, **options: builds.append(options["build_directory"]) or "built")
-    assert kernels.kernel() == "built"
+    assert ops.kernel() == "built"
     assert builds == [str(stale)] and not (stale / "lock").exists()
 
 
 def test_a_build_held_too_long_elsewhere_falls_back_to_torch(monkeypatch, fresh_build_root):
     """Another process holding the build's lock past the bound: a warning, then torch's ops."""
-    monkeypatch.setattr(kernel_build, "BUILD_WAIT_S", 0.2)
+    monkeypatch.setattr(build, "BUILD_WAIT_S", 0.2)
     monkeypatch.setattr("torch.utils.cpp_extension.load", lambda *args, **options: pytest.fail("built while another process holds the lock"))
-    name = kernel_build.build_name_and_flags()[0]
+    name = build.build_name_and_flags()[0]
     with filelock.FileLock(fresh_build_root / f"{name}.lock"):  # a second lock of the same file blocks, in this process too
         with pytest.warns(UserWarning, match="another process has held .* building the fused CPU kernels; using torch's ops"):
-            assert kernels.kernel() is None
+            assert ops.kernel() is None
 
 
 def test_build_command_says_where(kernel):
@@ -391,14 +392,15 @@ def test_build_command_says_where(kernel):
     assert done.stdout.strip().endswith(".so") and os.path.exists(done.stdout.split()[-1])
 
 
-# In a fresh process: the first default model's training step (which loads the kernels), then a
+# In a fresh process: the first default model's training step (which loads the ops), then a
 # 40 MB block. glibc maps any block over 32 MB by default; a raised mmap threshold would have
 # served it from the heap instead.
 ALLOCATOR_CHECK = """
 import ctypes, torch
-from copytask import kernels
-from copytask.data import make_batch, total_vocab
-from copytask.model import Seq2Seq
+from copytask.kernels import ops
+from copytask.data.batches import make_batch
+from copytask.data.vocab import total_vocab
+from copytask.models.recurrent import Seq2Seq
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -408,7 +410,7 @@ mallinfo2.restype = Mallinfo2
 model = Seq2Seq(total_vocab(9), "bahdanau", "additive", attention_size=32)
 batch = make_batch("copy", 8, 12, 9, torch.Generator().manual_seed(0))
 model(batch.src, batch.src_lengths, batch.tgt_in)[0].sum().backward()
-assert kernels.runs_fused(model)
+assert ops.runs_fused(model)
 mapped = mallinfo2().hblkhd
 block = torch.empty(40 << 20, dtype=torch.uint8)
 print(mallinfo2().hblkhd - mapped)

@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 
-from copytask import splits, validation
-from copytask.config import ConfigError
-from copytask.validation import heldout_share, validate
-from copytask.splits import heldout_keys, sequence_keys, training_batch
+from copytask.training import splits
+from copytask.config import checks
+from copytask.config.schema import ConfigError
+from copytask.config.checks import heldout_share, validate
+from copytask.training.splits import heldout_keys, sequence_keys, training_batch
 
 from .conftest import SRC, TINY
 
@@ -91,14 +92,14 @@ def test_training_batch_stops_with_an_error_where_every_sequence_is_held_out(mak
             pytest.fail("training_batch redraws for ever")
         return real(*args)
 
-    monkeypatch.setattr("copytask.splits.sample_batch", counted)
+    monkeypatch.setattr("copytask.training.splits.sample_batch", counted)
     with pytest.raises(ConfigError, match=r"training batch.*held-out.*train.val_size=16, train.eval_size=64.*task.length=2.*task.vocab_size=2"):
         training_batch(cfg, torch.Generator().manual_seed(0), heldout)
 
 
 def test_training_batch_still_excludes_every_heldout_sequence(make_config):
     cfg = make_config(*TINY, "task.length=2", "train.eval_size=32", "train.batch_size=256")
-    test, validation, heldout = heldout_keys(cfg)
+    test, checks, heldout = heldout_keys(cfg)
     assert len(heldout) > len(set(sequence_keys(test)))  # the validation set's sequences are held out too
     batch = training_batch(cfg, torch.Generator().manual_seed(0), heldout)
     assert not set(sequence_keys(batch)) & heldout and len(batch) == 256
@@ -114,7 +115,7 @@ def test_sizes_no_machine_holds_are_refused_in_one_line_naming_the_estimate_and_
     assert main(["train", *ISSUE_SIZES, f"runs_dir={tmp_path}"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("copytask: error: this configuration needs about ") and " PiB of memory" in line
-    assert f"more than this machine's {validation.human_bytes(validation.machine_memory())}" in line
+    assert f"more than this machine's {checks.human_bytes(checks.machine_memory())}" in line
     assert "task.length=1000000" in line
     assert not any(tmp_path.iterdir())
 
@@ -122,13 +123,13 @@ def test_sizes_no_machine_holds_are_refused_in_one_line_naming_the_estimate_and_
 def test_the_memory_check_compares_the_estimate_with_the_machines_memory(make_config, monkeypatch):
     """A configuration just under the memory there is runs, however large; just over it is refused."""
     cfg = make_config(*TINY, "task.length=40", "attention=bahdanau")
-    needed = sum(validation.memory_estimate(cfg).values())
-    monkeypatch.setattr(validation, "machine_memory", lambda: needed)
+    needed = sum(checks.memory_estimate(cfg).values())
+    monkeypatch.setattr(checks, "machine_memory", lambda: needed)
     validate(cfg)
-    monkeypatch.setattr(validation, "machine_memory", lambda: needed - 1)
+    monkeypatch.setattr(checks, "machine_memory", lambda: needed - 1)
     with pytest.raises(ConfigError, match=r"needs about .* more than this machine's"):
         validate(cfg)
-    monkeypatch.setattr(validation, "machine_memory", lambda: None)  # an OS that does not say: nothing refused
+    monkeypatch.setattr(checks, "machine_memory", lambda: None)  # an OS that does not say: nothing refused
     validate(make_config(*ISSUE_SIZES))
 
 
@@ -139,9 +140,9 @@ def test_the_memory_check_compares_the_estimate_with_the_machines_memory(make_co
 )
 def test_every_preset_fits_a_small_machine(preset, monkeypatch):
     """No preset's run is refused on a machine with 2 GiB (capacity's bigger grid included)."""
-    from copytask.grid import check_grid
+    from copytask.store.grid import check_grid
 
-    monkeypatch.setattr(validation, "machine_memory", lambda: 2 * 1024**3)
+    monkeypatch.setattr(checks, "machine_memory", lambda: 2 * 1024**3)
     grid = check_grid(preset)
     assert len(grid) >= 36
 
@@ -149,8 +150,8 @@ def test_every_preset_fits_a_small_machine(preset, monkeypatch):
 @pytest.mark.parametrize("attention", ["none", "rnnencdec", "bahdanau", "luong_dot", "luong_general", "luong_concat", "scaled_dot", "multihead", "luong_local", "luong_local_m"])
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_the_estimates_parameter_count_is_the_models(make_config, attention, bidirectional):
-    from copytask.model import count_parameters
-    from copytask.evaluation import build_model
+    from copytask.models.recurrent import count_parameters
+    from copytask.models.build import build_model
 
     cfg = make_config(f"attention={attention}", f"model.bidirectional={bidirectional}", "model.hidden_size=12", "model.embedding_size=5", "task.vocab_size=7")
-    assert validation.parameter_count(cfg) == count_parameters(build_model(cfg))
+    assert checks.parameter_count(cfg) == count_parameters(build_model(cfg))

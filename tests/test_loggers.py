@@ -11,8 +11,9 @@ import sys
 import pandas as pd
 import pytest
 
-from copytask import checkpoints, cli, loggers, store
-from copytask.training import train
+from copytask.training import checkpoints, trackers
+from copytask import cli, store
+from copytask.training.loop import train
 
 from .conftest import SRC, TINY, run_cli
 
@@ -43,7 +44,7 @@ def test_tensorboard_logs_the_history_the_identity_and_the_attention_map(make_co
         scalars = events.Scalars(column)
         assert [scalar.step for scalar in scalars] == history["step"].tolist()
         assert [scalar.value for scalar in scalars] == pytest.approx(history[column].tolist(), rel=1e-6)  # float32 in the event file
-    for name, key in loggers.FINAL_METRICS.items():
+    for name, key in trackers.FINAL_METRICS.items():
         (final,) = events.Scalars(name)
         assert final.step == metrics["steps"] and final.value == pytest.approx(metrics[key], rel=1e-6)
     sessions = events.PluginTagToContent(metadata.PLUGIN_NAME)
@@ -90,8 +91,8 @@ def test_tensorboard_report_run_holds_the_sweeps_png_figures(make_config, tmp_pa
     plt.close(figure)
     files = [tmp_path / name for name in ("accuracy_vs_length.png", "accuracy_vs_length.svg", "counterfactual.png")]
     for _ in range(2):  # the report of a sweep run again replaces the last one
-        loggers.log_report(cfg, files)
-    events = EventAccumulator(str(tmp_path / "tb" / loggers.REPORT_RUN), size_guidance={"images": 0})
+        trackers.log_report(cfg, files)
+    events = EventAccumulator(str(tmp_path / "tb" / trackers.REPORT_RUN), size_guidance={"images": 0})
     events.Reload()
     assert sorted(events.Tags()["images"]) == ["accuracy_vs_length", "counterfactual"]
     assert len(events.Images("counterfactual")) == 1
@@ -109,12 +110,12 @@ def test_mlflow_logs_the_history_the_identity_and_the_attention_map(make_config)
     (run,) = client.search_runs([experiment.experiment_id])
     history = pd.read_csv(store.run_dir(cfg) / store.HISTORY)  # the retrained run's
     assert run.info.run_name == metrics["run"] and run.info.status == "FINISHED"
-    assert run.data.tags[loggers.KIND_TAG] == "run"
+    assert run.data.tags[trackers.KIND_TAG] == "run"
     for column in RECORDED:
         logged = sorted((point.step, point.value) for point in client.get_metric_history(run.info.run_id, column))
         assert [step for step, _ in logged] == history["step"].tolist()
         assert [value for _, value in logged] == pytest.approx(history[column].tolist(), rel=1e-12)
-    for name, key in loggers.FINAL_METRICS.items():
+    for name, key in trackers.FINAL_METRICS.items():
         assert run.data.metrics[name] == pytest.approx(store.read_json(store.run_dir(cfg) / store.METRICS)[key])
     assert run.data.params == {key: str(value) for key, value in logged_params(cfg).items()}
     artifacts = [artifact.path for artifact in client.list_artifacts(run.info.run_id, "figures")]
@@ -134,13 +135,13 @@ def test_a_sweep_is_one_mlflow_experiment_with_one_run_per_copytask_run(tmp_path
     client = MlflowClient(tracking_uri=f"sqlite:///{runs_dir.resolve() / 'mlflow.db'}")
     (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
     assert experiment.name == str(runs_dir)
-    runs = client.search_runs([experiment.experiment_id], f"tags.`{loggers.KIND_TAG}` = 'run'")
+    runs = client.search_runs([experiment.experiment_id], f"tags.`{trackers.KIND_TAG}` = 'run'")
     table = pd.read_csv(runs_dir / "results.csv")
     assert sorted(run.info.run_name for run in runs) == sorted(table["run"])
     assert sorted(run.data.params["attention.name"] for run in runs) == ["bahdanau", "none"]  # the swept key, a column
     for run in runs:
         assert run.data.metrics["final/token_acc"] == pytest.approx(table.set_index("run").loc[run.info.run_name, "token_acc"])
-    (report,) = client.search_runs([experiment.experiment_id], f"tags.`{loggers.KIND_TAG}` = 'report'")
+    (report,) = client.search_runs([experiment.experiment_id], f"tags.`{trackers.KIND_TAG}` = 'report'")
     figures = {artifact.path for artifact in client.list_artifacts(report.info.run_id, "figures")}
     assert {"figures/accuracy_vs_length.png", "figures/attention_bahdanau_length4.png", "figures/training_curves.png"} <= figures
 
@@ -169,7 +170,7 @@ def test_a_sweep_refuses_a_missing_tracker_before_its_first_job(tmp_path, monkey
 
 def test_the_logger_is_not_part_of_a_runs_identity(make_config):
     plain = make_config(*TINY)
-    assert type(loggers.open_run(plain, "any")) is loggers.RunLogger and not loggers.RunLogger.active  # none logs nothing
+    assert type(trackers.open_run(plain, "any")) is trackers.RunLogger and not trackers.RunLogger.active  # none logs nothing
     for choice in (["logger=tensorboard"], ["logger=mlflow", "logger.experiment=elsewhere", "logger.tracking_uri=sqlite:///x.db"]):
         cfg = make_config(*TINY, *choice)
         assert store.run_name(cfg) == store.run_name(plain)

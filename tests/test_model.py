@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from copytask import store
-from copytask.config import ConfigError
-from copytask.data import make_batch, total_vocab
-from copytask.model import Seq2Seq, count_parameters
-from copytask.validation import validate
+from copytask.config.schema import ConfigError
+from copytask.data.batches import make_batch
+from copytask.data.vocab import total_vocab
+from copytask.models.recurrent import Seq2Seq, count_parameters
+from copytask.config.checks import validate
 
 # Seq2Seq's arguments for each attention config (configs/attention/), at a tiny size
 ATTENTION = {

@@ -4,13 +4,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from copytask.analysis import head_weights
-from copytask.attention import Attention, masked_softmax
-from copytask.config import config_dir
-from copytask.data import length_mask, make_batch, total_vocab
-from copytask.model import Seq2Seq
-from copytask.config import ConfigError
-from copytask.validation import validate
+from copytask.evaluation.analysis import head_weights
+from copytask.models.attention import Attention, masked_softmax
+from copytask.config.schema import config_dir
+from copytask.data.batches import length_mask, make_batch
+from copytask.data.vocab import total_vocab
+from copytask.models.recurrent import Seq2Seq
+from copytask.config.schema import ConfigError
+from copytask.config.checks import validate
 
 B, T_DEC, T_ENC, H = 3, 4, 6, 8
 

@@ -31,9 +31,9 @@ from hypothesis import strategies as st
 
 import copytask
 from copytask import store
-from copytask.config import ConfigError, config_dir
-from copytask.data import task_batch
-from copytask.evaluation import build_model
+from copytask.config.schema import ConfigError, config_dir
+from copytask.data.batches import task_batch
+from copytask.models.build import build_model
 
 from .conftest import SRC
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from copytask.attention import SigmoidTanh
-from copytask.config import config_dir
-from copytask.data import make_batch
-from copytask.reference import ReferenceSeq2Seq
-from copytask.evaluation import build_model
+from copytask.models.attention import SigmoidTanh
+from copytask.config.schema import config_dir
+from copytask.data.batches import make_batch
+from copytask.models.reference import ReferenceSeq2Seq
+from copytask.models.build import build_model
 
 ATTENTIONS = ("none", "rnnencdec", "bahdanau", "luong_dot", "luong_general", "luong_concat")
 NO_ATTENTION = ("none", "rnnencdec")
@@ -81,7 +81,7 @@ def test_additive_score_in_pieces_equals_reference(monkeypatch, steps_per_piece)
     5 leaves a remainder piece): logits, weights and gradients still equal the reference's."""
     project, reference = model_pair("luong_concat")
     b = batch(mixed=True)
-    monkeypatch.setattr("copytask.attention.ADDITIVE_CHUNK", steps_per_piece * BATCH * LENGTH * project.attention.v.in_features)
+    monkeypatch.setattr("copytask.models.attention.ADDITIVE_CHUNK", steps_per_piece * BATCH * LENGTH * project.attention.v.in_features)
     logits, weights = project(b.src, b.src_lengths, b.tgt_in)
     ref_logits, ref_weights = reference(b.src, b.src_lengths, b.tgt_in)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)

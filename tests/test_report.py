@@ -11,10 +11,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from copytask import analysis, store
+from copytask.evaluation import analysis
+from copytask import store
+from copytask.config.messages import CopytaskWarning
 from copytask.cli import main
-from copytask.tables import TARGET_STEP, comparison_table, interval, summarise, target_step
-from copytask.grid import compose_grid, variable_length_runs
+from copytask.reporting.tables import TARGET_STEP, comparison_table, interval, summarise, target_step
+from copytask.store.grid import compose_grid, variable_length_runs
 
 from .conftest import TINY, overrides
 
@@ -27,7 +29,7 @@ def test_report_skips_corrupt_and_half_written_runs_with_a_warning(runs_copy):
     (runs_copy / half_written / store.METRICS).unlink()  # killed before it finished
     shutil.rmtree(runs_copy / "report")
 
-    with pytest.warns(store.CopytaskWarning) as warned:
+    with pytest.warns(CopytaskWarning) as warned:
         assert main(["report", *overrides(runs_copy)]) == 0
 
     messages = "\n".join(str(warning.message) for warning in warned)
@@ -46,7 +48,7 @@ def test_report_on_a_corrupt_attention_file_warns_and_goes_on(runs_copy):
     run = table[table["attention"] == "luong_general"].sort_values("seed")["run"].iloc[0]
     (runs_copy / run / store.ATTENTION).write_text("{")
 
-    with pytest.warns(store.CopytaskWarning, match=re.escape(f"skipping attention_samples.json of {runs_copy / run}")):
+    with pytest.warns(CopytaskWarning, match=re.escape(f"skipping attention_samples.json of {runs_copy / run}")):
         assert main(["report", *overrides(runs_copy)]) == 0
 
 
@@ -159,7 +161,7 @@ def test_report_without_analysis_says_it_is_missing_and_how_to_make_it(runs_copy
     for folder in runs[1:]:
         (folder / store.ANALYSIS).unlink()
 
-    with pytest.warns(store.CopytaskWarning, match=re.escape(f"skipping analysis.json of {runs[0]}")):
+    with pytest.warns(CopytaskWarning, match=re.escape(f"skipping analysis.json of {runs[0]}")):
         assert main(["report", *overrides(runs_copy)]) == 0
 
     markdown = (runs_copy / "report" / "report.md").read_text()
@@ -175,7 +177,7 @@ def test_a_failing_analysis_is_named_and_the_others_go_on(runs_copy):
         (folder / store.ANALYSIS).unlink()
     (runs[1] / store.CHECKPOINT).write_bytes(b"not a checkpoint")
 
-    with pytest.warns(store.CopytaskWarning, match=re.escape(f"analysis of {runs[1]} failed")):
+    with pytest.warns(CopytaskWarning, match=re.escape(f"analysis of {runs[1]} failed")):
         assert analysis.analyze(runs, eval_size=8, progress=False) == len(runs) - 1
 
     assert [folder for folder in runs if not (folder / store.ANALYSIS).is_file()] == [runs[1]]
@@ -238,7 +240,7 @@ def test_steps_to_target_is_the_first_evaluation_at_target_over_the_seeds_that_r
 def test_report_heatmaps_outline_the_copied_positions_and_say_so(runs_copy, monkeypatch):
     from matplotlib.patches import Rectangle
 
-    from copytask import figures
+    from copytask.reporting import figures
 
     outlined, save = {}, figures.save
 
@@ -255,7 +257,7 @@ def test_report_heatmaps_outline_the_copied_positions_and_say_so(runs_copy, monk
 
 def drawn_figures(monkeypatch) -> dict[str, object]:
     """Every figure the report saves, by file name (the drawing modules' `save`, recorded)."""
-    from copytask import analysis_figures, figures, result_figures
+    from copytask.reporting import analysis_figures, figures, result_figures
 
     drawn, save = {}, figures.save
 

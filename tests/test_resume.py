@@ -12,8 +12,10 @@ import pandas as pd
 import pytest
 import torch
 
-from copytask import checkpoints, store, training
-from copytask.training import train
+from copytask.training import checkpoints, loop
+from copytask import store
+from copytask.config.messages import CopytaskWarning
+from copytask.training.loop import train
 
 from .conftest import SRC, run_cli
 
@@ -27,7 +29,8 @@ SAME = ["token_acc", "seq_acc", "val_token_acc", "val_seq_acc", "ended_early", "
 # step KILL_AT: a kill between two evaluations, at a known step.
 KILLED = """
 import os, signal, sys
-from copytask import checkpoints, cli
+from copytask.training import checkpoints
+from copytask import cli
 save = checkpoints.save
 def save_then_die(folder, cfg, progress, *args):
     save(folder, cfg, progress, *args)
@@ -127,7 +130,7 @@ def test_an_unreadable_checkpoint_is_set_aside_with_a_warning_and_the_run_starts
         _, other = interrupted(make_config, "train.lr=1e-3")
         path.write_bytes((other / store.RESUME).read_bytes())
 
-    with pytest.warns(store.CopytaskWarning, match=rf"^{folder.name}: its checkpoint {store.RESUME} is unreadable \(.*\); set aside as {store.UNREADABLE_RESUME}, training from step 0$"):
+    with pytest.warns(CopytaskWarning, match=rf"^{folder.name}: its checkpoint {store.RESUME} is unreadable \(.*\); set aside as {store.UNREADABLE_RESUME}, training from step 0$"):
         metrics = train(cfg)
     assert metrics["resumed_from"] == 0
     assert {key: metrics[key] for key in SAME} == {key: reference[key] for key in SAME}  # never wrong numbers
@@ -142,7 +145,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_set_aside_and_the_run_start
     state["model"][name] = torch.zeros(3)  # readable, this run's, but of another shape
     torch.save(state, folder / store.RESUME)
 
-    with pytest.warns(store.CopytaskWarning, match="unreadable .*training from step 0"):
+    with pytest.warns(CopytaskWarning, match="unreadable .*training from step 0"):
         metrics = train(cfg)
     assert metrics["resumed_from"] == 0 and {key: metrics[key] for key in SAME} == {key: reference[key] for key in SAME}
 
@@ -165,6 +168,6 @@ def test_a_failed_run_resumes_and_its_failure_record_goes(make_config, monkeypat
 def test_a_run_in_training_is_never_cleared_by_another_process(make_config):
     cfg, folder = interrupted(make_config)
     with store.lock_run(folder):  # another process trains it now
-        with pytest.raises(training.RunInProgress):
+        with pytest.raises(loop.RunInProgress):
             train(cfg)
     assert (folder / store.RESUME).is_file()  # untouched

@@ -17,9 +17,9 @@ from omegaconf import OmegaConf, open_dict
 
 import copytask
 from copytask import api, cli, store
-from copytask.config import ConfigError, config_dir
-from copytask.grid import compose_grid
-from copytask.jobs import hydra_job
+from copytask.config.schema import ConfigError, config_dir
+from copytask.store.grid import compose_grid
+from copytask.sweeps.jobs import hydra_job
 
 from .conftest import TINY, run_cli
 
@@ -149,8 +149,8 @@ def test_a_trial_that_cannot_run_is_a_failed_trial_with_its_reason(tmp_path):
 
 
 def test_the_search_bar_counts_the_trials_recorded_since_it_started(tmp_path):
-    from copytask.grid import TRIAL_RECORD
-    from copytask.jobs import TrialProgress
+    from copytask.store.grid import TRIAL_RECORD
+    from copytask.sweeps.jobs import TrialProgress
 
     earlier = tmp_path / "0" / TRIAL_RECORD  # left by an earlier search in this runs_dir
     store.write_json(earlier, {"trial": 0})
@@ -190,8 +190,8 @@ def test_without_the_plugin_the_search_says_what_to_install(monkeypatch):
 
 
 def test_a_failed_trial_keeps_the_best_so_far_before_it():
-    from copytask.search import trial_table
-    from copytask.tables import Loaded
+    from copytask.reporting.search import trial_table
+    from copytask.reporting.tables import Loaded
 
     runs = pd.DataFrame({"run": ["a", "c"], "token_acc": [0.4, 0.3], "seq_acc": [0.0, 0.0], "params": [1, 1], "steps": [1, 1], "train_seconds": [1.0, 1.0]})
     trials = [{"trial": 0, "run": "a", "objective": 0.4}, {"trial": 1, "run": "b", "objective": None}, {"trial": 2, "run": "c", "objective": 0.3}]

@@ -12,7 +12,7 @@ import pytest
 
 from copytask import store
 from copytask.cli import main
-from copytask.tables import summarise
+from copytask.reporting.tables import summarise
 
 from .conftest import TINY, run_cli
 
@@ -155,7 +155,7 @@ def test_gap_is_empty_where_no_baseline_has_the_same_settings():
 
 
 def test_two_settings_give_panels_for_one_and_line_styles_for_the_other(tmp_path):
-    from copytask.result_figures import plot_accuracy
+    from copytask.reporting.result_figures import plot_accuracy
 
     rows = [
         {"attention": attention, "length": length, "model.hidden_size": size, "train.lr": lr, "seed": seed,
@@ -173,7 +173,7 @@ def test_two_settings_give_panels_for_one_and_line_styles_for_the_other(tmp_path
 
 @pytest.mark.parametrize("accuracy, drawn", [(0.995, 2), (0.2, 1)])
 def test_the_longest_length_figure_is_drawn_only_when_a_length_reaches_a_threshold(tmp_path, accuracy, drawn):
-    from copytask.result_figures import LONGEST_FIGURE, plot_setting_grid
+    from copytask.reporting.result_figures import LONGEST_FIGURE, plot_setting_grid
 
     summary = pd.DataFrame(
         [{"attention": "none", "model.hidden_size": size, "length": length, "token_acc": accuracy} for size in (8, 16) for length in (5, 10)]

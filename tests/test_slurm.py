@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from copytask import store
-from copytask.grid import compose_grid
+from copytask.store.grid import compose_grid
 
 from . import slurm_cluster
 from .conftest import SRC, TINY, run_cli

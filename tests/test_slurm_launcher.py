@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from copytask import slurm
-from copytask.config import ConfigError
-from copytask.validation import check_launcher
+from copytask.sweeps import slurm
+from copytask.config.schema import ConfigError
+from copytask.config.checks import check_launcher
 
 LAUNCHER = "hydra_plugins.copytask_slurm_launcher.copytask_slurm_launcher.SlurmLauncher"
 

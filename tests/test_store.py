@@ -14,8 +14,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from copytask import cli, store
-from copytask.grid import GridRun
-from copytask.training import train
+from copytask.config.messages import CopytaskWarning
+from copytask.store.grid import GridRun
+from copytask.training.loop import train
 
 from .conftest import SRC, TINY, run_cli
 
@@ -73,8 +74,8 @@ def test_cut_short_metrics_is_unfinished_and_the_run_is_trained_again(make_confi
 # in training, holding its lock, for as long as the test needs.
 HANGS_IN_TRAINING = """
 import sys, time
-import copytask.training
-copytask.training.evaluate = lambda *args, **kwargs: time.sleep(600)
+import copytask.training.loop
+copytask.training.loop.evaluate = lambda *args, **kwargs: time.sleep(600)
 from copytask.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -110,7 +111,7 @@ def test_a_run_in_training_is_left_alone_and_a_killed_ones_lock_is_taken_over(ma
         assert (folder / store.CONFIG).stat().st_ino == started and first.poll() is None  # ... and deleted nothing
 
         # A sweep over a grid with that run: not a failure, not complete, and says so.
-        with pytest.warns(store.CopytaskWarning) as warned:  # in this process: warnings, as the library gives them
+        with pytest.warns(CopytaskWarning) as warned:  # in this process: warnings, as the library gives them
             assert cli.main(["sweep", *TINY, f"runs_dir={runs_dir}", "task.length=5,3", "attention=luong_general", "seed=0"]) == 0
         out, err = capsys.readouterr()
         assert "sweep: 1/2 runs complete (1 trained now), 0 failed, 1 being trained by another process" in out

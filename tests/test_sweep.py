@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from copytask import cli, store
-from copytask.grid import compose_grid
+from copytask.store.grid import compose_grid
 
 from .conftest import TINY, overrides, run_cli
 
@@ -157,10 +157,11 @@ def test_slurm_preset_passes_cluster_settings_and_sets_torch_threads():
 )
 def test_a_sweep_on_this_machines_cpu_builds_the_kernels_before_its_bar_starts(tmp_path, monkeypatch, extra, builds):
     """A fresh machine's compile (30-80 s) inside the first jobs would count as training in the ETA."""
-    from copytask import jobs, kernel_build
+    from copytask.sweeps import jobs
+    from copytask.kernels import build
 
     calls = []
-    monkeypatch.setattr(kernel_build, "kernel", lambda: calls.append("build"))
+    monkeypatch.setattr(build, "kernel", lambda: calls.append("build"))
     monkeypatch.setattr(jobs.SweepProgress, "__init__", lambda self, *args, **kwargs: calls.append("bar"))
     monkeypatch.setattr(jobs, "expand", lambda config: [])  # the grid's runs: what the bar is given, not what this test is about
     master, _ = compose_grid([*TINY, f"runs_dir={tmp_path}", "task.length=3,4", "train.device=cpu", *extra])
@@ -202,8 +203,8 @@ def test_what_hydra_cannot_take_is_refused_in_one_line_before_anything_runs(tmp_
 
 
 def test_the_sweep_bar_weighs_each_run_by_its_length_and_budget(runs_copy):
-    from copytask.grid import select_runs
-    from copytask.jobs import SweepProgress, expected_cost
+    from copytask.store.grid import select_runs
+    from copytask.sweeps.jobs import SweepProgress, expected_cost
 
     runs = select_runs(overrides(runs_copy)).runs
     assert {expected_cost(run) for run in runs} == {10 * 3, 10 * 6}  # train.steps x length
@@ -217,8 +218,8 @@ def test_the_sweep_bar_weighs_each_run_by_its_length_and_budget(runs_copy):
 
 
 def test_the_sweep_bar_credits_the_steps_a_run_in_training_has_done(runs_copy):
-    from copytask.grid import select_runs
-    from copytask.jobs import SweepProgress
+    from copytask.store.grid import select_runs
+    from copytask.sweeps.jobs import SweepProgress
 
     runs = select_runs(overrides(runs_copy)).runs
     training, killed = [run for run in runs if run.config.task.length == 6][:2]

@@ -6,14 +6,18 @@ from typing import Callable
 import pytest
 import torch
 
-from copytask import cli, kernels, store, training
-from copytask.config import ConfigError
-from copytask.validation import validate
-from copytask.data import Batch
-from copytask.grid import compose_grid
-from copytask.evaluation import build_model, evaluate
-from copytask import splits
-from copytask.training import NonFiniteLoss, train, train_step
+from copytask import cli, store
+from copytask.kernels import ops
+from copytask.training import loop
+from copytask.config.schema import ConfigError
+from copytask.config.checks import validate
+from copytask.data.batches import Batch
+from copytask.store.grid import compose_grid
+from copytask.models.build import build_model
+from copytask.models.greedy import evaluate
+from copytask.training import devices, splits
+from copytask.training.optimizer import FlatAdam
+from copytask.training.loop import NonFiniteLoss, train, train_step
 
 from .conftest import TINY, run_cli
 
@@ -26,7 +30,7 @@ def test_a_run_records_its_progress_while_it_trains_and_not_once_complete(make_c
     monkeypatch.setattr(store, "write_progress", lambda folder, step, steps: recorded.append(
         (step, steps, store.is_complete(folder))) or write_progress(folder, step, steps))
     cfg = make_config(*TINY, "train.steps=6", "train.eval_every=2", "train.target_acc=1.0", "train.patience=5")
-    training.train(cfg)
+    loop.train(cfg)
     assert recorded == [(2, 6, False), (4, 6, False), (6, 6, False)]
     assert not (store.run_dir(cfg) / store.PROGRESS).exists() and store.read_progress(store.run_dir(cfg)) == 0.0
 
@@ -41,7 +45,7 @@ def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
     for key in ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "device"):
         assert key in metrics
     assert metrics["attention"] == "bahdanau" and metrics["length"] == 5 and metrics["steps"] == 10
-    assert metrics["fused"] == (kernels.kernel() is not None)  # the encoder and decoder ran in the kernels
+    assert metrics["fused"] == (ops.kernel() is not None)  # the encoder and decoder ran in the kernels
     samples = json.loads((folder / store.ATTENTION).read_text())["samples"]
     assert len(samples[0]["weights"]) == 6 and len(samples[0]["weights"][0]) == 5  # (T_dec, T_enc)
     assert folder.name in result.stdout  # the one-line summary names the run
@@ -158,7 +162,7 @@ def test_no_heldout_sequence_is_ever_trained_on(make_config, monkeypatch, seed):
     assert not heldout & validating  # the validation set holds no test sequence
     heldout |= validating
     trained = []
-    monkeypatch.setattr("copytask.training.train_step", lambda model, optimizer, batch, clip: trained.append(batch) or torch.tensor(1.0))
+    monkeypatch.setattr("copytask.training.loop.train_step", lambda model, optimizer, batch, clip: trained.append(batch) or torch.tensor(1.0))
     train(cfg)
     rows = [tuple(row) for batch in trained for row in batch.src.tolist()]
     assert len(trained) == 10 and len(rows) == 80
@@ -174,7 +178,7 @@ def test_interrupted_run_never_looks_complete_and_is_trained_again(make_config, 
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr("copytask.training.evaluate", interrupt)
+        patch.setattr("copytask.training.loop.evaluate", interrupt)
         with pytest.raises(KeyboardInterrupt):
             train(cfg)
     folder = store.run_dir(cfg)
@@ -186,7 +190,7 @@ def test_interrupted_run_never_looks_complete_and_is_trained_again(make_config, 
 def test_complete_run_is_skipped(make_config, monkeypatch):
     cfg = make_config(*TINY)
     first = train(cfg)
-    monkeypatch.setattr("copytask.training.build_model", lambda cfg: pytest.fail("a complete run was trained again"))
+    monkeypatch.setattr("copytask.training.loop.build_model", lambda cfg: pytest.fail("a complete run was trained again"))
     assert train(cfg) == first
 
 
@@ -220,7 +224,7 @@ def diverging(poison: Callable[[Batch], bool]):
 def test_nonfinite_loss_stops_the_run_naming_it_and_the_step(make_config, monkeypatch):
     cfg = make_config(*TINY)  # evaluations at steps 5 and 10
     steps = itertools.count(1)
-    monkeypatch.setattr("copytask.training.train_step", diverging(lambda batch: next(steps) == 7))
+    monkeypatch.setattr("copytask.training.loop.train_step", diverging(lambda batch: next(steps) == 7))
 
     with pytest.raises(NonFiniteLoss, match=rf"^{store.run_name(cfg)}: .* at step 7 .* stopped at step 10, nothing saved"):
         train(cfg)
@@ -228,7 +232,7 @@ def test_nonfinite_loss_stops_the_run_naming_it_and_the_step(make_config, monkey
 
 
 def test_a_diverging_run_is_a_failed_job_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("copytask.training.train_step", diverging(lambda batch: batch.src.size(1) == 6))
+    monkeypatch.setattr("copytask.training.loop.train_step", diverging(lambda batch: batch.src.size(1) == 6))
 
     with pytest.raises(SystemExit) as exit:  # the sweep, in this process: jobs at length 6 diverge
         cli.main(["sweep", *TINY, f"runs_dir={tmp_path}", "attention=none", "task.length=6,3", "seed=0"])
@@ -252,7 +256,7 @@ def test_retrain_trains_a_finished_run_again_and_a_failed_retrain_loses_nothing(
     def fail(*args):
         raise RuntimeError("killed mid-retrain")
 
-    monkeypatch.setattr(training, "_train_locked", fail)
+    monkeypatch.setattr(loop, "_train_locked", fail)
     with pytest.raises(RuntimeError):
         train(make_config(*TINY, "retrain=true"))
     assert (folder / store.METRICS).read_text() == finished  # the finished run is back, whole
@@ -268,14 +272,14 @@ def test_retrain_trains_a_finished_run_again_and_a_failed_retrain_loses_nothing(
 def test_chance_and_the_summary_follow_the_vocabulary(tmp_path, vocab_size, chance):
     """Chance is 1 / task.vocab_size at any vocabulary, in metrics.json, the run's summary line and
     compare's table; the data use exactly the content symbols of that vocabulary."""
-    from copytask.tables import comparison_table, load, summarise
+    from copytask.reporting.tables import comparison_table, load, summarise
 
     grid_overrides = [*TINY, f"runs_dir={tmp_path}", f"task.vocab_size={vocab_size}", "attention=none,luong_general", "seed=0,1"]
     _, grid = compose_grid(grid_overrides)
     for run in grid:
         metrics = train(run.config)
         assert metrics["chance"] == pytest.approx(1 / vocab_size) and metrics["vocab_size"] == vocab_size
-        assert f"(chance {chance})" in training.summary_line(metrics, run.folder)  # the line the command prints
+        assert f"(chance {chance})" in loop.summary_line(metrics, run.folder)  # the line the command prints
     heldout = splits.test_batch(grid[0].config)
     assert set(heldout.src.unique().tolist()) == set(range(3, 3 + vocab_size))  # every content symbol, no other
     assert build_model(grid[0].config).decoder.out.out_features == 3 + vocab_size
@@ -289,14 +293,14 @@ def test_a_run_takes_one_thread_unless_a_launcher_or_the_user_says_more(make_con
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     untold = [override for override in TINY if override != "train.threads=1"]
     assert train(make_config(*untold))["threads"] == 1  # torch's own default would take every core
-    assert training.thread_count(3) == 3
+    assert devices.thread_count(3) == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # as joblib and the SLURM launcher's setup do
-    assert training.thread_count(None) == 2
+    assert devices.thread_count(None) == 2
 
 
 @pytest.mark.parametrize("overrides", [["attention=luong_general"], ["model=transformer"]])
 def test_flat_adam_computes_torchs_adam_on_the_separate_tensors_to_the_bit(make_config, overrides):
-    """A run's CPU optimiser (training.FlatAdam: every parameter a view of one buffer) against
+    """A run's CPU optimiser (FlatAdam: every parameter a view of one buffer) against
     torch's Adam on the model's own tensors: after steps with clipping, the same parameters bit for
     bit, and each gradient still a view of the optimiser's one gradient buffer."""
     cfg = make_config(*TINY, *overrides)
@@ -306,7 +310,7 @@ def test_flat_adam_computes_torchs_adam_on_the_separate_tensors_to_the_bit(make_
     for flat in (True, False):
         torch.manual_seed(0)
         model = build_model(cfg)
-        optimizer = training.FlatAdam(model, lr=1e-2) if flat else torch.optim.Adam(model.parameters(), lr=1e-2)
+        optimizer = FlatAdam(model, lr=1e-2) if flat else torch.optim.Adam(model.parameters(), lr=1e-2)
         for batch in batches:
             train_step(model, optimizer, batch, clip=0.1)  # a small clip: every step clips
         models.append(model)
@@ -331,7 +335,7 @@ def test_flat_adam_goes_on_from_the_state_torchs_adam_saved(make_config):
         train_step(model, optimizer, batch, clip=0.1)
     resumed = build_model(cfg)
     resumed.load_state_dict(model.state_dict())
-    flat = training.FlatAdam(resumed, lr=1e-2)
+    flat = FlatAdam(resumed, lr=1e-2)
     flat.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # as a checkpoint file holds it: not the live tensors
     for batch in batches[3:]:
         train_step(model, optimizer, batch, clip=0.1)

@@ -9,14 +9,17 @@ import pytest
 import torch
 from torch import nn
 
-from copytask import analysis, kernels, store
-from copytask.config import ConfigError
-from copytask.validation import parameter_count, validate
-from copytask.data import BOS, PAD, length_mask, make_batch
-from copytask.evaluation import build_model
-from copytask.model import count_parameters
-from copytask.reference import ReferenceTransformer, reference_transformer_state
-from copytask.transformer import SinusoidalPositions, scaled_dot_product
+from copytask.evaluation import analysis
+from copytask.kernels import ops
+from copytask import store
+from copytask.config.schema import ConfigError
+from copytask.config.checks import parameter_count, validate
+from copytask.data.vocab import BOS, PAD
+from copytask.data.batches import length_mask, make_batch
+from copytask.models.build import build_model
+from copytask.models.recurrent import count_parameters
+from copytask.models.reference import ReferenceTransformer, reference_transformer_state
+from copytask.models.transformer import SinusoidalPositions, scaled_dot_product
 
 from .conftest import TINY, run_cli
 
@@ -28,8 +31,8 @@ TINY_TRANSFORMER = [*TINY, "model=transformer", "model.d_model=8", "model.heads=
 def trained_a_little(model: nn.Module, cfg, steps: int = 30) -> nn.Module:
     """A few Adam steps on the copy task: weights away from their initialisation, so that argmaxes differ
     between steps and positions and the tests below test something."""
-    from copytask.splits import sample_batch
-    from copytask.training import train_step
+    from copytask.training.splits import sample_batch
+    from copytask.training.loop import train_step
 
     generator = torch.Generator().manual_seed(0)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -110,11 +113,11 @@ def test_greedys_cross_attention_on_the_memory_projected_once_is_the_layers_atte
 @pytest.mark.parametrize("mixed", [False, True], ids=["fixed", "mixed"])
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
 def test_greedy_with_each_steps_attention_in_the_kernel_decodes_what_torchs_ops_decode(make_config, monkeypatch, positions, mixed):
-    """Greedy decoding on CPU runs each step's attention in kernels.attention_step (keys and values
+    """Greedy decoding on CPU runs each step's attention in ops.attention_step (keys and values
     cached transposed); with fused=False, nn.MultiheadAttention's ops. The same tokens, and the
     same weights to float rounding, on sources of 12 (not a whole tile of 8), fixed or mixed lengths
     with an empty source, and a step count that is not a whole tile either."""
-    if kernels.kernel() is None:
+    if ops.kernel() is None:
         pytest.skip("the fused kernels are not built on this machine")
     cfg = make_config("task.length=12", "task.variable_length=true", "task.min_length=2", *SMALL, f"model.positions={positions}")
     torch.manual_seed(0)
@@ -124,8 +127,8 @@ def test_greedy_with_each_steps_attention_in_the_kernel_decodes_what_torchs_ops_
     if mixed:
         lengths[4] = 0  # an empty source
     calls = []
-    step = kernels.attention_step
-    monkeypatch.setattr(kernels, "attention_step", lambda *args: calls.append(args[-1]) or step(*args))
+    step = ops.attention_step
+    monkeypatch.setattr(ops, "attention_step", lambda *args: calls.append(args[-1]) or step(*args))
     results = []
     for fused in (True, False):
         model.fused = fused
@@ -142,20 +145,20 @@ def test_greedy_with_each_steps_attention_in_the_kernel_decodes_what_torchs_ops_
 @pytest.mark.parametrize("keys_seen", [0, 5, 8, 13])
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_decoding_steps_kernel_computes_torchs_batched_products(head_size, keys_seen, masked):
-    """kernels.attention_step, one query per sequence over the first keys of a cache held
+    """ops.attention_step, one query per sequence over the first keys of a cache held
     transposed and zero past them, against transformer.scaled_dot_product; and its weights."""
-    if kernels.kernel() is None:
+    if ops.kernel() is None:
         pytest.skip("the fused kernels are not built on this machine")
     torch.manual_seed(0)
     batch, heads = 4, 3
     d = heads * head_size
     q, k, v = torch.randn(batch, 1, d), torch.randn(batch, keys_seen, d), torch.randn(batch, keys_seen, d)
     key_mask = length_mask(torch.tensor([keys_seen, keys_seen // 2, 0, 1]).clamp(max=keys_seen), keys_seen) if masked else None
-    cache = torch.zeros(2, batch, heads, head_size, kernels.cache_length(keys_seen + 3))
+    cache = torch.zeros(2, batch, heads, head_size, ops.cache_length(keys_seen + 3))
     cache[..., :keys_seen] = torch.stack([k, v]).view(2, batch, keys_seen, heads, head_size).permute(0, 1, 3, 4, 2)
-    mask = q.new_empty(0) if key_mask is None else kernels.padding(key_mask)
+    mask = q.new_empty(0) if key_mask is None else ops.padding(key_mask)
     with torch.no_grad():
-        out, weights = kernels.attention_step(q[:, 0], cache[0], cache[1], mask, keys_seen)
+        out, weights = ops.attention_step(q[:, 0], cache[0], cache[1], mask, keys_seen)
     want = scaled_dot_product(q, k, v, heads, key_mask, causal=False)[:, 0]
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
     assert weights.shape == (batch, heads, keys_seen)
@@ -165,7 +168,7 @@ def test_the_decoding_steps_kernel_computes_torchs_batched_products(head_size, k
         assert torch.allclose(weights.sum(-1), seen.any(-1, keepdim=True).float().expand(-1, heads))
         assert weights.masked_fill(seen[:, None, :], 0.0).abs().max() == 0
     with pytest.raises(RuntimeError, match="no backward"):
-        kernels.attention_step(q[:, 0].requires_grad_(), cache[0], cache[1], mask, keys_seen)
+        ops.attention_step(q[:, 0].requires_grad_(), cache[0], cache[1], mask, keys_seen)
 
 
 def test_the_decoder_is_causal(model_and_config):
@@ -208,13 +211,13 @@ def test_every_path_computes_what_torchs_own_transformer_computes(make_config, f
     torch's batched products, no weights) and the weighted one (no_grad: each cross-attention
     through Attention), forward and gradients, against nn.Transformer's forward on the same
     parameters, at every target position."""
-    if fused and kernels.kernel() is None:
+    if fused and ops.kernel() is None:
         pytest.skip("the fused kernels are not built on this machine")
     cfg = make_config("task.length=9", *SMALL, f"train.fused={str(fused).lower()}")
     torch.manual_seed(0)
     model = trained_a_little(build_model(cfg), cfg).train()
     batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 9, cfg.task.vocab_size, torch.Generator().manual_seed(4))
-    assert kernels.runs_fused(model) == fused
+    assert ops.runs_fused(model) == fused
     want = torch_transformer_logits(model, batch)
     want_grads = loss_and_gradients(model, want, batch)
     logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
@@ -238,18 +241,18 @@ def test_every_path_computes_what_torchs_own_transformer_computes(make_config, f
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["fixed", "mixed"])
 def test_the_layers_in_one_kernel_call_compute_their_ops_in_python_to_the_bit(make_config, monkeypatch, mixed):
-    """kernels.transformer_layer (a layer's ops and autograd's formulas for them in C++) against
+    """ops.transformer_layer (a layer's ops and autograd's formulas for them in C++) against
     the same layers op by op in Python: logits and every gradient equal, in a training step and
     without autograd; under autocast the layers run torch's ops."""
-    if kernels.kernel() is None:
+    if ops.kernel() is None:
         pytest.skip("the fused kernels are not built on this machine")
     cfg = make_config("task.length=9", *SMALL)
     torch.manual_seed(0)
     model = trained_a_little(build_model(cfg), cfg).train()
     batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 9, cfg.task.vocab_size, torch.Generator().manual_seed(4))
     calls = []
-    layer = kernels.transformer_layer
-    monkeypatch.setattr(kernels, "transformer_layer", lambda *args: calls.append(args) or layer(*args))
+    layer = ops.transformer_layer
+    monkeypatch.setattr(ops, "transformer_layer", lambda *args: calls.append(args) or layer(*args))
     results = []
     for in_one_call in (True, False):
         if not in_one_call:
@@ -273,7 +276,7 @@ def test_the_layers_in_one_kernel_call_compute_their_ops_in_python_to_the_bit(ma
 def test_a_double_backward_through_the_fused_layers_raises(make_config):
     """The layers in one kernel call have no second derivative: a gradient penalty raises an error
     that says so, never a silently missing term (fused=False has it)."""
-    if kernels.kernel() is None:
+    if ops.kernel() is None:
         pytest.skip("the fused kernels are not built on this machine")
     cfg = make_config("task.length=5", *SMALL)
     torch.manual_seed(0)
@@ -289,12 +292,12 @@ def test_a_double_backward_through_the_fused_layers_raises(make_config):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("cross", [False, True])
 def test_the_attention_kernel_computes_torchs_batched_products(heads, d, causal, cross):
-    """kernels.attention against transformer.scaled_dot_product: outputs and the gradients of the
+    """ops.attention against transformer.scaled_dot_product: outputs and the gradients of the
     packed projections the model passes it (q | k | v of a self-attention; q, and k | v of a
     cross-attention over a source of another length), ragged key masks with an empty row, and key
     counts that are not a whole tile of 8; heads of 8 and 16 features (8 x 8 blocks transposed in
     registers) and of other sizes (element by element)."""
-    if kernels.kernel() is None:
+    if ops.kernel() is None:
         pytest.skip("the fused kernels are not built on this machine")
     torch.manual_seed(0)
     batch, steps, source = 4, 11, (13 if cross else 11)
@@ -304,7 +307,7 @@ def test_the_attention_kernel_computes_torchs_batched_products(heads, d, causal,
     key_mask = None if causal else length_mask(torch.tensor([source, 3, 0, 9]), source)
     grad = torch.randn(batch, steps, d)
     results = []
-    for attend in (lambda: kernels.attention(x, kv, heads, key_mask, causal), lambda: scaled_dot_product(q, k, v, heads, key_mask, causal)):
+    for attend in (lambda: ops.attention(x, kv, heads, key_mask, causal), lambda: scaled_dot_product(q, k, v, heads, key_mask, causal)):
         out = attend()
         (out * grad).sum().backward()
         leaves = [t for t in (x, kv) if t is not None]

@@ -23,18 +23,18 @@ __version__ = "0.1.0"
 # name -> the module that defines it
 _PUBLIC = {
     **dict.fromkeys(("compose", "train", "sweep", "results", "compare", "report", "load_run", "decode", "SweepError"), "api"),
-    "ConfigError": "config",
-    "RunInProgress": "training",
-    "NonFiniteLoss": "training",
-    "CopytaskWarning": "store",
+    "ConfigError": "config.schema",
+    "RunInProgress": "training.loop",
+    "NonFiniteLoss": "training.loop",
+    "CopytaskWarning": "config.messages",
 }
 __all__ = list(_PUBLIC)
 
 if TYPE_CHECKING:
     from .api import SweepError, compare, compose, decode, load_run, report, results, sweep, train
-    from .config import ConfigError
-    from .store import CopytaskWarning
-    from .training import NonFiniteLoss, RunInProgress
+    from .config.schema import ConfigError
+    from .config.messages import CopytaskWarning
+    from .training.loop import NonFiniteLoss, RunInProgress
 
 
 def __getattr__(name: str) -> Any:

@@ -7,7 +7,7 @@ results and summary, write its report, load a trained model and decode with it.
     copytask.compare("runs")
 
 They return values (dicts, DataFrames, paths, arrays) and print nothing but progress bars (on
-stderr); what a sweep says as it goes goes to the `copytask` logger (`store.log`), to which the
+stderr); what a sweep says as it goes goes to the `copytask` logger (`messages.log`), to which the
 library adds no handler. The command line (`copytask.cli`) is a thin layer over the same functions. Calling them changes no process-wide
 state: torch's thread count and random state, matplotlib's backend and a Hydra instance the caller
 initialised are as they were. Bad input raises `ConfigError`, whose message is the command line's
@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from .config import ConfigError
-from .grid import Selection, check_grid, nothing_done, select_runs
+from .config.schema import ConfigError
+from .store.grid import Selection, check_grid, nothing_done, select_runs
 
 if TYPE_CHECKING:  # heavy imports happen where they are needed: `import copytask` stays fast
     import pandas as pd
-    from .decoding import Decoded
-    from .evaluation import Model
-    from .tables import Loaded
+    from .evaluation.decode import Decoded
+    from .models.build import Model
+    from .reporting.tables import Loaded
 
 
 class SweepError(RuntimeError):
@@ -54,9 +54,9 @@ def train(cfg: DictConfig | Sequence[str]) -> dict:
     return its metrics.json; a run whose complete results exist is read, not trained again
     (`retrain=true` trains it again). RunInProgress if another process is training it now,
     NonFiniteLoss if it diverges."""
-    from . import training
+    from .training import loop
 
-    return training.train(cfg if isinstance(cfg, DictConfig) else compose(cfg))
+    return loop.train(cfg if isinstance(cfg, DictConfig) else compose(cfg))
 
 
 def sweep(overrides: Sequence[str] = (), runs_dir: str | Path | None = None) -> pd.DataFrame:
@@ -66,8 +66,8 @@ def sweep(overrides: Sequence[str] = (), runs_dir: str | Path | None = None) -> 
     analysis, results.csv and report, and returns the results table (`results`); the jobs' and the
     summary's lines go to the `copytask` logger only (Hydra configures no logging here). SweepError
     if any job failed, after everything else is written."""
-    from .tables import load
-    from .jobs import SweepFailed, run_hydra
+    from .reporting.tables import load
+    from .sweeps.jobs import SweepFailed, run_hydra
 
     overrides = [*overrides, *([runs_dir_override(runs_dir)] if runs_dir is not None else [])]
     try:
@@ -93,7 +93,7 @@ def select(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), al
 def load(selection: Selection, command: str = "read") -> Loaded:
     """The selection's complete runs as one table, and the rest with why each is missing.
     ConfigError, saying there is nothing to `command`, when none is complete."""
-    from .tables import load as load_runs
+    from .reporting.tables import load as load_runs
 
     loaded = load_runs(selection.runs)
     if loaded.table.empty:
@@ -110,7 +110,7 @@ def results(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), a
 def summary(loaded: Loaded) -> pd.DataFrame:
     """Per setting, length and attention type: seeds, means and interval bounds of the
     accuracies and of the steps to target, chance, params and the gaps to the baseline."""
-    from .tables import summarise
+    from .reporting.tables import summarise
 
     return summarise(loaded.table, loaded.settings)
 
@@ -127,7 +127,7 @@ def comparison(selection: Selection, loaded: Loaded) -> pd.DataFrame:
     """`compare`'s table for a selection already loaded (what the command line prints, after it
     has said which runs these are and which are missing)."""
     if selection.is_search:
-        from .search import ranked, trial_table
+        from .reporting.search import ranked, trial_table
 
         return ranked(trial_table(selection.trials, loaded)).reset_index(drop=True)
     return summary(loaded)
@@ -145,20 +145,20 @@ def report(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), al
 def write_report(selection: Selection, loaded: Loaded, x: str | None = None) -> list[Path]:
     """`report`'s work on a selection already loaded; a search's report (`search.write_report`:
     its best trials and the objective by trial and by searched key) has no x axis to choose."""
-    from . import reporting, search
-    from .tables import save
+    from .reporting import report, search
+    from .reporting.tables import save
 
     runs_dir = Path(selection.master.runs_dir)
     if selection.is_search:
         return [save(loaded, runs_dir), *search.write_report(selection.trials, loaded, runs_dir)]
     x = x or selection.master.report.x
-    reporting.x_column(x, loaded)  # ConfigError before anything is written
-    return [save(loaded, runs_dir), *reporting.write_report(selection.runs, loaded, runs_dir, x)]
+    report.x_column(x, loaded)  # ConfigError before anything is written
+    return [save(loaded, runs_dir), *report.write_report(selection.runs, loaded, runs_dir, x)]
 
 
 def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Model, DictConfig]:
     """A finished run's trained model on `device`, in eval mode, and its resolved config."""
-    from .evaluation import load_run as load
+    from .evaluation.load import load_run as load
 
     return load(Path(run_dir), device)
 
@@ -166,7 +166,7 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Model, DictConfi
 def decode(run_dir: str | Path, symbols: str | None = None, random: int | None = None, length: int | None = None, seed: int = 0) -> Decoded:
     """Greedy-decode `symbols` (`"g d d c"` or `gddc`), or `random` sequences of `length` symbols,
     with a finished run's model: token ids, scores and attention weights as arrays (`decoding.Decoded`)."""
-    from .decoding import decode as decode_run
+    from .evaluation.decode import decode as decode_run
 
     return decode_run(run_dir, symbols, random, length, seed)
 

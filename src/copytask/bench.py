@@ -48,17 +48,19 @@ from omegaconf import DictConfig
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from . import kernel_build, kernels, store
-from .config import config_dir
-from .data import Batch
-from .model import Seq2Seq
-from .reference import ReferenceSeq2Seq, ReferenceTransformer
-from .transformer import TransformerSeq2Seq
-from .devices import fused_adam, resolve_device, run_settings
-from .evaluation import build_model
-from .splits import sample_batch
-from .jobs import cpu_model
-from .training import adam, train, train_step
+from .kernels import build, ops
+from . import store
+from .config.schema import config_dir
+from .data.batches import Batch
+from .models.recurrent import Seq2Seq
+from .models.reference import ReferenceSeq2Seq, ReferenceTransformer
+from .models.transformer import TransformerSeq2Seq
+from .training.devices import fused_adam, resolve_device, run_settings
+from .models.build import build_model
+from .training.splits import sample_batch
+from .training.devices import cpu_model
+from .training.optimizer import adam
+from .training.loop import train, train_step
 
 CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # the reference's GRU models
 ATTENTIONS = (*CLASSICAL, "scaled_dot", "multihead", "luong_local", "luong_local_m", "rnnencdec", "transformer")
@@ -329,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
-    fused = kernels.runs_fused(build_model(cfg).to(device))
-    project = f"fused CPU kernels ({kernel_build.build_name_and_flags()[0]})" if fused else "torch ops"
+    fused = ops.runs_fused(build_model(cfg).to(device))
+    project = f"fused CPU kernels ({build.build_name_and_flags()[0]})" if fused else "torch ops"
     description = f"{machine(device)}; torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; project on {project}"
     print(f"copytask bench on {description}", file=sys.stderr)
 

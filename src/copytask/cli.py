@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Iterator
 
 from . import api, store
-from .config import DETERMINISTIC_CUBLAS, ConfigError, config_help, refuse
-from .grid import Selection, compose_grid, folder_runs, nothing_done, select_runs
-from .model_config import Refused, check_lengths
+from .config import messages
+from .config.schema import DETERMINISTIC_CUBLAS, ConfigError, config_help, refuse
+from .store.grid import Selection, compose_grid, folder_runs, nothing_done, select_runs
+from .config.model_keys import Refused, check_lengths
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
 
@@ -72,7 +73,7 @@ COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report":
 def entry() -> int:
     """The `copytask` command (and `python -m copytask`): `main`, with warnings in one line each, as
     copytask's own messages are (set for the command's own process only, not for library use)."""
-    warnings.formatwarning = store.format_warning
+    warnings.formatwarning = messages.format_warning
     # cuBLAS reads it once, at its first call: set before anything runs, inherited by the jobs a sweep launches (copytask.devices)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
     return main()
@@ -80,11 +81,11 @@ def entry() -> int:
 
 @contextmanager
 def printed_log() -> Iterator[None]:
-    """Inside: what the library logs (`store.log`: the jobs' and the sweep's lines) printed as bare
-    lines (`store.Lines`) and nowhere else; after: the logger as it was."""
-    logger = store.log
+    """Inside: what the library logs (`messages.log`: the jobs' and the sweep's lines) printed as bare
+    lines (`messages.Lines`) and nowhere else; after: the logger as it was."""
+    logger = messages.log
     saved = logger.handlers[:], logger.level, logger.propagate
-    logger.handlers[:], logger.propagate = [store.Lines()], False
+    logger.handlers[:], logger.propagate = [messages.Lines()], False
     logger.setLevel(logging.INFO)
     try:
         yield
@@ -112,7 +113,7 @@ def run_command(args: list[str]) -> int:
         print(config_help(command, run.config, dict(master.hydra.runtime.choices)))
         return 0
     if command in ("train", "sweep"):
-        from .jobs import run_hydra  # Hydra's app and launchers: only for the commands that run them
+        from .sweeps.jobs import run_hydra  # Hydra's app and launchers: only for the commands that run them
 
         try:
             run_hydra(rest, multirun=command == "sweep")
@@ -134,14 +135,14 @@ def run_command(args: list[str]) -> int:
         except ConfigError as error:
             return refuse(error)
     if command == "decode":
-        from .decoding import main as decode  # light: torch only once the request is checked
+        from .evaluation.decode import main as decode  # light: torch only once the request is checked
 
         return decode(rest)
     if command == "build":
-        from . import kernel_build
+        from .kernels import build
 
-        kernel_build.retry_build()  # asked to build: try again, whatever failed before
-        built = kernel_build.kernel()
+        build.retry_build()  # asked to build: try again, whatever failed before
+        built = build.kernel()
         if built is None:
             print("copytask: error: the fused CPU kernels could not be built (the warning above says why)", file=sys.stderr)
             return 1
@@ -165,8 +166,9 @@ def analyze(overrides: list[str]) -> int:
     runs_dir = Path(master.runs_dir)
     if not runs_dir.is_dir():
         return refuse(f"runs_dir {str(runs_dir)!r} does not exist")
-    from .analysis import analyze, summary
-    from .tables import load
+    from .evaluation.analysis import analyze
+    from .reporting.analysis_tables import summary
+    from .reporting.tables import load
 
     folders = store.complete_runs(runs_dir)
     try:
@@ -201,8 +203,8 @@ def compare(overrides: list[str], flags: set[str]) -> int:
     and length, the baseline and each attention type side by side. Missing runs are listed with
     the command that trains them; --train-missing trains them first (the same resumable sweep);
     --missing lists them and prints no table."""
-    from .grid import sweep_command
-    from .tables import comparison_table, describe_missing, table_note
+    from .store.grid import sweep_command
+    from .reporting.tables import comparison_table, describe_missing, table_note
 
     selection = selection_for("compare", overrides, flags)
     unfinished = [(run, run.failure()) for run in selection.runs if run.status() != "complete"]
@@ -211,7 +213,7 @@ def compare(overrides: list[str], flags: set[str]) -> int:
         return 0
     status = 0
     if unfinished and "--train-missing" in flags:
-        from .jobs import SweepFailed, run_hydra
+        from .sweeps.jobs import SweepFailed, run_hydra
 
         print(f"{len(unfinished)} of {len(selection.runs)} runs missing: running the sweep first")
         try:
@@ -225,7 +227,7 @@ def compare(overrides: list[str], flags: set[str]) -> int:
         print(f"train them with: {sweep_command(selection.master)}  (or compare --train-missing)")
     table = api.comparison(selection, loaded)
     if selection.is_search:
-        from .search import best, best_table
+        from .reporting.search import best, best_table
 
         print(f"the best {len(best(table))} of {len(table)} trials by validation greedy token accuracy (the objective), in %; every trial: report's trials.csv")
         print(best_table(table, loaded.settings).to_string(index=False))
@@ -239,8 +241,8 @@ def report(overrides: list[str], flags: set[str]) -> int:
     """`python -m copytask report [--all] [overrides]`: results.csv and report/ for the grid's
     complete runs; ConfigError, before anything is written, when there are none or `report.x` is
     not swept."""
-    from .reporting import written_line
-    from .tables import describe_missing
+    from .reporting.report import written_line
+    from .reporting.tables import describe_missing
 
     selection = selection_for("report", overrides, flags)
     started = time.perf_counter()

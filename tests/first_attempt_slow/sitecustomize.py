@@ -7,12 +7,12 @@ import os
 import time
 
 if os.environ.get("SLURM_JOB_ID") and not os.environ.get("SLURM_RESTART_COUNT"):
-    from copytask import training
+    from copytask.training import loop
 
-    real_step = training.train_step
+    real_step = loop.train_step
 
     def slow_step(*args, **kwargs):
         time.sleep(0.08)
         return real_step(*args, **kwargs)
 
-    training.train_step = slow_step
+    loop.train_step = slow_step

@@ -1,0 +1,346 @@
+"""What a runnable config is: `validate` refuses, before anything is trained or written, every
+value that cannot run (ranges, combinations, a held-out set that would cover the sequences
+training draws from, a configuration whose memory no machine here holds, a device or a tracker
+this machine lacks), each in one ConfigError line that names it. Torch-free, like `config`, so
+the command line answers at once. Types are the schema's (`config`, checked by Hydra as it composes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from . import model_keys
+from .schema import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, VARIANTS, AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key
+from ..data.tasks import TASKS
+from .model_keys import FLOAT, LONG, MAX_HEADS
+from ..data.vocab import total_vocab
+
+
+def validate(cfg: DictConfig) -> None:
+    """Refuse bad values before anything is trained or written: ConfigError naming the key, the
+    value and what is allowed. Types are the schema's (checked by Hydra); this checks the rest (see
+    the module's docstring)."""
+    task, train, model, attention = cfg.task, cfg.train, cfg.model, cfg.attention
+    unknown = sorted(set(dotted_keys(cfg)) - set(SCHEMA_KEYS))
+    if unknown:  # added with `+key=value`: nothing would read it, yet it would rename the run
+        raise ConfigError(unknown_key(unknown[0], SCHEMA_KEYS))
+    for key, low in MINIMUM.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < low:
+            raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
+        if value is not None and value > MAXIMUM.get(key, value):
+            raise ConfigError(f"{key} must be an integer from {low} to {MAXIMUM[key]}, got {value!r}")
+    if task.name not in TASKS:
+        raise ConfigError(f"task.name must be one of {', '.join(TASKS)}, got {task.name!r}")
+    if task.variable_length and task.min_length > task.length:
+        raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")
+    check_heldout(task.length, task.vocab_size, train.eval_size, train.val_size, task.min_length if task.variable_length else None)
+    try:
+        model_keys.check_model(cfg, default_attention())
+        model_keys.check_lengths(cfg.analysis.get("lengths"))
+    except model_keys.Refused as refused:
+        raise ConfigError(str(refused)) from None
+    if attention.decoder not in DECODERS:
+        raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
+    if attention.variant != VARIANTS.get(attention.decoder):  # the one set of equations each decoder computes
+        expected, got = VARIANTS.get(attention.decoder) or "null", "null" if attention.variant is None else repr(attention.variant)
+        raise ConfigError(f"attention.variant must be {expected} with attention.decoder={attention.decoder}, got {got}")
+    if model.bidirectional and model.hidden_size % 2:
+        raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
+    if attention.score not in (None, *SCORES):
+        raise ConfigError(f"attention.score must be one of null, {', '.join(SCORES)}, got {attention.score!r}")
+    if attention.score == "additive" and attention.size is None:
+        raise ConfigError("attention.size must be an integer >= 1 with the additive score, got null")
+    if attention.heads > MAX_HEADS:
+        raise ConfigError(f"attention.heads must be at most {MAX_HEADS}, got {attention.heads}")
+    if attention.heads > 1 and (attention.decoder != "luong" or attention.score not in MULTI_HEAD_SCORES):
+        raise ConfigError(
+            f"attention.heads={attention.heads} needs Luong attention with a {', '.join(MULTI_HEAD_SCORES)} score, "
+            f"got attention={attention.name}"
+        )
+    if attention.local not in LOCAL:
+        raise ConfigError(f"attention.local must be one of {', '.join(map(str, LOCAL))}, got {attention.local!r}")
+    if attention.local is not None:
+        if attention.decoder != "luong" or attention.heads > 1 or attention.score == "multihead":
+            raise ConfigError(
+                f"attention.local={attention.local} needs single-head Luong attention, "
+                f"got attention={attention.name} with {attention.heads} heads"
+            )
+        if attention.window is None:
+            raise ConfigError(f"attention.window must be an integer >= 1 with attention.local={attention.local}, got null")
+    if not model_keys.is_transformer(cfg) and model.hidden_size % attention.heads:
+        raise ConfigError(f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})")
+    if not 0 < train.lr < math.inf:  # also refuses nan
+        raise ConfigError(f"train.lr must be a positive finite number, got {train.lr!r}")
+    if train.schedule not in SCHEDULES:
+        raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {train.schedule!r}")
+    if not train.clip > 0:  # also refuses nan (inf: no clipping)
+        raise ConfigError(f"train.clip must be a positive number, got {train.clip!r}")
+    if train.schedule == "onecycle" and not 0 < train.warmup < 1:
+        raise ConfigError(f"train.warmup must be a fraction between 0 and 1, got {train.warmup!r}")
+    if train.schedule == "onecycle" and float(train.warmup * train.steps) == 1:  # its first phase would end at step 0
+        raise ConfigError(
+            f"train.warmup={train.warmup} of train.steps={train.steps} is a warm-up of exactly 1 step, which torch's "
+            f"OneCycleLR divides by zero on; use a longer or shorter train.warmup"
+        )
+    if not 0 <= train.target_acc <= 1:
+        raise ConfigError(f"train.target_acc must be a number in [0, 1], got {train.target_acc!r}")
+    check_memory(cfg)
+    check_device(train.device)
+    check_logger(cfg.get("logger"))
+
+
+# At most this share of fresh training rows may be held-out sequences: `training.training_batch` draws
+# those again, about 1 / (1 - share) draws per row.
+MAX_HELDOUT_SHARE = 0.5
+
+
+def heldout_share(length: int, vocab_size: int, eval_size: int, min_length: int | None = None) -> float:
+    """An upper bound on the probability that a fresh training row is a held-out sequence.
+
+    Fixed length L over V symbols: the held-out set holds at most min(eval_size, V^L) of the V^L
+    sequences. With `min_length` m each length in [m, L] is equally likely, and the held-out set
+    holds at most min(eval_size, V^l) of the V^l sequences of length l. Computed in logarithms
+    where V^L is too large to compute; the terms fall geometrically with l, so the sum stops once
+    they no longer count."""
+    lengths = range(length if min_length is None else min_length, length + 1)
+    total = 0.0
+    for size in lengths:
+        if size * math.log(vocab_size) < 700:  # V^l is a small enough integer: exact, so 4 of 8 is 1/2
+            term = min(1.0, eval_size / vocab_size**size)
+        else:
+            term = math.exp(min(0.0, math.log(eval_size) - size * math.log(vocab_size)))
+        total += term
+        if term < 1e-18:
+            break
+    return total / len(lengths)
+
+
+def _smallest(low: int, fits: Callable[[int], bool]) -> int:
+    """The smallest integer >= `low` for which `fits` (monotone: false, then true) holds."""
+    high = low
+    while not fits(high):
+        low, high = high + 1, 2 * high
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (middle + 1, high) if not fits(middle) else (low, middle)
+    return low
+
+
+def check_heldout(length: int, vocab_size: int, eval_size: int, val_size: int, min_length: int | None = None) -> None:
+    """ConfigError unless the test and validation sets (`eval_size` + `val_size` sequences, held out
+    of training together) leave enough sequences to train on (`heldout_share` at most
+    MAX_HELDOUT_SHARE): where they hold most of them, excluding them from training cannot work.
+    The message gives the largest train.eval_size + train.val_size, and the smallest task.length
+    and task.vocab_size, that would work, each alone."""
+    given, eval_size = eval_size, eval_size + val_size
+
+    def fits(length=length, vocab_size=vocab_size, eval_size=eval_size) -> bool:
+        return heldout_share(length, vocab_size, eval_size, min_length) <= MAX_HELDOUT_SHARE
+
+    share = heldout_share(length, vocab_size, eval_size, min_length)
+    if share <= MAX_HELDOUT_SHARE:
+        return
+    largest = _smallest(1, lambda size: not fits(eval_size=size + 1))  # share grows with eval_size; 1 always fits
+    lengths = f"task.length={length}" if min_length is None else f"task.min_length={min_length} to task.length={length}"
+    raise ConfigError(
+        f"the test and validation sets (train.eval_size={given} + train.val_size={val_size}) can hold up to {share:.0%} "
+        f"of the sequences of {lengths} over task.vocab_size={vocab_size} symbols, and training draws again every "
+        f"held-out one: at most {MAX_HELDOUT_SHARE:.0%} may be held out; use train.eval_size + train.val_size <= {largest}, "
+        f"task.length >= {_smallest(length, lambda value: fits(length=value))} "
+        f"or task.vocab_size >= {_smallest(vocab_size, lambda value: fits(vocab_size=value))}"
+    )
+
+
+def parameter_count(cfg: DictConfig) -> int:
+    """The trainable parameters of the model `evaluation.build_model` builds from `cfg`, counted without
+    torch (tests check it against `model.count_parameters`)."""
+    if model_keys.is_transformer(cfg):
+        return model_keys.transformer_parameter_count(cfg)
+    vocab, embedding, hidden = total_vocab(cfg.task.vocab_size), cfg.model.embedding_size, cfg.model.hidden_size
+    attention = cfg.attention
+
+    def gru(inputs: int, size: int, directions: int = 1) -> int:  # nn.GRU / nn.GRUCell: W_ih, W_hh, b_ih, b_hh per direction
+        return directions * (3 * size * (inputs + size) + 6 * size)
+
+    per_direction, directions = (hidden // 2, 2) if cfg.model.bidirectional else (hidden, 1)
+    count = vocab * embedding + gru(embedding, per_direction, directions)  # the encoder
+    count += vocab * embedding  # the decoder's embedding
+    if attention.score == "additive":
+        count += 2 * hidden * attention.size + 2 * attention.size  # W_a, U_a and its bias, v_a
+    elif attention.score == "general":
+        count += hidden * hidden
+    elif attention.score == "multihead":
+        count += 4 * hidden * hidden + 4 * hidden  # the query, key, value and output projections
+    if attention.get("local") == "predictive":
+        count += hidden * hidden + hidden  # W_p, v_p
+    if attention.decoder == "plain":
+        return count + gru(embedding, hidden) + hidden * vocab + vocab
+    if attention.decoder == "bahdanau":
+        return count + gru(embedding + hidden, hidden) + 2 * hidden * vocab + vocab  # context into the cell; readout from [s_t; c_t]
+    if attention.decoder == "rnnencdec":  # V and V' (c and s_0); the GRU's W, U and C (as a cell on [e; c]); readout from [s_t; e(y_{t-1}); c]
+        return count + 2 * (hidden * hidden + hidden) + gru(embedding + hidden, hidden) + (2 * hidden + embedding) * vocab + vocab
+    return count + gru(embedding, hidden) + 2 * hidden * hidden + hidden + hidden * vocab + vocab  # Luong: W_c, then the readout
+
+
+# Floats a training step keeps per (row, position, hidden unit) of the GRUs: the input's share of
+# the gates (3), the gates (3), the state, the Luong combination, and the gradients of the largest.
+GRU_FLOATS = 10
+
+
+def memory_estimate(cfg: DictConfig) -> dict[str, int]:
+    """Roughly the bytes a run needs at its peak, by what needs them, in float32: the parameters with
+    their gradients and Adam's two moments, a training step's activations and what autograd saves
+    of them (B = train.batch_size, T_enc = task.length, T_dec = T_enc + 1), and the test and
+    validation sets with the attention weights of their evaluation."""
+    task, train, model = cfg.task, cfg.train, cfg.model
+    batch, t_enc, t_dec, heldout = train.batch_size, task.length, task.length + 1, train.eval_size + train.val_size
+    if model_keys.is_transformer(cfg):
+        attends, activations = True, model_keys.transformer_activations(cfg)
+    else:
+        attention = cfg.attention
+        attends = attention.score is not None
+        # scores, masked scores, weights and a gradient per head; local attention adds its distances, window and Gaussian
+        weight_floats = 4 * attention.get("heads", 1) + (3 if attention.get("local") else 0)
+        activations = {
+            "the embeddings (B x (T_enc + T_dec) x model.embedding_size)": 2 * batch * (t_enc + t_dec) * model.embedding_size * FLOAT,
+            "the GRU states (B x (T_enc + T_dec) x model.hidden_size)": GRU_FLOATS * batch * (t_enc + t_dec) * model.hidden_size * FLOAT,
+            "the attention weights (B x T_dec x T_enc)": attends * weight_floats * batch * t_dec * t_enc * FLOAT,
+            # the (B, T_dec, T_enc, attention.size) sum and its tanh, saved for the backward pass
+            "the additive scores (B x T_dec x T_enc x attention.size)": (
+                2 * batch * t_dec * t_enc * attention.size * FLOAT if attention.score == "additive" else 0
+            ),
+        }
+    return {
+        "the parameters, their gradients and Adam's moments": 4 * parameter_count(cfg) * FLOAT,
+        **activations,
+        "the logits (B x T_dec x vocabulary)": 3 * batch * t_dec * total_vocab(task.vocab_size) * FLOAT,
+        # its token ids (source, decoder input, target, decoded output) and, with attention, the weights kept
+        "the test and validation sets and their attention weights ((train.eval_size + train.val_size) x T_dec x T_enc)": heldout * (4 * t_dec * LONG + attends * t_dec * t_enc * FLOAT),
+    }
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes; None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
+        return None
+
+
+def human_bytes(count: float) -> str:
+    """`23.4 GiB`."""
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if count < 1024:
+            return f"{count:.1f} {unit}" if unit != "bytes" else f"{count:.0f} bytes"
+        count /= 1024
+    return f"{count:.3g} EiB"
+
+
+def check_memory(cfg: DictConfig) -> None:
+    """ConfigError where `memory_estimate` exceeds this machine's physical memory (`machine_memory`),
+    naming the estimate, its largest part and the memory: a run that cannot fit is refused at once
+    rather than killed by the OS after minutes. (With train.device=cuda the host's memory stands in
+    for the GPU's, which this torch-free module cannot ask for.)"""
+    memory = machine_memory()
+    if memory is None:
+        return
+    parts = memory_estimate(cfg)
+    needed = sum(parts.values())
+    if needed > memory:
+        largest = max(parts, key=parts.get)
+        raise ConfigError(
+            f"this configuration needs about {human_bytes(needed)} of memory to train, more than this machine's "
+            f"{human_bytes(memory)}; the largest part, {human_bytes(parts[largest])}, is {largest} at "
+            f"B=train.batch_size={cfg.train.batch_size} and T_enc=task.length={cfg.task.length}"
+        )
+
+
+def check_logger(logger: DictConfig | None) -> None:
+    """ConfigError unless `logger` (the config's `logger` node; None in older runs: none) names a
+    tracker whose modules are installed. find_spec only looks for them: no slow import here."""
+    name = "none" if logger is None else logger.name
+    if name not in LOGGERS:
+        raise ConfigError(f"logger must be one of {', '.join(LOGGERS)}, got {name!r}")
+    if LOGGERS[name] is not None:
+        tracker, modules = LOGGERS[name]
+        if not all(importlib.util.find_spec(module) for module in modules):
+            raise ConfigError(f"logger={name} needs {tracker}: pip install 'copytask[{name}]'")
+
+
+def check_device(name: str, here: bool = True) -> None:
+    """ConfigError unless `name` is a device name and, with `here`, one this machine has (torch is
+    imported only to look for CUDA). The message names the machine: in a SLURM sweep it is a node."""
+    if name not in DEVICES:
+        raise ConfigError(f"train.device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name == "cuda" and here:
+        import torch
+
+        if not torch.cuda.is_available():
+            build = f"torch {torch.__version__}, " + ("a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}")
+            raise ConfigError(f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device ({build}); use auto or cpu")
+
+
+def remote_launcher(target: str | None) -> bool:
+    """Whether a Hydra launcher (its `_target_`) runs the jobs on other machines than the one composing them."""
+    return (target or "").endswith(REMOTE_LAUNCHERS)
+
+
+def analysis_device(device: str, target: str | None) -> str:
+    """The device a sweep's closing analysis runs on, in the sweep's own process: `train.device`,
+    except `cuda` after a launcher whose jobs ran elsewhere (a login node need not have the nodes' GPU): auto."""
+    return "auto" if device == "cuda" and remote_launcher(target) else device
+
+
+def check_launcher(target: str | None, choice: str | None, partition: str | None = None) -> None:
+    """ConfigError unless the launcher (its `_target_`, and its `hydra/launcher` option) can submit
+    from this machine: SLURM's needs `srun` (how submitit detects a cluster) and `sbatch` (what it
+    submits with), and the `partition` it names (`hydra.launcher.partition`, a,b for either) must be
+    one that sinfo lists. The message names the options of configs/hydra/launcher that run here."""
+    if not remote_launcher(target):
+        return
+    check_slurm_commands(choice)
+    if partition is None:
+        return
+    try:
+        listed = subprocess.run(["sinfo", "--noheader", "--format=%R"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return  # the controller does not answer: sbatch will say why
+    partitions = sorted(set(listed.stdout.split()))
+    unknown = [name for name in str(partition).split(",") if name not in partitions]
+    if listed.returncode == 0 and unknown:
+        raise ConfigError(f"hydra.launcher.partition={partition}: this cluster has no partition {', '.join(unknown)} "
+                          f"(sinfo lists {', '.join(partitions) or 'none'})")
+
+
+def check_slurm_commands(choice: str | None) -> None:
+    """ConfigError unless srun and sbatch are on PATH, naming the launchers that work without them."""
+    missing = [command for command in ("srun", "sbatch") if shutil.which(command) is None]
+    if missing:
+        options = sorted((Path(config_dir()) / "hydra" / "launcher").glob("*.yaml"))
+        here = [f"hydra/launcher={path.stem}" for path in options if "submitit_slurm" not in path.read_text()]
+        raise ConfigError(
+            f"hydra/launcher={choice} needs a SLURM cluster ({' and '.join(missing)} not on PATH here); on this machine "
+            "use the default launcher (basic: one job at a time)" + "".join(f" or {option}" for option in here)
+        )
+
+
+def remote_job_check(cfg: DictConfig) -> None:
+    """`validate` for a job composed here but run elsewhere (a SLURM node): everything but whether
+    this machine has the device, which the job checks on its node when it starts."""
+    check_device(cfg.train.device, here=False)
+    validate(OmegaConf.merge(cfg, {"train": {"device": "cpu"}}))
+
+
+def default_attention() -> DictConfig:
+    """The attention group's default option as the schema composes it (what model=transformer leaves alone)."""
+    return OmegaConf.merge(OmegaConf.structured(AttentionConfig), model_keys.default_attention(config_dir()))

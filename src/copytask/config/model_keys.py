@@ -1,0 +1,131 @@
+"""The `model` config group (`model=gru`, the default, and `model=transformer`) and the analysis
+test lengths: which keys each model reads, the checks `validation.validate` makes of them, and the
+Transformer's parameter count and memory. Torch-free, as config.py, so a refusal is immediate.
+
+Each model reads its own keys (MODEL_KEYS) and leaves the other's unused: those are left out of
+a run's identity (`store.UNUSED_UNLESS`), as `attention.window` is without local attention, so
+that a preset sizing the GRU (`experiment=quick`) also composes with `model=transformer`. The
+`attention` group is model=gru's decoder: with model=transformer anything but its default is
+refused, since nothing would read it.
+
+The checks raise `Refused` (a ValueError); `validation.validate` turns it into its ConfigError.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..data.vocab import total_vocab
+
+MODELS = ("gru", "transformer")
+MODEL_KEYS = {
+    "gru": ("embedding_size", "hidden_size", "bidirectional"),
+    "transformer": ("layers", "heads", "d_model", "ff_size", "positions", "max_length", "dropout"),
+}
+NULLABLE = ("model.max_length",)  # a key of the chosen model that may be null (null: task.length)
+POSITIONS = ("sinusoidal", "learned")
+MINIMUM = {"model.layers": 1, "model.heads": 1, "model.d_model": 1, "model.ff_size": 1, "model.max_length": 1}
+MAX_HEADS = 8  # heads of a multi-head attention (attention.heads) or of the Transformer (model.heads)
+
+
+class Refused(ValueError):
+    """A model config that cannot run; the message names the key, the value and what is allowed."""
+
+
+def model_name(cfg: DictConfig | dict) -> str:
+    """`model.name` of a config (or of its plain-dict form); runs from before the `model` group
+    have none and are GRU runs."""
+    return cfg["model"].get("name") or "gru"
+
+
+def is_transformer(cfg: DictConfig) -> bool:
+    return model_name(cfg) == "transformer"
+
+
+def position_rows(cfg: DictConfig) -> int:
+    """Rows of a learned position table: positions 0 .. max_length, the decoder's input being one
+    longer (BOS + the target) than the longest source."""
+    return (cfg.model.get("max_length") or cfg.task.length) + 1
+
+
+def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
+    """Refused unless `cfg.model` is a model that can run: its name one of MODELS, each of its keys
+    set, the Transformer's well-formed; with model=transformer `cfg.attention` must be
+    `default_attention` (the attention group's default, composed)."""
+    model, name = cfg.model, model_name(cfg)
+    if name not in MODELS:
+        raise Refused(f"model.name must be one of {', '.join(MODELS)}, got {name!r} (choose a model with model={'|'.join(MODELS)})")
+    for key in MODEL_KEYS[name]:
+        if model.get(key) is None and f"model.{key}" not in NULLABLE:
+            raise Refused(f"model.{key} must not be null with model={name}")
+    if name != "transformer":
+        return
+    if cfg.attention != default_attention:
+        raise Refused(
+            f"attention={cfg.attention.name} (and every attention.* key) is model=gru's decoder; model=transformer has its "
+            f"own attention (model.heads), so the attention group must stay at its default ({default_attention.name}); "
+            "a sweep over architecture=... that is not a preset's drops the default grid's attention list with "
+            "'~hydra.sweeper.params.attention'"
+        )
+    if model.heads > MAX_HEADS:
+        raise Refused(f"model.heads must be at most {MAX_HEADS}, got {model.heads}")
+    if model.d_model % model.heads:
+        raise Refused(f"model.d_model ({model.d_model}) must be divisible by model.heads ({model.heads})")
+    if model.positions not in POSITIONS:
+        raise Refused(f"model.positions must be one of {', '.join(POSITIONS)}, got {model.positions!r}")
+    if not 0 <= model.dropout < 1:  # also refuses nan
+        raise Refused(f"model.dropout must be a number in [0, 1), got {model.dropout!r}")
+    if model.positions == "learned" and model.max_length is not None and model.max_length < cfg.task.length:
+        raise Refused(f"model.max_length ({model.max_length}) must be at least task.length ({cfg.task.length}): the learned table covers every trained position")
+
+
+def check_lengths(lengths: list[int] | None) -> None:
+    """Refused unless `analysis.lengths` (integers: the schema's type) is null or a non-empty list of lengths >= 1."""
+    if lengths is not None and (len(lengths) == 0 or min(lengths) < 1):
+        raise Refused(f"analysis.lengths must be null or a list of integers >= 1, e.g. [5,10,20,40,80], got {list(lengths)}")
+
+
+def transformer_parameter_count(cfg: DictConfig) -> int:
+    """The trainable parameters of `transformer.TransformerSeq2Seq` for `cfg`: nn.Transformer (its
+    layers and final norms), the source and target embeddings, a learned position table, the readout."""
+    vocab, model = total_vocab(cfg.task.vocab_size), cfg.model
+    d, ff, layers = model.d_model, model.ff_size, model.layers
+    attention = 4 * d * d + 4 * d  # in_proj (3d x d) and its bias, out_proj (d x d) and its bias
+    feed_forward = 2 * d * ff + ff + d
+    norm = 2 * d
+    encoder_layer = attention + feed_forward + 2 * norm
+    decoder_layer = 2 * attention + feed_forward + 3 * norm
+    count = layers * (encoder_layer + decoder_layer) + 2 * norm  # nn.Transformer's final encoder and decoder norms
+    count += 2 * vocab * d + d * vocab + vocab  # embeddings, readout
+    if model.positions == "learned":
+        count += position_rows(cfg) * d
+    return count
+
+
+FLOAT, LONG = 4, 8  # bytes of a float32 number and of a token id
+
+
+def transformer_activations(cfg: DictConfig) -> dict[str, int]:
+    """Roughly the bytes of a Transformer training step's activations, by what needs them (the
+    entries of `validation.memory_estimate` that are the Transformer's own)."""
+    task, model = cfg.task, cfg.model
+    batch, t_enc, t_dec, d = cfg.train.batch_size, task.length, task.length + 1, model.d_model
+    positions = (t_enc + t_dec) * model.layers
+    # per position and layer: about a dozen d-wide activations and the feed-forward block's, forward and gradient
+    activations = 2 * batch * positions * (12 * d + 2 * model.ff_size) * FLOAT
+    # scores and weights per head: encoder self, decoder self and cross attention
+    weights = 4 * batch * model.heads * model.layers * (t_enc * t_enc + t_dec * t_dec + t_dec * t_enc) * FLOAT
+    return {
+        "the layers' activations (B x (T_enc + T_dec) x model.layers x model.d_model)": activations,
+        "the attention weights (B x model.heads x model.layers x T^2)": weights,
+    }
+
+
+def default_attention(config_dir: str) -> DictConfig:
+    """The attention group's default option (configs/config.yaml's defaults list) as composed."""
+    root = Path(config_dir)
+    defaults = OmegaConf.to_container(OmegaConf.load(root / "config.yaml").defaults)
+    [name] = [entry["attention"] for entry in defaults if isinstance(entry, dict) and "attention" in entry]
+    return OmegaConf.load(root / "attention" / f"{name}.yaml")

@@ -1,0 +1,35 @@
+"""TODO docstring (data.scoring)."""
+
+from __future__ import annotations
+
+# imports from evaluation
+from typing import NamedTuple
+import torch
+from .vocab import EOS
+from .batches import Batch
+
+class Scores(NamedTuple):
+    """Per sequence (B,): content symbols right, content symbols, whether the whole target is right
+    (every symbol and the EOS), and whether the output ended early (an EOS before the target's)."""
+
+    hits: torch.Tensor
+    symbols: torch.Tensor
+    exact: torch.Tensor
+    early: torch.Tensor
+
+
+def output_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """Greedy output (B, T_dec) -> (B, T_dec) True up to and with each output's first EOS: the
+    output itself. An output without EOS runs to the end."""
+    eos = tokens == EOS
+    return (eos.cumsum(1) - eos.long()) == 0  # no EOS before this position
+
+
+def sequence_scores(tokens: torch.Tensor, batch: Batch) -> Scores:
+    """Greedy output `tokens` (B, T_dec) against `batch`: an output ends at its first EOS, so a
+    content position after it is wrong, whatever the decoder emitted there; an output that never
+    emits EOS is scored over the target's length. The one scoring rule of every number."""
+    correct = (tokens == batch.tgt_out) & output_mask(tokens)
+    content = batch.content_mask
+    early = ((tokens == EOS) & content).any(1)
+    return Scores((correct & content).sum(1), content.sum(1), (correct | ~batch.target_mask).all(1), early)

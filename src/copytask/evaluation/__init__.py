@@ -1,0 +1,3 @@
+"""Evaluation of finished runs: loading a trained model (`load`), the evidence beyond the heatmap
+(`analysis`: counterfactual attention, alignment, length generalisation) and greedy decoding of
+any input (`decode`)."""

@@ -1,0 +1,105 @@
+"""What every copytask figure is drawn with: panels, the chance line, an annotated matrix, and the
+attention map of one example (a sample dict of attention_samples.json, analysis.json or decode).
+
+Figures are `matplotlib.figure.Figure`s, drawn and saved without pyplot and without choosing a
+backend, so that drawing one changes nothing in the caller's process (a notebook's inline figures
+stay on); `save` writes the file.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.cm import ScalarMappable
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from ..data.batches import copied_source_positions
+from ..data.vocab import symbol
+
+COLUMNS = 5  # panels per row
+
+
+def panels(count: int, width: float = 4.0, height: float = 3.2) -> tuple[Figure, list[Axes]]:
+    """`count` panels, at most COLUMNS to a row; the unused ones are hidden."""
+    rows, columns = -(-count // COLUMNS), min(count, COLUMNS)
+    figure = Figure(figsize=(width * columns, height * rows), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False)
+    for axis in axes.flat[count:]:
+        axis.set_visible(False)
+    return figure, list(axes.flat[:count])
+
+
+def save(figure: Figure, path: Path, dpi: int = 120) -> Path:
+    """Write `figure` to `path` (its folder made if need be); the format follows the suffix."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi)
+    return path
+
+
+def fitted(title: str, width: float, fontsize: float = 10.0) -> str:
+    """`title` broken into lines that fit a figure `width` inches wide (a character of a
+    `fontsize`-point sans-serif font is about 0.6 of its size wide), so a small map's long title is
+    not clipped at both ends."""
+    characters = max(20, int(0.85 * width * 72 / (0.6 * fontsize)))
+    return "\n".join(textwrap.fill(line, width=characters) for line in title.split("\n"))
+
+
+def draw_chance(ax: Axes, chance: float) -> None:
+    """The chance level (`chance`, a fraction) as a dashed grey line on an accuracy axis in %,
+    labelled for the legend."""
+    ax.axhline(100 * chance, color="grey", linestyle="--", label=f"chance ({100 * chance:.1f}%)")
+
+
+def draw_matrix(ax: Axes, matrix: pd.DataFrame, scale: float, number: str, fontsize: int, **imshow) -> ScalarMappable:
+    """`matrix` (values in [0, 1]) times `scale` as an image on `ax`, each cell written with `number`
+    (white on dark cells), its index and columns as tick labels. -> the image, for a colour bar."""
+    values = scale * matrix.to_numpy()
+    image = ax.imshow(values, vmin=0, vmax=scale, cmap="viridis", **imshow)
+    for (i, j), value in np.ndenumerate(values):
+        ax.text(j, i, number.format(value), ha="center", va="center", fontsize=fontsize, color="white" if value < 0.6 * scale else "black")
+    ax.set_xticks(range(matrix.shape[1]), matrix.columns)
+    ax.set_yticks(range(matrix.shape[0]), matrix.index)
+    return image
+
+
+def draw_attention(ax: Axes, weights: np.ndarray, sample: dict, vocab_size: int, task: str) -> ScalarMappable:
+    """One attention map on `ax`: `weights` (T_dec, T_enc), output steps (rows) against the source
+    positions of `sample` (its `source` and `target` tokens, and `output`, the greedy output, where
+    known), symbols on both axes, one colour scale from 0 to 1 for every map. Output symbols that
+    differ from the target are red; the source position each output step copies
+    (`data.copied_source_positions`) is outlined. -> the image, for a colour bar."""
+    rows, columns = weights.shape
+    image = ax.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+    font = 7 if max(rows, columns) > 30 else 9
+    rows_symbols = sample.get("output", sample["target"])
+    ax.set_xticks(range(columns), [symbol(t, vocab_size) for t in sample["source"]], fontsize=font)
+    ax.set_yticks(range(rows), [symbol(t, vocab_size) for t in rows_symbols[:rows]], fontsize=font)
+    for label, output, target in zip(ax.get_yticklabels(), rows_symbols, sample["target"]):
+        if output != target:
+            label.set_color("red")
+    for step, position in enumerate(copied_source_positions(task, columns)):
+        ax.add_patch(Rectangle((position - 0.5, step - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=0.8))
+    ax.set(xlabel="source symbol", ylabel="output symbol (greedy; red: wrong)" if "output" in sample else "target symbol")
+    return image
+
+
+def plot_attention(sample: dict, vocab_size: int, task: str, title: str, path: Path) -> Path:
+    """The attention map of one example (`draw_attention`): `sample["weights"]` (T_dec, T_enc), or
+    (heads, T_dec, T_enc) for one panel per head."""
+    weights = np.asarray(sample["weights"], dtype=float)
+    maps = weights[None] if weights.ndim == 2 else weights
+    size = max(4.0, 0.13 * max(maps.shape[1:]))  # about 9 pt per cell keeps a length-80 map readable
+    figure, axes = panels(len(maps), width=size + (1.5 if len(maps) == 1 else 0.5), height=size)
+    for head, (ax, head_weights) in enumerate(zip(axes, maps)):
+        image = draw_attention(ax, head_weights, sample, vocab_size, task)
+        if len(maps) > 1:
+            ax.set_title(f"head {head}")
+    figure.suptitle(fitted(title, figure.get_figwidth()))  # over the whole figure: a small map's axes are narrower than the title
+    figure.colorbar(image, ax=axes, fraction=0.04, label="attention weight")
+    return save(figure, path, dpi=100)

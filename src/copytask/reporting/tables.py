@@ -1,0 +1,271 @@
+"""A grid's finished runs as one table, and its summary over seeds (mean and 95% t-interval,
+widened to the held-out set's binomial uncertainty for accuracies).
+
+Each run's metrics.json, and its analysis.json where `copytask analyze` has written one, is read
+here; a run whose metrics.json is corrupt is skipped with a warning that names it (a corrupt
+analysis.json only loses its analysis), so a half-written or damaged folder never stops
+`compare` or `report`. Runs are labelled by `store.model_label`: multi-head runs stand apart, Transformers read `transformer`.
+
+A sweep is a table: every config key whose value differs between the runs (besides the attention
+type, the length and the seed) is a *setting* column of the table, named by its dotted key
+(`model.hidden_size`). Summaries group by every setting, the length and the attention type:
+nothing is ever averaged but seeds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from scipy import stats
+
+from .. import store
+from ..config import messages
+from ..store.grid import GridRun
+
+RESULTS_CSV = "results.csv"
+COLUMNS = ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "run")
+ALIGNMENT_COLUMNS = ("align_hit", "align_mass", "align_adjacent")  # from analysis.json, empty for runs without attention or analysis
+TARGET_STEP = "target_step"  # from history.csv: the first evaluation step at train.target_acc, empty if never reached
+BASELINE = "none"
+CONFIDENCE = 0.95
+# Identity keys that are columns of their own (`seed`, `length`), never settings.
+OWN_COLUMNS = ("seed", "task.length")
+
+
+@dataclass
+class Loaded:
+    """The grid's usable runs, and the rest with the reason each one is left out."""
+
+    table: pd.DataFrame  # one row per complete run: COLUMNS, ALIGNMENT_COLUMNS, the settings, the rest of metrics.json
+    runs: dict[str, GridRun]  # run folder name -> grid run, for the rows of `table`
+    missing: list[tuple[GridRun, str]]
+    analyses: dict[str, dict]  # run folder name -> its analysis.json, for the rows of `table` that have one
+    settings: list[str]  # the config keys that vary between the rows, dotted, in config order (see `setting_keys`)
+
+
+def read_analysis(folder: Path) -> dict | None:
+    """A run's analysis.json, or None if it has none (or a corrupt one: warned, naming the run)."""
+    path = folder / store.ANALYSIS
+    if not path.is_file():
+        return None
+    try:
+        return store.read_json(path)
+    except (OSError, ValueError) as error:
+        messages.warn(f"skipping {store.ANALYSIS} of {folder}: {type(error).__name__}: {error}")
+        return None
+
+
+def target_step(folder: Path, target: float) -> float:
+    """The first evaluation step whose greedy token accuracy on the validation set reached `target`
+    (the run's train.target_acc), from its history.csv; NaN if none did (or the history cannot be read)."""
+    try:
+        history = pd.read_csv(folder / store.HISTORY)
+        hit = history["step"][history["val_token_acc"] >= target]
+    except (OSError, ValueError, KeyError):  # pandas' parser and empty-data errors are ValueErrors
+        return math.nan
+    return float(hit.iloc[0]) if len(hit) else math.nan
+
+
+def setting_keys(configs: pd.DataFrame, attention: pd.Series) -> list[str]:
+    """The columns of `configs` (one row per run, dotted keys) whose values differ between runs,
+    besides OWN_COLUMNS. An `attention.*` or `model.*` key is a setting only where it varies among
+    runs of one attention type or model (`attention.size=16,32`, `model.hidden_size=32,64`): between
+    them it is part of what each is (a GRU has a hidden size, a Transformer a `model.d_model`)."""
+    keys = []
+    for key in configs.columns:
+        values = configs[key]
+        if key in OWN_COLUMNS or values.nunique(dropna=False) < 2:
+            continue
+        if key.startswith(("attention.", "model.")) and values.groupby(attention.to_numpy()).nunique(dropna=False).max() < 2:
+            continue
+        keys.append(key)
+    return keys
+
+
+def load(grid: list[GridRun]) -> Loaded:
+    """Read metrics.json (and analysis.json) of every complete run in `grid`; warn about and skip the rest."""
+    rows, runs, missing, analyses, configs = [], {}, [], {}, []
+    for run in grid:
+        status = run.status()
+        if status == "complete":
+            try:
+                metrics = store.read_json(run.folder / store.METRICS)
+                missing_keys = [key for key in COLUMNS if key not in metrics]
+                if missing_keys:
+                    raise ValueError(f"no {', '.join(missing_keys)}")
+            except (OSError, ValueError, TypeError) as error:
+                reason = f"corrupt {store.METRICS} ({error})"
+                messages.warn(f"skipping {run.folder}: {reason}")
+                missing.append((run, reason))
+                continue
+            metrics["attention"] = store.model_label(run.config)
+            metrics[TARGET_STEP] = target_step(run.folder, run.config.train.target_acc)
+            metrics["eval_size"] = run.config.train.eval_size  # the sequences each accuracy is a share of (`scored`)
+            analysis = read_analysis(run.folder)
+            if analysis is not None:
+                analyses[metrics["run"]] = analysis
+                metrics |= {f"align_{key}": value for key, value in analysis.get("alignment", {}).items()}
+            rows.append(metrics)
+            configs.append(store.flat_identity(run.config))
+            runs[metrics["run"]] = run
+        else:
+            if status == "incomplete":  # a half-written folder; failed runs are named by their sweep
+                messages.warn(f"skipping {run.folder}: {run.failure()}")
+            missing.append((run, run.failure()))
+    table, settings = pd.DataFrame(rows), []
+    if not table.empty:
+        configs = pd.DataFrame(configs)
+        settings = setting_keys(configs, table["attention"])
+        table = pd.concat([table, configs[settings]], axis=1)
+        first = [*COLUMNS, TARGET_STEP, *ALIGNMENT_COLUMNS, *settings]
+        table = table.reindex(columns=[*first, *(c for c in table.columns if c not in first)])
+    return Loaded(table, runs, missing, analyses, settings)
+
+
+def save(loaded: Loaded, runs_dir: Path) -> Path:
+    """runs_dir/results.csv, written atomically: one row per run, its settings, and `config`, the
+    path of its resolved config.yaml relative to runs_dir."""
+    path = Path(runs_dir) / RESULTS_CSV
+    table = loaded.table[[*COLUMNS, TARGET_STEP, *ALIGNMENT_COLUMNS, *loaded.settings]].copy()
+    table["config"] = [f"{run}/{store.CONFIG}" for run in table["run"]]
+    store.atomic_write(path, table.to_csv(index=False))
+    return path
+
+
+def interval(values: pd.Series, trials: int | None = None) -> tuple[float, float, float]:
+    """Mean and 95% t-interval over seeds; the interval is NaN with a single seed.
+
+    With `trials`, the values are shares of that many scored items (the tokens or sequences of one
+    held-out set), and the interval is widened to hold the Wilson interval of the mean over them:
+    the held-out set's own sampling uncertainty, which a t-interval hides where every seed scores
+    the same (all at 100% or at 0%: zero width). Every seed scores the same held-out set
+    (train.eval_seed), so seeds do not add trials."""
+    n, mean = len(values), float(values.mean())
+    if n < 2:
+        return mean, math.nan, math.nan
+    half = stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1) * float(values.std(ddof=1)) / math.sqrt(n)
+    low, high = mean - half, mean + half
+    if trials:
+        wilson = stats.binomtest(round(mean * trials), trials).proportion_ci(CONFIDENCE, method="wilson")
+        low, high = min(low, wilson.low), max(high, wilson.high)
+    return mean, low, high
+
+
+def scored(group: pd.DataFrame) -> dict[str, int | None]:
+    """How many tokens and sequences one evaluation of the runs in `group` scores (token_acc and
+    seq_acc are shares of them): train.eval_size sequences of task.length symbols, or with variable
+    lengths of (min_length + length) / 2 on average. None for a table without `eval_size`."""
+    if "eval_size" not in group or group["eval_size"].isna().any():
+        return {"token_acc": None, "seq_acc": None}
+    sequences = int(group["eval_size"].min())
+    shortest = group["min_length"].fillna(group["length"]) if "min_length" in group else group["length"]  # older runs have none
+    return {"token_acc": round(sequences * float((shortest + group["length"]).min()) / 2), "seq_acc": sequences}
+
+
+def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
+    """One row per (settings..., length, attention), baseline first within each: seeds, mean and
+    interval of token and sequence accuracy (never narrower than the held-out set's own
+    uncertainty where the table has `eval_size`: see `interval`) and of the steps to the target accuracy (over the
+    `reached` runs that got there), chance, params, and the gap of each mean to the mean
+    of the baseline with the same settings and length (empty where there is no such baseline;
+    `attention.*` settings are not matched, as the baseline has no attention)."""
+    keys = [*settings, "length", "attention"]
+    rows = []
+    for values, group in table.groupby(keys, sort=False, dropna=False):
+        row = dict(zip(keys, values)) | {"seeds": group["seed"].nunique()}
+        trials = scored(group)
+        for metric in ("token_acc", "seq_acc"):
+            row[metric], row[f"{metric}_lo"], row[f"{metric}_hi"] = interval(group[metric], trials[metric])
+        # the step's mean is over the seeds that got there; a table from before it was recorded has none
+        reached = group.get(TARGET_STEP, pd.Series(dtype=float)).dropna()
+        row[TARGET_STEP], row[f"{TARGET_STEP}_lo"], row[f"{TARGET_STEP}_hi"] = interval(reached)
+        row["reached"] = len(reached)
+        row["chance"] = group["chance"].iloc[0]
+        row["params"] = group["params"].iloc[0]
+        rows.append(row)
+    summary = pd.DataFrame(rows)
+    order = [BASELINE] + [a for a in dict.fromkeys(table["attention"]) if a != BASELINE]
+    summary["attention"] = pd.Categorical(summary["attention"], categories=order, ordered=True)
+    summary = summary.sort_values(keys, na_position="first").reset_index(drop=True)
+    summary["attention"] = summary["attention"].astype(str)
+    match = [key for key in keys[:-1] if not key.startswith("attention.")]
+    baseline = summary.loc[summary["attention"] == BASELINE, [*match, "token_acc", "seq_acc"]]
+    paired = summary[match].merge(baseline, on=match, how="left")  # keeps summary's row order
+    for metric in ("token_acc", "seq_acc"):
+        summary[f"{metric}_gap"] = summary[metric].to_numpy() - paired[metric].to_numpy()
+        summary.loc[summary["attention"] == BASELINE, f"{metric}_gap"] = math.nan
+    return summary
+
+
+def numeric(values: pd.Series) -> bool:
+    """Whether a column holds numbers (booleans are not: True and False are no axis)."""
+    return pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)
+
+
+def setting_value(value: object) -> str:
+    """A setting's value as a table or a title shows it: `1e-3` rather than `0.001000`, `-` for none."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def percent(value: float) -> str:
+    return "" if math.isnan(value) else f"{100 * value:.1f}"
+
+
+def with_interval(mean: float, low: float, high: float) -> str:
+    """`99.8 [99.5, 100.0]` in percent; the interval is clipped to [0, 100] (accuracies)."""
+    if math.isnan(low):
+        return percent(mean)
+    return f"{percent(mean)} [{percent(max(low, 0.0))}, {percent(min(high, 1.0))}]"
+
+
+def comparison_table(summary: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
+    """`summarise`'s numbers as strings for a terminal or markdown, accuracies in percent."""
+
+    def gap(value: float) -> str:
+        return "" if math.isnan(value) else f"{100 * value:+.1f}"
+
+    def steps(row) -> str:
+        """`650 [520, 780]`, with `(2/3)` where only some runs reached the target; `never` where none did."""
+        if row.reached == 0:
+            return "never"
+        text = f"{row.target_step:,.0f}"
+        if not math.isnan(row.target_step_lo):
+            text += f" [{max(row.target_step_lo, 0):,.0f}, {row.target_step_hi:,.0f}]"
+        return text + (f" ({row.reached}/{row.seeds})" if row.reached < row.seeds else "")
+
+    return pd.DataFrame(
+        {
+            **{key: summary[key].map(setting_value) for key in settings},
+            "length": summary["length"],
+            "attention": summary["attention"],
+            "seeds": summary["seeds"],
+            "token acc % [95% CI]": [with_interval(r.token_acc, r.token_acc_lo, r.token_acc_hi) for r in summary.itertuples()],
+            "seq acc % [95% CI]": [with_interval(r.seq_acc, r.seq_acc_lo, r.seq_acc_hi) for r in summary.itertuples()],
+            "steps to target [95% CI]": [steps(r) for r in summary.itertuples()],
+            "chance %": summary["chance"].map(percent),
+            "params": summary["params"].map("{:,}".format),
+            f"token gap vs {BASELINE}": summary["token_acc_gap"].map(gap),
+            f"seq gap vs {BASELINE}": summary["seq_acc_gap"].map(gap),
+        }
+    )
+
+
+def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
+    """`N of M runs missing:` and one line per run (its overrides, folder and why)."""
+    lines = [f"{len(missing)} of {total} runs missing:"]
+    lines += [f"  {run.label or run.folder.name}  ({run.folder.name}): {reason}" for run, reason in missing]
+    return "\n".join(lines)
+
+
+def table_note(tasks: list[str]) -> str:
+    """The two lines `compare` prints above `comparison_table`."""
+    return (
+        f"{'/'.join(tasks)} task, test-set accuracies in %, mean over seeds with 95% t-interval (none with one seed; for accuracies never\n"
+        f"narrower than the test set's own 95% Wilson interval); gap = mean - {BASELINE}'s mean; steps to target: the first evaluation at\n"
+        "train.target_acc greedy token accuracy on the validation set, over the seeds that reached it (k/n where not all did)"
+    )

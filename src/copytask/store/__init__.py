@@ -1,0 +1,15 @@
+"""The run store: a run's identity and folder name (`identity`), the files of a run folder with
+atomic writes and locks (`folders`), and which runs a grid is made of (`grid`). Training writes
+through it; compare, report and the API read through it.
+
+`store.X` is `folders.X` or `identity.X`: the two halves of one concept, read together."""
+
+from .folders import (
+    ANALYSIS, ATTENTION, CHECKPOINT, CONFIG, FAILED, HISTORY, LOCKS, METRICS, PROGRESS, RESUME, UNREADABLE_RESUME,
+    atomic_write, complete_runs, is_complete, is_locked, lock_path, lock_run, read_json, read_progress, write_json,
+    write_progress,
+)
+from .identity import (
+    NEUTRAL, NOT_IDENTITY, UNUSED_UNLESS, architecture, attention_label, flat_identity, identity, model_label, run_dir,
+    run_name,
+)

@@ -1,0 +1,326 @@
+"""Which runs a grid is made of, composed as Hydra composes them, and which runs `compare`,
+`report` and the API look at.
+
+The grid is expanded the way Hydra's basic sweeper does it (sweeper params, then command-line
+overrides, which replace a swept key's list), and each job's config is composed with Hydra's own
+config loader, so `store.run_dir` gives exactly the folders the sweep writes. `compare` and
+`report` use the same expansion: they see the grid's runs and nothing else in runs_dir, and can
+name the ones that are missing. Composing here leaves a Hydra instance the caller initialised as
+it was.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from hydra import initialize_config_dir
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from .. import store
+from ..config import messages
+from ..config.schema import ConfigError, config_dir, dotted_keys, hydra_errors
+from ..config.hydra_internals import compose, compose_job, own_global_hydra, proposes_jobs, search_samples, search_space, sweep_jobs
+from ..config.checks import check_launcher, remote_job_check, remote_launcher, validate
+
+SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
+OBJECTIVE = "val_token_acc"  # what a job returns to an optimising sweeper: validation greedy token accuracy, from metrics.json
+# <hydra.sweep.dir>/<job number>/trial.json: what each trial of a search ran and returned, written by its job
+# (one file per job: jobs in other processes never append to one shared file)
+TRIAL_RECORD = "trial.json"
+# What `copytask.sweep` adds to its Hydra command line so that Hydra configures no logging (jobs.run_hydra);
+# not part of the command that starts the sweep (`sweep_command`)
+QUIET_HYDRA = ("hydra/hydra_logging=none", "hydra/job_logging=none")
+
+@dataclass(frozen=True)
+class GridRun:
+    """One job of a grid: its sweep overrides, its config as the task function sees it, and its folder."""
+
+    overrides: tuple[str, ...]
+    label: str  # the swept overrides only, e.g. "attention=none task.length=5 seed=0"
+    config: DictConfig
+    folder: Path
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> GridRun:
+        """A run found in a folder rather than in a grid (`--all`), with the config it was trained with."""
+        return cls((), "", OmegaConf.load(folder / store.CONFIG), folder)
+
+    def status(self) -> str:
+        """complete | running (another process holds its lock) | failed | incomplete (folder
+        without results: killed, or cut short) | not run."""
+        if store.is_complete(self.folder):
+            return "complete"
+        if store.is_locked(self.folder):
+            return "running"
+        if (self.folder / store.FAILED).is_file():
+            return "failed"
+        return "incomplete" if self.folder.is_dir() else "not run"
+
+    def failure(self) -> str:
+        """Why this run has no results, in one line."""
+        status = self.status()
+        if status == "failed":
+            try:
+                return store.read_json(self.folder / store.FAILED)["error"]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                return f"failed (unreadable {store.FAILED}: {error})"
+        if status == "incomplete":
+            if (self.folder / store.METRICS).exists():
+                return f"corrupt {store.METRICS} in {self.folder} (cut short by a crash; the next sweep trains it again)"
+            return f"incomplete: {self.folder} has no {store.METRICS} (still running, or killed)"
+        if status == "running":
+            return f"being trained by another process (it holds {store.lock_path(self.folder)})"
+        return status
+
+
+def expand(master: DictConfig, check: Callable[[DictConfig], None] | None = None) -> list[GridRun]:
+    """The jobs Hydra's basic sweeper launches for `master` (a multirun config with its hydra
+    node), in launch order; `check` is called on each job's config as it is composed, so that a bad
+    one stops the expansion at once. Needs an initialised GlobalHydra (inside a sweep, or `compose_grid`)."""
+    jobs, swept = sweep_jobs(master)
+    runs = []
+    for overrides, config in jobs:
+        with open_dict(config):
+            del config["hydra"]  # as Hydra does before calling the task function
+        if check is not None:
+            check(config)
+        label = " ".join(o for o in overrides if o.split("=", 1)[0] in swept)
+        runs.append(GridRun(tuple(overrides), label, config, store.run_dir(config)))
+    return runs
+
+
+def check_search(master: DictConfig, check: Callable[[DictConfig], None]) -> None:
+    """What can be checked of a search before its sweeper proposes the first trial: that the
+    sweeper can read the search space (`search_samples`), that a trial composes (every searched key
+    exists and takes the type of a value it may get), and `check` on the config the trials share
+    (their fixed overrides, the searched keys at their defaults). Each trial is checked again as it
+    comes, in its job: one that cannot run is a failed trial with its reason, not a crash."""
+    fixed, _ = search_space(master)
+    compose_job(master, [*fixed, *search_samples(master)])  # composition only: a sample need not be a good combination
+    shared = compose_job(master, fixed)
+    with open_dict(shared):
+        del shared["hydra"]
+    check(shared)
+
+
+def search_trials(master: DictConfig) -> list[dict]:
+    """The trials of the search recorded in `master`'s runs_dir (sweep.json), in trial order: the
+    list written at its end, or while it runs (or once it was cut off) the trial records its jobs
+    have written since it started. Empty where the last sweep recorded there is no search."""
+    try:
+        record = store.read_json(Path(master.runs_dir) / SWEEP_RECORD)
+    except (OSError, ValueError):
+        return []
+    if "trials" in record:
+        return record["trials"]
+    if "search" not in record:
+        return []
+    trials = []
+    for path in Path(master.hydra.sweep.dir).glob(f"*/{TRIAL_RECORD}"):
+        try:
+            if path.stat().st_mtime >= record["started_at"]:  # not a trial of an earlier sweep in this runs_dir
+                trials.append(store.read_json(path))
+        except (OSError, ValueError) as error:
+            messages.warn(f"skipping {path}: {type(error).__name__}: {error}")
+    return sorted(trials, key=lambda trial: trial["trial"])
+
+
+def trial_runs(master: DictConfig, trials: list[dict]) -> list[GridRun]:
+    """The run of each trial, composed from the trial's overrides as its job was (so a trial
+    refused before it trained has its folder too), once each where trials repeat a run, in trial
+    order. Labelled by the searched keys' values."""
+    _, searched = search_space(master)
+    runs = {}
+    for trial in trials:
+        if trial["run"] in runs:
+            continue
+        config = compose_job(master, trial["overrides"])
+        with open_dict(config):
+            del config["hydra"]
+        label = " ".join(o for o in trial["overrides"] if o.split("=", 1)[0] in searched)
+        runs[trial["run"]] = GridRun(tuple(trial["overrides"]), f"trial {trial['trial']}: {label}", config, store.run_dir(config))
+    return list(runs.values())
+
+
+def _without_lengths(cfg: DictConfig) -> dict[str, Any]:
+    """A run's identity less the task's lengths: what a variable-length run shares with the grid."""
+    config = store.identity(cfg)
+    for key in ("length", "min_length", "variable_length"):
+        config["task"].pop(key, None)
+    return config
+
+
+def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
+    """Complete variable-length runs in `runs_dir` whose settings, lengths aside, are those of a
+    run of `grid`: their per-length curves belong on the grid's accuracy-vs-length figure."""
+    settings = [_without_lengths(run.config) for run in grid]
+    found = []
+    for folder in sorted(Path(runs_dir).iterdir()) if Path(runs_dir).is_dir() else []:
+        if not store.is_complete(folder) or not (folder / store.CONFIG).is_file():
+            continue
+        try:
+            cfg = OmegaConf.load(folder / store.CONFIG)
+            if cfg.task.variable_length and _without_lengths(cfg) in settings:
+                found.append(folder)
+        except Exception as error:  # noqa: BLE001 - a damaged folder must not stop the report (OmegaConf raises many types)
+            messages.warn(f"skipping {folder}: unreadable {store.CONFIG} ({type(error).__name__}: {error})")
+    return found
+
+
+def compose_grid(
+    overrides: list[str], expand_grid: bool = True, multirun: bool = True, check: Callable[[DictConfig], None] | None = None
+) -> tuple[DictConfig, list[GridRun]]:
+    """The master config and grid (empty unless `expand_grid`) of `python -m copytask sweep
+    <overrides>`, or with `multirun=False` the config of `python -m copytask train <overrides>` and
+    its one run, composed without running anything and without writing Hydra output folders;
+    `check` is called on every job's config as it is composed. For a sweeper that proposes its jobs
+    (Optuna) there is no grid before it runs: the runs are the trials recorded in runs_dir
+    (`search_trials`), and `check` sees what can be checked up front (`check_search`). Raises
+    ConfigError (one line) for what Hydra cannot compose: an unknown key, a group option that does
+    not exist, an override it cannot parse."""
+    with own_global_hydra():
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="copytask"):
+            with hydra_errors(dotted_keys(compose([], multirun=True))):
+                if multirun:
+                    master = compose(overrides, multirun=True)
+                    if not proposes_jobs(master.hydra):
+                        return master, expand(master, check) if expand_grid else []
+                    if check is not None:
+                        check_search(master, check)
+                    return master, trial_runs(master, search_trials(master)) if expand_grid else []
+                config = compose(overrides, multirun=False)
+                job = config.copy()
+                with open_dict(job):
+                    del job["hydra"]
+                if check is not None:
+                    check(job)
+                return config, [GridRun(tuple(overrides), "", job, store.run_dir(job))]
+
+
+def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
+    """Compose and validate every job of `sweep <overrides>` (or the one run of `train
+    <overrides>`) before anything runs. -> the grid; ConfigError, naming the bad value and the
+    grid entry it came from, for the first job that cannot run."""
+    check, searching = validate, False
+    if multirun:  # jobs that run on other machines (SLURM) check the device there; submitting needs SLURM here
+        master, _ = compose_grid(overrides, expand_grid=False)
+        launcher = master.hydra.launcher.get("_target_")
+        check_launcher(launcher, master.hydra.runtime.choices.get("hydra/launcher"), master.hydra.launcher.get("partition"))
+        check = remote_job_check if remote_launcher(launcher) else validate
+        searching = proposes_jobs(master.hydra)
+    try:  # stops at the first bad job; a search has no jobs yet, only what its trials share
+        master, grid = compose_grid(overrides, expand_grid=not searching, multirun=multirun, check=check)
+    except ConfigError as error:
+        if not multirun:
+            raise
+        entries = [f"{key}={value}" for key, value in (master.hydra.sweeper.get("params") or {}).items()] + list(overrides)
+        key = str(error).split()[0]
+        given = [entry for entry in entries if entry.lstrip("+~").split("=", 1)[0] == key]
+        raise ConfigError(f"{error} (in the grid: {given[-1]})" if given else str(error)) from None
+    swept = {override.split("=", 1)[0] for run in grid for override in run.label.split()}
+    if multirun and not searching and master.report.x != "task.length" and master.report.x not in swept:
+        choices = ", ".join(["task.length", *sorted(swept - {"attention", "seed", "task.length"})])
+        raise ConfigError(f"report.x must be task.length or a numeric key this sweep varies ({choices}), got {master.report.x!r}")
+    return grid
+
+
+# Overrides that say where runs live and how they are analysed or drawn, not which runs a grid has.
+VIEW_KEYS = (*store.NOT_IDENTITY, "hydra")
+
+
+def is_grid_override(override: str) -> bool:
+    """Whether `override` (`key=value`, `+key=value`, `group=option`) changes which runs a grid has."""
+    key = override.lstrip("+~").split("=", 1)[0]
+    return not any(key == view or key.startswith((f"{view}.", f"{view}/")) for view in VIEW_KEYS)
+
+
+def recorded_overrides(runs_dir: Path) -> list[str] | None:
+    """The overrides of the last sweep recorded in runs_dir/sweep.json; None without a readable record."""
+    try:
+        record = store.read_json(Path(runs_dir) / SWEEP_RECORD)
+    except (OSError, ValueError):
+        return None
+    if "overrides" in record:
+        return list(record["overrides"])
+    command = shlex.split(record.get("command", ""))  # a record written before `overrides` was
+    if command[:4] != ["python", "-m", "copytask", "sweep"]:
+        return None
+    return [arg for arg in command[4:] if not arg.lstrip("+~").startswith("hydra")]
+
+
+def folder_runs(folders: list[Path]) -> list[GridRun]:
+    """`GridRun.from_folder` of each folder; one with an unreadable config.yaml is skipped with a warning."""
+    runs = []
+    for folder in folders:
+        try:
+            runs.append(GridRun.from_folder(folder))
+        except Exception as error:  # noqa: BLE001 - a damaged folder must not stop the others (OmegaConf raises many types)
+            messages.warn(f"skipping {folder}: unreadable {store.CONFIG} ({type(error).__name__}: {error})")
+    return runs
+
+
+@dataclass
+class Selection:
+    """The runs `compare` and `report` look at, and how they were chosen."""
+
+    master: DictConfig
+    runs: list[GridRun]
+    overrides: list[str]  # the sweep overrides that make `runs` (empty for every run in a folder)
+    source: str  # one line for the user: which grid this is
+    trials: list[dict] | None = None  # a search's trials (`search_trials`), in trial order; None for a grid
+
+    @property
+    def is_search(self) -> bool:
+        return self.trials is not None
+
+
+def select_runs(overrides: list[str], every_run: bool = False, every_run_unless_recorded: bool = False) -> Selection:
+    """The grid of `python -m copytask sweep <overrides>`; with no grid overrides (only `runs_dir`,
+    `report.*` and the like), the grid of the last sweep recorded in runs_dir (where none is: the
+    default grid, or with `every_run_unless_recorded` every complete run there); with `every_run`,
+    every complete run in runs_dir, whatever grid it came from."""
+    grid_given = [override for override in overrides if is_grid_override(override)]
+    if every_run and grid_given:
+        raise ConfigError(f"--all takes every complete run in runs_dir; give it no grid overrides (got {' '.join(grid_given)})")
+    if not grid_given:  # runs_dir first (cheap: no job composed), then the grid recorded there, expanded once
+        master, _ = compose_grid(overrides, expand_grid=False)
+        recorded = None if every_run else recorded_overrides(Path(master.runs_dir))
+        if recorded is not None:
+            master, grid = compose_grid([*recorded, *overrides])
+            command = shlex.join(["python", "-m", "copytask", "sweep", *recorded])
+            return selection(master, grid, [*recorded, *overrides], command, recorded_in=master.runs_dir)
+        if every_run or every_run_unless_recorded:
+            runs = folder_runs(store.complete_runs(Path(master.runs_dir)))
+            return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs")
+    master, grid = compose_grid(overrides)
+    return selection(master, grid, overrides, sweep_command(master))
+
+
+def selection(master: DictConfig, runs: list[GridRun], overrides: list[str], command: str, recorded_in: str | None = None) -> Selection:
+    """The Selection of the grid, or of the search's trials, that `command` sweeps, with its line
+    for the user (which says so when the sweep was the last one recorded in a runs_dir)."""
+    if not proposes_jobs(master.hydra):
+        of = f" the last sweep in {recorded_in}: {command}" if recorded_in is not None else f": {command}"
+        return Selection(master, runs, overrides, f"the grid of{of}")
+    trials = search_trials(master)
+    of = f"the last search in {recorded_in}: {command}" if recorded_in is not None else f"the search: {command}"
+    return Selection(master, runs, overrides, f"the {len(trials)} trials ({len(runs)} runs) of {of}", trials)
+
+
+def nothing_done(command: str, selection: Selection) -> str:
+    """The error for `compare` or `report` on runs none of which is complete (or readable)."""
+    runs_dir = Path(selection.master.runs_dir)
+    what = "does not exist" if not runs_dir.is_dir() else "has no finished run of this grid"
+    return (
+        f"nothing to {command}: {runs_dir} {what} (0 of {len(selection.runs)} runs complete); "
+        f"train them with: {sweep_command(selection.master)}"
+    )
+
+
+def sweep_command(master: DictConfig) -> str:
+    """The command line that starts this sweep."""
+    hydra_overrides = [o for o in master.hydra.overrides.hydra if o != "hydra.mode=MULTIRUN" and o not in QUIET_HYDRA]
+    return shlex.join(["python", "-m", "copytask", "sweep", *master.hydra.overrides.task, *hydra_overrides])

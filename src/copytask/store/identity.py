@@ -1,0 +1,117 @@
+"""TODO docstring (store.identity)."""
+
+from __future__ import annotations
+
+# imports from store
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+from omegaconf import DictConfig, OmegaConf
+from ..config.schema import flatten
+from ..config.model_keys import MODEL_KEYS, is_transformer, model_name
+
+# Keys that change where or how fast a run computes, or what it saves, not what it computes (results
+# agree to float rounding); `analysis` and `report` only set how finished runs are analysed and drawn,
+# `logger` which experiment tracker also sees them.
+NOT_IDENTITY = ("runs_dir", "retrain", "train.device", "train.threads", "train.fused", "train.progress",
+                "train.attention_samples", "analysis", "report", "logger")
+
+
+# Keys whose value here is what the code computed before the key existed: at that value a key is left
+# out of the identity, so that adding a key (with such a default) renames no existing run, and giving
+# it explicitly (`attention.heads=1`) is the same run.
+NEUTRAL = {"attention.heads": 1, "attention.local": None, "attention.variant": None, "model.name": "gru"}
+
+
+# Keys that change nothing unless another key has a value: (key, condition on the config). Each model
+# reads its own keys; the attention group is the GRU's decoder.
+UNUSED_UNLESS = {
+    "task.min_length": lambda config: config["task"].get("variable_length"),
+    "train.warmup": lambda config: config["train"].get("schedule") == "onecycle",
+    "attention.window": lambda config: config["attention"].get("local") is not None,
+    "attention": lambda config: model_name(config) == "gru",
+    "model.max_length": lambda config: config["model"].get("positions") == "learned",
+    **{f"model.{key}": (lambda config, name=name: model_name(config) == name) for name, keys in MODEL_KEYS.items() for key in keys},
+}
+
+
+def _pop(config: dict, dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        config = config.get(key, {})
+    config.pop(leaf, None)
+
+
+def _get(config: dict, dotted: str) -> Any:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        config = config.get(key, {})
+    return config.get(leaf)
+
+
+def _normalised(value: Any) -> Any:
+    """One spelling per value: a whole float is an int (`train.clip=1` and `=1.0` are one computation)."""
+    if isinstance(value, dict):
+        return {key: _normalised(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_normalised(item) for item in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def identity(cfg: DictConfig) -> dict[str, Any]:
+    """What a run computes: its resolved config without the keys in NOT_IDENTITY, those at their
+    NEUTRAL value and those UNUSED_UNLESS another key says so, with numbers in one spelling."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    for dotted in [dotted for dotted, condition in UNUSED_UNLESS.items() if not condition(config)]:  # all read before any goes
+        _pop(config, dotted)
+    for dotted, value in NEUTRAL.items():
+        if _get(config, dotted) == value:
+            _pop(config, dotted)
+    for dotted in NOT_IDENTITY:
+        _pop(config, dotted)
+    return _normalised(config)
+
+
+def flat_identity(cfg: DictConfig) -> dict[str, Any]:
+    """`identity` with dotted keys (`model.hidden_size`) and lists as text, so that every value
+    compares: the results table's setting columns and the trackers' hyperparameters."""
+    return {key: str(value) if isinstance(value, list) else value for key, value in flatten(identity(cfg)).items()}
+
+
+def attention_label(name: str, heads: int = 1) -> str:
+    """How tables, figures and files name an attention type: the config name, with the head count
+    when there is more than one head (`luong_general-4heads`), so multi-head runs never mix with
+    single-head ones."""
+    return name if heads == 1 else f"{name}-{heads}heads"
+
+
+def architecture(cfg: DictConfig) -> str:
+    """What a run's model is, in a word: a GRU model's attention type (`attention.name`), or
+    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer. Run names
+    start with it; metrics.json records it as `attention`."""
+    if is_transformer(cfg):
+        return "transformer" if cfg.model.positions == "sinusoidal" else f"transformer_{cfg.model.positions}"
+    return cfg.attention.name
+
+
+def model_label(cfg: DictConfig) -> str:
+    """How tables, figures and files name a run's model: `architecture`, with a GRU model's head
+    count where it has several (`attention_label`)."""
+    if is_transformer(cfg):
+        return architecture(cfg)
+    return attention_label(cfg.attention.name, cfg.attention.get("heads", 1))
+
+
+def run_name(cfg: DictConfig) -> str:
+    """Readable and unique: `<architecture>-<task><length>-seed<seed>-<hash of the identity>`."""
+    digest = hashlib.sha1(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:8]
+    task = cfg.task
+    lengths = f"{task.min_length}-{task.length}" if task.variable_length else f"{task.length}"
+    return f"{architecture(cfg)}-{task.name}{lengths}-seed{cfg.seed}-{digest}"
+
+
+def run_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.runs_dir) / run_name(cfg)

@@ -1,0 +1,1 @@
+"""Many runs: Hydra jobs, the sweep's progress and its end (`jobs`), and SLURM (`slurm`)."""

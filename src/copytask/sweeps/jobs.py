@@ -1,0 +1,367 @@
+"""Runs through Hydra: the job (`hydra_job`, what `train` and every sweep's launcher run), how
+a command line is handed to it (`run_hydra`), and the end of a sweep (`SweepSummary`, a Hydra
+callback that analyses the grid's runs and writes results.csv and the report).
+
+What they say as they go (each job's line, the summary's lines, failed jobs) goes to the `copytask`
+logger (`messages.log`), warnings through `messages.warn`: the library prints nothing, the command line
+prints the lines (`messages.Lines`), and so does a job under Hydra's job logging
+(configs/hydra/job_logging/copytask.yaml) in whichever process its launcher runs it.
+
+A sweep is a Hydra multirun, so every launcher works (basic, joblib, submitit). Its grid is
+`grid.compose_grid`'s, checked whole (`grid.check_grid`) before the first job starts. A sweeper
+that proposes its jobs as it goes (Optuna: `hparams_search=baseline`) has no grid: each trial is
+validated in its job, returns its objective and writes a trial record, and the summary reads the
+records (`grid.search_trials`) for the trials' runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict
+
+from ..training import trackers
+from .. import store
+from ..config import messages
+from ..config.schema import ConfigError, config_dir
+from ..store.grid import OBJECTIVE, QUIET_HYDRA, SWEEP_RECORD, TRIAL_RECORD, GridRun, check_grid, expand, search_trials, sweep_command, trial_runs
+from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
+from ..config.checks import analysis_device, remote_launcher
+from ..training.devices import cpu_model, gpu_name
+
+
+class SweepFailed(SystemExit):
+    """Raised at the end of a sweep with failed jobs, after everything else is written. A
+    SystemExit, because Hydra turns other exceptions into its own error report and returns
+    nothing from a multirun: this is how the exit status reaches the shell (and `compare`)."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
+def hydra_job(cfg: DictConfig) -> float | None:
+    """One job: train the run, log its line, and return its objective (metrics.json's OBJECTIVE,
+    validation greedy token accuracy), also when the run was complete and is skipped: an optimising
+    sweeper (hydra/sweeper=optuna) maximises it, the basic sweeper ignores it. Alone (`train`), a
+    refusal exits 2 and a diverged run 1; in a sweep a failure is recorded in the run folder, the
+    job returns None and the sweep goes on. (None, not NaN: Optuna's sweeper records a trial that
+    returns no number as failed and goes on, but one that returns NaN makes optuna 2.10's
+    `Study.tell` raise, which ends the search with a traceback.) A trial of a search also writes
+    its TRIAL_RECORD, which is how the search's summary, compare and report find its runs."""
+    hydra = HydraConfig.get()
+    with messages.one_line_warnings():  # a launcher's worker has none of the command's settings
+        objective = run_job(cfg, multirun=hydra.mode == RunMode.MULTIRUN)
+    if hydra.mode == RunMode.MULTIRUN and proposes_jobs(hydra):
+        trial = {"trial": hydra.job.num, "run": store.run_dir(cfg).name, "overrides": list(hydra.overrides.task), "objective": objective}
+        store.write_json(Path(hydra.runtime.output_dir) / TRIAL_RECORD, trial)
+    return objective
+
+
+def run_job(cfg: DictConfig, multirun: bool) -> float | None:
+    """`hydra_job`'s training: its objective, None for a job of a sweep that failed or that
+    another process is training."""
+    from ..training.loop import NonFiniteLoss, RunInProgress, summary_line, train  # torch and the model: only when something is trained
+
+    folder = store.run_dir(cfg)
+    if multirun:
+        with open_dict(cfg):
+            cfg.train.progress = False  # the sweep has one bar for all its runs (SweepProgress)
+    skipped = store.is_complete(folder) and not cfg.retrain
+    try:
+        metrics = train(cfg)  # validates first: a trial a search proposes that cannot run fails here, before training
+    except RunInProgress as busy:
+        messages.warn(f"{busy}; skipped")
+        return None
+    except Exception as error:
+        if multirun:  # recorded for the sweep summary, not swallowed
+            store.write_json(folder / store.FAILED, {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})
+            messages.log.error(f"copytask: job failed: {folder.name}: {error}")
+            return None
+        if not isinstance(error, (ConfigError, NonFiniteLoss)):
+            raise
+        messages.log.error(f"copytask: error: {error}")
+        sys.exit(2 if isinstance(error, ConfigError) else 1)
+    messages.log.info(f"{folder.name}: already complete, skipped (retrain=true trains it again)" if skipped else summary_line(metrics, folder))
+    return metrics[OBJECTIVE]
+
+
+def run_hydra(args: list[str], multirun: bool = False, quiet: bool = False) -> None:
+    """`python -m copytask train <args>` (or `sweep`, with `multirun`) in this process: Hydra reads
+    `args`, overrides and its own flags, as from the command line, after every job's config is
+    composed and validated (ConfigError, one line, before anything runs; unless a Hydra flag such as
+    --cfg or --help asks for something else than a run). `quiet`: Hydra configures no logging, so
+    that the lines go only where the caller's logging sends them (the library's sweep). sys.argv, the
+    logging Hydra sets up and a Hydra instance the caller initialised are as they were afterwards.
+    A sweep with failed jobs raises SweepFailed."""
+    overrides = override_args(args)  # a flag Hydra does not have: one line, not argparse's usage block
+    if len(overrides) == len(args):
+        check_grid(args, multirun)
+    if multirun:
+        # Hydra's parser accepts overrides before flags but not on both sides of one, so the mode
+        # override goes after every flag. (Not `--multirun`: that clashes with `--cfg`.)
+        flags = [arg for arg in args if arg not in overrides]
+        args = [*flags, *overrides, "hydra.mode=MULTIRUN"]
+    if quiet:
+        args = [*args, *QUIET_HYDRA]
+    argv, root = sys.argv, logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    sys.argv = [argv[0] if argv else "copytask", *args]
+    try:
+        with own_global_hydra():
+            hydra_job()
+    finally:
+        sys.argv = argv
+        root.handlers[:], root.level = handlers, level
+
+
+def builds_kernels_here(config: DictConfig) -> bool:
+    """Whether a sweep's jobs train with the fused CPU kernels on this machine (not on a SLURM
+    node, not on a GPU, not with train.fused=false), so that the sweep builds them first."""
+    if not config.train.fused or remote_launcher(config.hydra.launcher.get("_target_")):
+        return False
+    from ..training.devices import resolve_device
+
+    return resolve_device(config.train.device).type == "cpu"
+
+
+def expected_cost(run: GridRun) -> float:
+    """What a run is expected to cost, in units of one training step at length 1: its step budget
+    times its mean length (a step's recurrences and attention grow with the length). Runs differ
+    by 20x and more in a sweep, so a bar that counts runs gives an ETA that swings."""
+    task = run.config.task
+    mean_length = (task.min_length + task.length) / 2 if task.variable_length else task.length
+    return run.config.train.steps * mean_length
+
+
+class SweepProgress:
+    """One progress bar for a whole sweep: the work done, each finished run (complete, or failed
+    during this sweep) weighted by its `expected_cost` and each run in training by the share of
+    its steps done, so that the ETA follows the work left rather than the runs left; the runs
+    finished of the grid beside it. A thread polls the run folders, so it works the same under
+    every launcher, in-process or not."""
+
+    def __init__(self, runs: list[GridRun], enabled: bool, interval: float = 2.0) -> None:
+        self.runs, self.started_at = runs, time.time()
+        self.costs = [expected_cost(run) for run in runs]
+        self.start(sum(self.costs), enabled, interval)
+
+    def start(self, total: float | None, enabled: bool, interval: float) -> None:
+        """Draw the bar at what is finished now and start the thread that moves it."""
+        from tqdm.auto import tqdm
+
+        self.done, cost = self.finished()
+        clock = "[{elapsed}<{remaining}]" if total is not None else "[{elapsed}]"  # no total (a sweeper that does not say): no ETA
+        # smoothing=0: the rate since the start, not tqdm's moving average, which a few large steps (one per run) throw about
+        self.bar = tqdm(total=total, initial=cost, desc=self.runs_done(self.done), disable=not enabled, dynamic_ncols=True,
+                        mininterval=interval, smoothing=0,
+                        bar_format=("{desc}: {percentage:3.0f}%|{bar}| " if total is not None else "{desc} ") + clock)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.poll, args=(interval,), daemon=True)
+        self.thread.start()
+
+    def runs_done(self, done: int) -> str:
+        return f"sweep ({done}/{len(self.runs)} runs)"
+
+    def finished(self) -> tuple[int, float]:
+        """How many runs have finished, and the work done: their expected cost together, plus the
+        share of its step budget that each run in training has done, so that a long run moves the
+        bar while it trains rather than all at once at its end."""
+        done, work = 0, 0.0
+        for run, cost in zip(self.runs, self.costs):
+            status = run.status()
+            if status == "complete" or status == "failed" and (run.folder / store.FAILED).stat().st_mtime >= self.started_at:
+                done, work = done + 1, work + cost
+            elif status == "running":
+                work += cost * store.read_progress(run.folder)
+        return done, work
+
+    def update(self) -> bool:
+        """Move the bar to the work done now; whether anything changed."""
+        done, cost = self.finished()
+        cost = max(cost, self.bar.n)  # never back: a run killed in training keeps what it was credited
+        if (done, cost) == (self.done, self.bar.n):
+            return False
+        self.done = done
+        self.bar.set_description_str(self.runs_done(done), refresh=False)
+        self.bar.update(cost - self.bar.n)
+        return True
+
+    def poll(self, interval: float, refresh_every: float = 30.0) -> None:
+        """Update on every finished run, and redraw the clock now and then: a sweep's log stays small."""
+        last_refresh = time.monotonic()
+        while not self.stop.wait(interval):
+            if not self.update():
+                if time.monotonic() - last_refresh <= refresh_every:
+                    continue
+                self.bar.refresh()
+            last_refresh = time.monotonic()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.update()
+        self.bar.close()
+
+
+class TrialProgress(SweepProgress):
+    """A search's bar: the trials finished of the sweeper's `n_trials`, from the trial records its
+    jobs write into `sweep_dir` (a trial the sweeper has not proposed yet has no folder to look at,
+    and no known cost: each trial counts one)."""
+
+    def __init__(self, sweep_dir: Path, trials: int | None, enabled: bool, interval: float = 2.0) -> None:
+        self.sweep_dir, self.trials, self.started_at = sweep_dir, trials, time.time()
+        self.start(trials, enabled, interval)
+
+    def runs_done(self, done: int) -> str:
+        return f"search ({done}/{self.trials} trials)" if self.trials is not None else f"search ({done} trials)"
+
+    def finished(self) -> tuple[int, float]:
+        done = 0
+        for path in self.sweep_dir.glob(f"*/{TRIAL_RECORD}"):
+            try:
+                done += path.stat().st_mtime >= self.started_at  # a record of an earlier sweep is not this one's
+            except OSError:  # replaced as we looked
+                continue
+        return done, done
+
+
+class SweepSummary(Callback):
+    """At the end of a sweep: name the failed jobs, analyse the grid's complete runs (the report
+    reads analysis.json, it never evaluates a model), write results.csv and the report (and give
+    its figures to the experiment tracker), log the wall time, and exit non-zero if any job of
+    this sweep has no results. At its start: record the sweep, and prepare the tracker's store."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.started = time.perf_counter()
+        self.started_at = time.time()
+        # Recorded now, so that `compare` and `report` find this grid (or this search's trials so far) even while it runs or if it is cut off.
+        self.begun = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "started_at": self.started_at}
+        store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | self.begun)
+        trackers.prepare(config)
+        if builds_kernels_here(config):
+            from ..kernels import build
+
+            build.kernel()  # a fresh machine's one-time compile (30-80 s), before the bar starts, so its ETA measures training
+        if proposes_jobs(config.hydra):
+            self.progress = TrialProgress(Path(config.hydra.sweep.dir), config.hydra.sweeper.get("n_trials"), enabled=config.train.progress)
+        else:
+            self.progress = SweepProgress(expand(config), enabled=config.train.progress)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Launchers that run jobs in other processes (joblib, submitit) pickle the callbacks with
+        # the job; the progress bar and its thread live in the launching process only.
+        return {key: value for key, value in self.__dict__.items() if key != "progress"}
+
+    @staticmethod
+    def record(config: DictConfig) -> dict[str, Any]:
+        record = {"command": sweep_command(config), "overrides": list(config.hydra.overrides.task)}
+        if proposes_jobs(config.hydra):  # `search_trials` reads the trial records since `started_at`, then `trials`
+            record["search"] = {"sweeper": config.hydra.runtime.choices.get("hydra/sweeper"), "n_trials": config.hydra.sweeper.get("n_trials")}
+        return record
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra turns a callback's exception into a warning and exits 0: a sweep whose end fails must not look fine.
+        try:
+            self.summarise(config)
+        except SweepFailed:
+            raise
+        except Exception as error:  # noqa: BLE001 - reported, then a non-zero exit
+            messages.log.exception(f"copytask: error: the end of the sweep failed: {type(error).__name__}: {error}")
+            raise SystemExit(1) from error
+
+    def summarise(self, config: DictConfig) -> None:
+        from ..evaluation import analysis  # pandas, matplotlib, the model: only once the jobs are done
+        from ..training import devices
+        from ..reporting import report, search, tables
+
+        self.progress.close()
+
+        trials = search_trials(config) if proposes_jobs(config.hydra) else None
+        runs = expand(config) if trials is None else trial_runs(config, trials)
+        runs_dir = Path(config.runs_dir)
+        statuses = [run.status() for run in runs]
+        # Runs another process is training are neither failures of this sweep nor results yet.
+        elsewhere = [run for run, status in zip(runs, statuses) if status == "running"]
+        unfinished = [run for run, status in zip(runs, statuses) if status not in ("complete", "running")]
+        for run in unfinished:  # first: nothing after this may hide which jobs failed
+            messages.log.error(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}")
+        for run in elsewhere:
+            messages.warn(f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)")
+        trained_on = [store.read_json(run.folder / store.METRICS).get("device") for run, status in zip(runs, statuses) if status == "complete"]
+        if warning := devices.cpu_despite_gpus(config.hydra.launcher.get("gpus_per_node"), trained_on):
+            messages.warn(warning)
+        trained = sum(
+            store.is_complete(run.folder) and (run.folder / store.METRICS).stat().st_mtime >= self.started_at
+            for run in runs
+        )
+        analysis_started = time.perf_counter()
+        analysed = analysis.analyze(
+            [run.folder for run in runs],
+            lengths=list(config.analysis.lengths or sorted({run.config.task.length for run in runs})),
+            eval_size=config.analysis.eval_size,
+            threads=config.analysis.threads,
+            progress=config.train.progress,
+            device=analysis_device(config.train.device, config.hydra.launcher.get("_target_")),
+        )
+        analysis_seconds = time.perf_counter() - analysis_started
+        messages.log.info(f"analysis: {analysed} runs analysed in {analysis_seconds:.1f} s (eval_size {config.analysis.eval_size})")
+        wall_seconds = time.perf_counter() - self.started
+        store.write_json(
+            runs_dir / SWEEP_RECORD,
+            self.record(config)
+            | self.begun
+            | {
+                "jobs": len(runs),
+                "trained": trained,
+                "failed": len(unfinished),
+                "training_elsewhere": len(elsewhere),
+                "wall_seconds": round(wall_seconds, 1),
+                "analysis_seconds": round(analysis_seconds, 1),
+                "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "launcher": config.hydra.runtime.choices.get("hydra/launcher"),
+                "machine": cpu_model(),
+                "cpus": os.cpu_count(),
+                "gpu": gpu_name(),
+                "python": platform.python_version(),
+            }
+            | ({"trials": trials} if trials is not None else {}),
+        )
+        loaded = tables.load(runs)
+        if not loaded.table.empty:
+            tables.save(loaded, runs_dir)
+            report_started = time.perf_counter()
+            if trials is not None:
+                written = search.write_report(trials, loaded, runs_dir)
+            else:
+                try:
+                    report.x_column(config.report.x, loaded)
+                    x = config.report.x
+                except ConfigError as error:
+                    messages.warn(f"{error}; the report puts task.length on the x axis")
+                    x = "task.length"
+                written = report.write_report(runs, loaded, runs_dir, x)
+            messages.log.info(report.written_line(written, time.perf_counter() - report_started))
+            trackers.log_report(config, written)
+        if trials is not None:
+            messages.log.info(f"search: {search.best_line(search.trial_table(trials, loaded), loaded.settings)}")
+        messages.log.info(
+            f"sweep: {len(runs) - len(unfinished) - len(elsewhere)}/{len(runs)} runs complete ({trained} trained now), "
+            f"{len(unfinished)} failed" + (f", {len(elsewhere)} being trained by another process" if elsewhere else "")
+            + f"; {wall_seconds:.1f} s wall time"
+            + (f"; results in {runs_dir / tables.RESULTS_CSV}" if not loaded.table.empty else "")
+        )
+        if unfinished:
+            raise SweepFailed()

@@ -392,6 +392,27 @@ def test_build_command_says_where(kernel):
     assert done.stdout.strip().endswith(".so") and os.path.exists(done.stdout.split()[-1])
 
 
+# In a fresh process: torch as PyPI's CUDA build has it on a machine without a GPU (CUDA compiled in,
+# no device, a CUDA_HOME), then the kernels loaded as a CPU run loads them.
+CUDA_BUILD_WITHOUT_GPU = """
+import torch
+torch.cuda._is_compiled = lambda: True
+torch.cuda.is_available = lambda: False
+torch.version.cuda = "12.8"
+from copytask.kernels import ops
+assert ops.kernel() is not None
+"""
+
+
+def test_loading_the_kernels_on_a_cuda_build_without_a_gpu_says_nothing_of_cuda_home(kernel, tmp_path):
+    """torch's extension builder logs "No CUDA runtime is found, using CUDA_HOME=..." when it is imported there:
+    noise on every CPU run, since the kernels are CPU-only."""
+    env = {**os.environ, "CUDA_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", CUDA_BUILD_WITHOUT_GPU], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "CUDA_HOME" not in done.stderr and "No CUDA runtime" not in done.stderr, done.stderr
+
+
 # In a fresh process: the first default model's training step (which loads the ops), then a
 # 40 MB block. glibc maps any block over 32 MB by default; a raised mmap threshold would have
 # served it from the heap instead.

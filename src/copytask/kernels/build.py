@@ -22,8 +22,10 @@ import platform
 import shutil
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 import filelock
 import torch
@@ -58,10 +60,29 @@ def build_name_and_flags() -> tuple[str, list[str]]:
     return f"copytask_kernels{'_avx2' if avx2 else ''}_{key.hexdigest()[:16]}", flags
 
 
-def build_root() -> Path:
-    from torch.utils import cpp_extension
+@contextmanager
+def _quiet_torch_builder() -> Iterator[None]:
+    """torch's C++ extension builder without its log records below ERROR: on a CUDA build of torch
+    without a GPU its import logs "No CUDA runtime is found, using CUDA_HOME=...", which says
+    nothing about these CPU-only kernels, and a build logs its compiler banners (a failed build is
+    reported by `kernel()`, once, in one line). The logger's level is restored after."""
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        torch_log.setLevel(level)
 
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+def _cpp_extension() -> ModuleType:
+    with _quiet_torch_builder():
+        from torch.utils import cpp_extension
+    return cpp_extension
+
+
+def build_root() -> Path:
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or _cpp_extension().get_default_build_root())
 
 
 def toolchain() -> str:
@@ -105,25 +126,16 @@ def kernel() -> ModuleType | None:
 
 def _load(name: str, flags: list[str], directory: Path) -> ModuleType:
     """Import the build in `directory`, or make it there first. Called holding the build's lock."""
-    from torch.utils import cpp_extension
-
     if (directory / "lock").exists():  # torch's own lock, left by a build killed midway: its files cannot be trusted
         shutil.rmtree(directory)
     library = directory / f"{name}.so"
     if not library.exists():
         print(f"copytask: compiling the fused CPU kernels into {directory} (once, about a minute)", file=sys.stderr, flush=True)
         directory.mkdir(exist_ok=True)  # a failed build leaves its folder
-        # torch's compiler banners (warnings and log records): a failure is reported by kernel(), once, in one line
-        torch_log = logging.getLogger("torch.utils.cpp_extension")
-        level = torch_log.level
-        torch_log.setLevel(logging.ERROR)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return cpp_extension.load(name, [str(path) for path in SOURCES], extra_cflags=flags,
-                                          build_directory=str(directory), verbose=False)
-        finally:
-            torch_log.setLevel(level)
+        with _quiet_torch_builder(), warnings.catch_warnings():  # a failure is reported by kernel(), once, in one line
+            warnings.simplefilter("ignore")
+            return _cpp_extension().load(name, [str(path) for path in SOURCES], extra_cflags=flags,
+                                         build_directory=str(directory), verbose=False)
     # Imported as it is, without asking ninja whether it is up to date: its name says what it was built from, and
     # another checkout's identical sources (other paths) would make ninja rebuild a library someone has loaded.
     spec = importlib.util.spec_from_file_location(name, library)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import io
 import itertools
+import logging
+import os
 import shutil
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
 
 from copytask import cli, store
+from copytask.config.messages import Lines
 from copytask.store.grid import compose_grid
 
-from .conftest import TINY, overrides, run_cli
+from .conftest import SRC, TINY, overrides, run_cli
 
 EXPECTED = set(itertools.product(["none", "luong_general"], [3, 6], [0, 1]))
 
@@ -232,3 +238,35 @@ def test_the_sweep_bar_credits_the_steps_a_run_in_training_has_done(runs_copy):
         done, work = progress.finished()
     assert done == len(runs) - 2 and work == sum(progress.costs) - 10 * 6 - 0.6 * 10 * 6  # 4 of 10 steps of one run
     assert progress.bar.n == work
+
+
+def test_a_sweeps_log_with_both_streams_has_each_runs_line_on_a_line_of_its_own(tmp_path):
+    """`sweep ... > log 2>&1`: the bars (stderr) are not redrawn with carriage returns there, so no
+    other line (a job's result, Hydra's) lands on the end of a bar's."""
+    tiny = [override for override in TINY if override != "train.progress=false"]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HYDRA_FULL_ERROR": "0"}
+    args = ["sweep", *tiny, "train.progress=true", "attention=none", "task.length=3,4,5", "seed=0", f"runs_dir={tmp_path}"]
+    process = subprocess.run([sys.executable, "-m", "copytask", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env=env, timeout=600)  # bytes: text mode would read each carriage return as a newline
+    log = process.stdout.decode()
+    assert process.returncode == 0, log
+    assert "\r" not in log
+    lines = log.split("\n")
+    results = [line for line in lines if "greedy token acc" in line]
+    assert len(results) == 3 and all(line.startswith("none-copy") for line in results), log
+    bars = [line for line in lines if "sweep (" in line or "analyze:" in line]
+    assert "sweep (3/3 runs): 100%" in log and any(line.startswith("analyze: 100%") for line in bars)
+    assert all(line.startswith(("sweep (", "analyze:")) and line.endswith("]") for line in bars), bars
+
+
+def test_on_a_terminal_a_line_first_erases_the_bar_it_would_run_into(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal, log = Terminal(), io.StringIO()
+    handler = Lines()
+    for stream, expected in ((terminal, "\r\x1b[Kdone\n"), (log, "done\n")):
+        monkeypatch.setattr(sys, "stdout", stream)
+        handler.emit(logging.LogRecord("copytask", logging.INFO, __file__, 1, "done", None, None))
+        assert stream.getvalue() == expected

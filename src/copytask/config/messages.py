@@ -1,13 +1,14 @@
-"""TODO docstring (config.messages)."""
+"""copytask's channels to the person running it, besides a refusal (`schema.ConfigError`):
+warnings (`warn`, one line each) and log lines (`log`, printed by the command line as bare lines)."""
 
 from __future__ import annotations
 
-# imports from store
+import io
 import logging
 import sys
 import warnings
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, TextIO
 
 class CopytaskWarning(UserWarning):
     """A run or file that copytask skipped or could not read; the message names its folder."""
@@ -36,6 +37,11 @@ def one_line_warnings() -> Iterator[None]:
         warnings.formatwarning = previous
 
 
+# On a terminal a line starts by erasing the line the cursor is on: a sweep's progress bar, drawn
+# there without a newline, would otherwise run into it (the bar is drawn again at its next update).
+ERASE_LINE = "\r\x1b[K"
+
+
 class Lines(logging.Handler):
     """Log records as bare lines, as the command line prints: below WARNING on stdout, the rest on
     stderr (the streams looked up at each line, so a redirected stdout is followed)."""
@@ -43,7 +49,9 @@ class Lines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
-            stream.write(self.format(record) + "\n")
+            isatty = getattr(stream, "isatty", None)
+            erase = ERASE_LINE if isatty and isatty() else ""
+            stream.write(erase + self.format(record) + "\n")
             stream.flush()
         except Exception:  # noqa: BLE001 - logging's own contract: a handler never raises
             self.handleError(record)
@@ -55,3 +63,33 @@ class Lines(logging.Handler):
 # command line prints them as `Lines` does, and so does each job through Hydra's job logging
 # (configs/hydra/job_logging/copytask.yaml), in every launcher's worker too.
 log = logging.getLogger("copytask")
+
+
+class LineStream(io.TextIOBase):
+    """A progress bar's stream where it is not a terminal (a log file, a pipe): each redraw on a
+    line of its own. tqdm redraws one line with carriage returns and no newline, so a line written
+    meanwhile (a job's result) would be glued onto the end of the bar's in a log that gets both
+    streams."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream, self.last = stream, ""
+
+    def write(self, text: str) -> int:
+        line = text.replace("\r", "").rstrip()  # tqdm pads a redraw with spaces, and clears with blanks
+        if line and line != self.last:  # closing, a bar draws its last state again
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            self.last = line
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def bar_stream() -> TextIO:
+    """Where a progress bar goes: stderr, redrawn in place on a terminal (and as a notebook's widget),
+    else (a log file, a pipe) one line per redraw."""
+    from tqdm import autonotebook, std
+
+    in_notebook = autonotebook.tqdm is not std.tqdm
+    return sys.stderr if sys.stderr.isatty() or in_notebook else LineStream(sys.stderr)

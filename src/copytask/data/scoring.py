@@ -1,8 +1,8 @@
-"""TODO docstring (data.scoring)."""
+"""The one scoring rule of every number: a greedy output against its target. An output ends at its
+first EOS, and a content position after it is wrong whatever the decoder emits there."""
 
 from __future__ import annotations
 
-# imports from evaluation
 from typing import NamedTuple
 import torch
 from .vocab import EOS

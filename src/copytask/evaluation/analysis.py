@@ -323,7 +323,7 @@ def analyze(
     device = resolve_device(device)
     analysed = 0
     with torch_threads(threads):
-        for folder in tqdm(folders, desc="analyze", unit="run", disable=not progress, dynamic_ncols=True):
+        for folder in tqdm(folders, desc="analyze", unit="run", disable=not progress, file=messages.bar_stream(), dynamic_ncols=True):
             if is_analysed(folder, lengths, eval_size, device.type):
                 continue
             try:

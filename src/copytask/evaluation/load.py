@@ -1,9 +1,8 @@
-"""TODO docstring (evaluation.load)."""
+"""A finished run's trained model, loaded from its folder."""
 
 from __future__ import annotations
 
 
-# imports from evaluation
 from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf

@@ -1,8 +1,4 @@
-"""Evaluation: build a configured model, load a finished run's, and score greedy decoding (no
-teacher forcing) on a set of sequences (`splits` draws them). Training, the analysis, decode and
-the benchmark all score through `sequence_scores`, so a number means the same wherever it is
-printed: an output ends at its first EOS, and a content position after it is wrong whatever the
-decoder emits there."""
+"""The model a config describes: the GRU encoder-decoder with its attention, or the Transformer."""
 
 from __future__ import annotations
 

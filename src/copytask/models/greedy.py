@@ -1,9 +1,9 @@
-"""TODO docstring (models.greedy)."""
+"""Greedy decoding (no teacher forcing) of a batch, scored by `data.scoring`'s one rule: what
+training's evaluations, the analysis and the benchmark measure."""
 
 from __future__ import annotations
 
 
-# imports from evaluation
 import torch
 from ..data.scoring import sequence_scores
 from ..data.batches import Batch

@@ -1,8 +1,9 @@
-"""TODO docstring (reporting.analysis_tables)."""
+"""The analysis' tables, read from the runs' analysis.json files (`evaluation.analysis` writes
+them): counterfactual accuracy and alignment per run, length generalisation, accuracy per length of
+variable-length runs, and the held-out notes. Pandas over dicts: no model is loaded here."""
 
 from __future__ import annotations
 
-# imports from analysis
 from typing import Iterable
 import pandas as pd
 

@@ -1,10 +1,7 @@
-"""Run folders: identity, atomic writes, and loading finished runs into a table; and copytask's
-two channels to the person running it, in one place: warnings (`warn`) and log lines (`log`).
-
-A run's identity is its resolved config (less the keys that change where or how fast it runs,
-not what it computes). Its folder `runs_dir/<name>/` is complete once a readable `metrics.json`
-exists: that file is written last, atomically, so a killed run never looks finished.
-"""
+"""A run folder's files: their names, atomic writes, JSON, locks (one process trains a run at a
+time), the progress of a run in training, and which runs are complete. A folder
+`runs_dir/<name>/` is complete once a readable `metrics.json` exists: that file is written last,
+atomically, so a killed run never looks finished."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""TODO docstring (store.identity)."""
+"""A run's identity and its folder's name: its resolved config, less the keys that change where or
+how fast it runs or what it saves, not what it computes, with values normalised (`1` and `1.0` are
+one value). The name is readable (attention, task, length, seed) and ends in a hash of the identity."""
 
 from __future__ import annotations
 
-# imports from store
 import hashlib
 import json
 from pathlib import Path

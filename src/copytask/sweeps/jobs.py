@@ -165,7 +165,7 @@ class SweepProgress:
         self.done, cost = self.finished()
         clock = "[{elapsed}<{remaining}]" if total is not None else "[{elapsed}]"  # no total (a sweeper that does not say): no ETA
         # smoothing=0: the rate since the start, not tqdm's moving average, which a few large steps (one per run) throw about
-        self.bar = tqdm(total=total, initial=cost, desc=self.runs_done(self.done), disable=not enabled, dynamic_ncols=True,
+        self.bar = tqdm(total=total, initial=cost, desc=self.runs_done(self.done), disable=not enabled, file=messages.bar_stream(), dynamic_ncols=True,
                         mininterval=interval, smoothing=0,
                         bar_format=("{desc}: {percentage:3.0f}%|{bar}| " if total is not None else "{desc} ") + clock)
         self.stop = threading.Event()

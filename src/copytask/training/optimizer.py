@@ -1,8 +1,8 @@
-"""TODO docstring (training.optimizer)."""
+"""The optimiser: torch's Adam, on CPU over all of a model's parameters as one flat tensor
+(`FlatAdam`, the same numbers to the bit), on CUDA fused."""
 
 from __future__ import annotations
 
-# imports from training
 import torch
 from torch import nn
 from .devices import fused_adam

@@ -1,7 +1,7 @@
 """A real one-node SLURM for the tests: munged, slurmctld and slurmd on this machine, with every
 file (slurm.conf, munge key and socket, state, spool, logs) in one temporary folder, started
-without systemd and stopped afterwards, leaving no daemon. Debian's `slurm-wlm` and `munge`
-(apt-get) are installed first where they are missing and we are root with apt.
+without systemd and stopped afterwards, leaving no daemon. Where Debian's `slurm-wlm` and `munge`
+are missing, they are installed with apt-get only when asked: COPYTASK_INSTALL_SLURM=1 (CI sets it).
 
 It needs root (slurmd starts jobs as their user), so elsewhere `unavailable()` says why and how to
 get it (docs/cluster.md: in a root container on a laptop). Jobs see this SLURM through the
@@ -25,29 +25,40 @@ from filelock import FileLock
 
 PACKAGES = ("slurm-wlm", "munge")
 DAEMONS = ("munged", "slurmctld", "slurmd")
-HOW = "run them as root with apt-get (CI does), e.g. in a Debian container on a laptop: docs/cluster.md#the-tests"
+HOW = "run them as root, e.g. in a Debian container on a laptop: docs/cluster.md#the-tests"
+# Where Debian puts the daemons: a user's PATH (and a fresh shell's) often lacks the sbin folders.
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+INSTALL = "COPYTASK_INSTALL_SLURM"  # =1: the tests may apt-get install slurm-wlm and munge where they are missing
 
 
 def unavailable() -> str | None:
-    """Why this machine cannot run the SLURM tests (None: it can, installing the packages if need be)."""
+    """Why this machine cannot run the SLURM tests (None: it can, installing the packages if asked)."""
     if os.environ.get("COPYTASK_SLURM_TESTS") == "0":
         return "COPYTASK_SLURM_TESTS=0"
     if os.name != "posix" or os.geteuid() != 0:
         return f"the SLURM tests start munged, slurmctld and slurmd, which needs root; {HOW}"
     if installed():
         return None
+    if os.environ.get(INSTALL) != "1":
+        return f"slurm-wlm and munge are not installed: apt-get install slurm-wlm munge, or set {INSTALL}=1 to let the tests do it"
     if shutil.which("apt-get") is None:
         return f"slurm-wlm and munge are not installed and there is no apt-get to install them; {HOW}"
     return None
 
 
+def daemon(name: str) -> str | None:
+    """The path of a SLURM or munge program, on PATH or where Debian installs it."""
+    return shutil.which(name, path=f"{os.environ.get('PATH', '')}:{SYSTEM_PATH}")
+
+
 def installed() -> bool:
-    return all(shutil.which(daemon, path="/usr/sbin:/usr/bin:/sbin:/bin") for daemon in DAEMONS)
+    return all(daemon(name) for name in DAEMONS)
 
 
 def install() -> None:
     """apt-get install slurm-wlm and munge where a daemon is missing (about a minute, once per
-    machine), one test process at a time (pytest-xdist's workers would race for dpkg's lock)."""
+    machine), one test process at a time (pytest-xdist's workers would race for dpkg's lock).
+    Only where COPYTASK_INSTALL_SLURM=1 asks for it (`unavailable` skips the tests otherwise)."""
     if installed():
         return
     with FileLock(Path(tempfile.gettempdir()) / "copytask-slurm-install.lock"):
@@ -120,18 +131,18 @@ def one_node_slurm(folder: Path, timeout: float = 60.0) -> Iterator[dict[str, st
     try:
         munge = folder / "munge"
         started.append(subprocess.Popen(
-            ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={munge}/munge.socket",
+            [daemon("munged"), "--foreground", "--force", f"--key-file={key}", f"--socket={munge}/munge.socket",
              f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         ))
         wait_for(lambda: (munge / "munge.socket").exists(), timeout, "munged's socket", folder, started)
-        started.append(subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(conf)], env=daemon_env,
+        started.append(subprocess.Popen([daemon("slurmctld"), "-D", "-i", "-f", str(conf)], env=daemon_env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        started.append(subprocess.Popen(["slurmd", "-D", "-f", str(conf)], env=daemon_env,
+        started.append(subprocess.Popen([daemon("slurmd"), "-D", "-f", str(conf)], env=daemon_env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
 
         def node_idle() -> bool:
-            state = subprocess.run(["sinfo", "--noheader", "--format=%t"], env=daemon_env, capture_output=True, text=True)
+            state = subprocess.run([daemon("sinfo"), "--noheader", "--format=%t"], env=daemon_env, capture_output=True, text=True)
             return state.stdout.strip() == "idle"
 
         wait_for(node_idle, timeout, "the node to be idle in sinfo", folder, started)

@@ -84,7 +84,7 @@ TARGET_SETTINGS = {
     "same": {"project": [], "reference": []},
 }
 # A smoke run: short sequences, a small batch, one fresh process per implementation for memory,
-# and one thread (two threads on a busy two-core machine made steps 3-100x slower).
+# and one thread (more threads on a busy machine make steps slower: docs/bench.md).
 QUICK = {
     "lengths": [5, 10],
     "repeats": 2,

@@ -36,9 +36,9 @@ SOURCES = [CSRC / name for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "
 # the library is not linked with the start-up code that would set flush-to-zero for the process.
 # -fno-finite-math-only keeps NaN and inf meaning what they mean, so that they propagate as in torch.
 CFLAGS = ["-O3", "-ffast-math", "-fno-finite-math-only"]
-# AVX2 and FMA make the kernels' loops 1.2-1.7x faster where the CPU has them (torch says whether it
-# does); the build is named after the instruction set, so machines that share a home directory
-# (a cluster's nodes) never load a build their CPU cannot run.
+# AVX2 and FMA make the kernels' loops faster where the CPU has them (torch says whether it does;
+# docs/bench.md, Speed levers); the build is named after the instruction set, so machines that share
+# a home directory (a cluster's nodes) never load a build their CPU cannot run.
 AVX2 = ("AVX2", "AVX512")
 # How long to wait for another process's build (one takes 30-60 s) before going on without the
 # kernels: a process holding the lock that long is stuck, and training must not hang on it.

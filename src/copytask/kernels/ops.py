@@ -28,9 +28,9 @@ compiler) the torch code runs. They agree with it to float rounding, NaN and inf
 They are torch custom ops (`torch.ops.copytask.*`, torch.library) with their autograd formulas
 and shapes for fake tensors, so that autograd and torch.compile treat them as torch's own ops;
 under autocast they run in float32. `transformer_layer` is an autograd node written in C++ instead
-(a custom op's wrapper of its 18 parameters and 20 saved tensors cost as much as the Python ops it
-replaces, 0.4 ms a layer; a Python autograd Function, 2-5% of a step at length 20); under autocast
-the model runs the layers' ops in Python. There is no second
+(a custom op's wrapper of its 18 parameters and 20 saved tensors, or a Python autograd Function,
+costs much of what the layer kernel saves: docs/bench.md); under autocast the model runs the layers'
+ops in Python. There is no second
 derivative: a double backward through them raises an error that says so (build the model with
 `fused=False` for one).
 

@@ -9,9 +9,8 @@ from ..data.scoring import sequence_scores
 from ..data.batches import Batch
 from .build import Model
 
-# Sequences greedily decoded at once on CPU. Smaller pieces keep a decoder step's tensors in cache:
-# 512 held-out sequences at length 80 took Bahdanau 0.46 s in one piece and 0.29 s in pieces of 128
-# (Luong general 0.27 -> 0.23 s; the baseline, with no attention tensors, 0.08 -> 0.10 s).
+# Sequences greedily decoded at once on CPU: smaller pieces keep a decoder step's tensors in cache
+# (docs/bench.md, Speed levers).
 EVAL_CHUNK = 128
 
 

@@ -388,7 +388,7 @@ inline void backward_rows(const Slice& s, int64_t i0, ConstRows<R> q, ConstRows<
   add_outer<R>(g, reinterpret_cast<ConstRows<R>>(p), s.D, s.Sp, m, gvt);
 }
 
-constexpr int BLOCK = 4;  // query rows at a time: 15% faster than 2 at length 80, 8 no faster than 4
+constexpr int BLOCK = 4;  // query rows at a time (four beat two and eight: docs/bench.md, Speed levers)
 
 // -> out (B, T, H * D), lse (B, H, T): each query row's log-sum-exp of its scores (-inf where it sees no key).
 std::vector<Tensor> attention_forward(const Tensor& x, const Tensor& kv, const Tensor& mask, int64_t heads, bool causal) {

@@ -90,11 +90,12 @@ static inline void gru_cell_backward(const float* __restrict saved, const float*
   }
 }
 
-// The additive score's tanh, (T_dec, T_enc, A) per sequence, kept for the backward pass: 53 MB at
-// length 80, freed after every backward pass and asked for again by the next forward pass. glibc
-// maps a block that large afresh at every request and page-faults it in (25 of a Bahdanau forward
-// pass's 67 ms), so the kernels keep the largest freed one for the next request: memory held by
-// the kernels, where a process-wide setting of the allocator's thresholds would serve everyone.
+// The additive score's tanh, (T_dec, T_enc, A) per sequence, kept for the backward pass: tens of MB
+// at long lengths, freed after every backward pass and asked for again by the next forward pass.
+// glibc maps a block that large afresh at every request and page-faults it in (much of a Bahdanau
+// forward pass: docs/bench.md), so the kernels keep the largest freed one for the next request:
+// memory held by the kernels, where a process-wide setting of the allocator's thresholds would
+// serve everyone.
 namespace spare {
 inline std::mutex mutex;
 inline void* block = nullptr;

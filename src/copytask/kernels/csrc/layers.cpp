@@ -23,7 +23,7 @@
 //
 // transformer_layer records a layer for autograd as one node, written in C++ (LayerFunction): as a
 // Python autograd Function the layer's 18 parameters and 20 saved tensors crossed into Python and
-// back at every call, 2-5% of a training step at length 20 (docs/bench.md).
+// back at every call, a cost docs/bench.md measures.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>

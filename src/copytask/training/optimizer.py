@@ -1,8 +1,9 @@
-"""A run's optimiser, Adam (on the CPU on one flat buffer: FlatAdam)."""
+"""A run's optimiser, Adam (on the CPU on one flat buffer: FlatAdam), and its learning rate schedule."""
 
 from __future__ import annotations
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 from .devices import fused_adam
 
@@ -62,3 +63,10 @@ def adam(model: nn.Module, lr: float, device: torch.device) -> torch.optim.Adam:
         return FlatAdam(model, lr=lr)
     return torch.optim.Adam(model.parameters(), lr=lr, fused=fused_adam(device))
 
+
+def lr_schedule(optimizer: torch.optim.Optimizer, train: DictConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning rate schedule `train.schedule` names: `onecycle` (warm up for the fraction
+    `train.warmup` of `train.steps` to `train.lr`, then anneal), else constant at `train.lr`."""
+    if train.schedule == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, train.lr, total_steps=train.steps, pct_start=train.warmup)
+    return torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)

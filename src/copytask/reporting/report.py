@@ -14,6 +14,7 @@ whose files are corrupt is left out of what needs them, with a warning that name
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -21,12 +22,17 @@ from . import analysis_tables
 from .. import store
 from ..config import messages
 from . import tables
-from .analysis_figures import extrapolates, plot_counterfactual, plot_extrapolation, plot_head_weights, plot_length_generalisation
+from .analysis_figures import (
+    extrapolates, plot_counterfactual, plot_extrapolation, plot_head_weights, plot_length_generalisation,
+)
 from ..config.schema import ConfigError
 from .figures import plot_attention
 from ..store.grid import GridRun, variable_length_runs
 from .setup import setup_section
-from .result_figures import LONGEST_FIGURE, SETTING_GRID_FIGURE, groups, label, longest_lengths, plot_accuracy, plot_curves, plot_setting_grid, setting_suffix, setting_title
+from .result_figures import (
+    LONGEST_FIGURE, SETTING_GRID_FIGURE, groups, label, longest_lengths, plot_accuracy, plot_curves, plot_setting_grid,
+    setting_suffix, setting_title,
+)
 
 REPORT_DIR = "report"
 CURVES_FIGURE = "training_curves"
@@ -42,7 +48,8 @@ def x_column(x: str, loaded: tables.Loaded) -> str:
     table = loaded.table
     numeric = [key for key in loaded.settings if tables.numeric(table[key])]
     if column != "length" and column not in numeric:
-        raise ConfigError(f"report.x must be task.length or a numeric key swept in this grid ({', '.join(['task.length', *numeric])}), got {x!r}")
+        choices = ", ".join(["task.length", *numeric])
+        raise ConfigError(f"report.x must be task.length or a numeric key swept in this grid ({choices}), got {x!r}")
     return column
 
 
@@ -107,7 +114,8 @@ def plot_head_heatmaps(loaded: tables.Loaded, out: Path) -> list[tuple[str, Path
         if analysed is None or "head_weights" not in analysed or heading in seen:
             continue
         seen.add(heading)
-        made.append((heading, plot_head_weights(analysed, int(row["vocab_size"]), out / f"heads_{row['attention']}_length{row['length']}{suffix}.png")))
+        path = out / f"heads_{row['attention']}_length{row['length']}{suffix}.png"
+        made.append((heading, plot_head_weights(analysed, int(row["vocab_size"]), path)))
     return made
 
 
@@ -134,67 +142,6 @@ def with_settings(table: pd.DataFrame, loaded: tables.Loaded) -> pd.DataFrame:
     return table.merge(loaded.table[["run", *loaded.settings]], on="run", how="left")
 
 
-def evidence_tables(analysed: pd.DataFrame, settings: list[str], figure: bool = True) -> list[str]:
-    """Markdown: the counterfactual table and the alignment table, per setting, length and
-    attention type, mean over seeds, from `with_settings(analysis_tables.analysis_table(...))`."""
-    if analysed.empty:
-        return []
-    keys = [*settings, "length", "attention"]
-    numbers = analysed.drop(columns=["run", "task", "train_length", "seed"])
-    means = numbers.groupby(keys, dropna=False).mean().join(analysed.groupby(keys, dropna=False).size().rename("seeds"))
-    means = means.reset_index()
-    columns = {key: means[key].map(tables.setting_value) for key in settings}
-    counterfactual = pd.DataFrame(
-        {
-            **columns,
-            "length": means["length"],
-            "attention": means["attention"],
-            "seeds": means["seeds"],
-            "own %": means["own"].map(tables.percent),
-            **{f"{name} %": means[name].map(tables.percent) for name in analysis_tables.COUNTERFACTUALS},
-            **{f"drop {name}": means[f"drop_{name}"].map(lambda drop: f"{100 * drop:+.1f}") for name in analysis_tables.COUNTERFACTUALS},
-        }
-    )
-    alignment = pd.DataFrame(
-        {
-            **columns,
-            "length": means["length"],
-            "attention": means["attention"],
-            "seeds": means["seeds"],
-            "argmax on copied position %": means["align_hit"].map(tables.percent),
-            "weight on copied position %": means["align_mass"].map(tables.percent),
-            "argmax next to it %": means["align_adjacent"].map(tables.percent),
-        }
-    )
-    return [
-        "### Counterfactual attention",
-        "",
-        "Greedy token accuracy (%) with the model's own attention weights and with them replaced, at every decoding step, by "
-        "uniform weights over the source, by the model's weights shuffled among the source positions, and by all weight on "
-        "position 0; `drop` is own minus counterfactual, in points, mean over seeds. A large drop says the output depends on "
-        "where the model attends. Measured on the first held-out sequences (`analysis.eval_size`), so `own` can differ a "
-        "little from the accuracy table above. A Transformer's drops mean something else than a GRU model's: its "
-        "counterfactual replaces the weights of every cross-attention layer (the map shown is the last layer's), and its "
-        "encoder's self-attention has already mixed the source into every memory position, so uniform or fixed "
-        "cross-attention does not cut its access to the source, where a GRU attention model is left with its decoder's "
-        "initial state. Compare drops within an architecture, not across.",
-        "",
-        markdown_table(counterfactual),
-        "",
-        *([f"![accuracy under counterfactual attention]({COUNTERFACTUAL_FIGURE})", ""] if figure else []),
-        "### Alignment",
-        "",
-        "How often the attention argmax at an output step lands on the source position that step copies, and the mean "
-        "weight there (row t of the map produces output t, for both Bahdanau and Luong; EOS not scored), and how often the "
-        "argmax lands on a neighbour of that position instead. The bidirectional encoder's state at a neighbouring position "
-        "also carries the symbol, so a model can copy correctly while attending one position off: a diagonal that looks "
-        "right can be shifted by one, another reason to read maps together with the counterfactual drops.",
-        "",
-        markdown_table(alignment),
-        "",
-    ]
-
-
 def missing_analysis(folders: list[Path], total: int, what: str, runs_dir: Path) -> list[str]:
     """Markdown naming the complete runs without analysis.json (`what` they are left out of), and
     the command that makes it."""
@@ -202,11 +149,18 @@ def missing_analysis(folders: list[Path], total: int, what: str, runs_dir: Path)
         return []
     names = ", ".join(f"`{folder.name}`" for folder in folders)
     return [
-        f"**Analysis missing** for {len(folders)} of {total} runs ({names}): they have no `{store.ANALYSIS}`, so {what} "
-        f"leave them out. Make it with `python -m copytask analyze runs_dir={runs_dir}` (a sweep does this itself at its "
-        "end), then regenerate the report.",
+        f"**Analysis missing** for {len(folders)} of {total} runs ({names}): they have no `{store.ANALYSIS}`, "
+        f"so {what} leave them out. Make it with `python -m copytask analyze runs_dir={runs_dir}` (a sweep does this "
+        "itself at its end), then regenerate the report.",
         "",
     ]
+
+
+class Section(NamedTuple):
+    """A part of report.md: its markdown lines and the figure files they show, drawn when it was made."""
+
+    lines: list[str]
+    figures: list[Path]
 
 
 def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: str = "task.length") -> list[Path]:
@@ -216,131 +170,184 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
     out = runs_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     x, settings = x_column(x, loaded), loaded.settings
-    analyses = list(loaded.analyses.values())
-    unanalysed = [loaded.runs[run].folder for run in loaded.table["run"] if run not in loaded.analyses]
-    variable_folders = [folder for folder in variable_length_runs(grid, runs_dir) if folder.name not in loaded.runs]
-    variable = {folder: tables.read_analysis(folder) for folder in variable_folders}
-    variable_analyses = [a for a in variable.values() if a is not None]
+    summary = tables.summarise(loaded.table, settings)
+    variable = variable_length_analyses(grid, loaded, runs_dir)
+    variable_analyses = [analysis for analysis in variable.values() if analysis is not None]
     per_length = analysis_tables.per_length_table(variable_analyses)
 
-    summary = tables.summarise(loaded.table, settings)
-    accuracy_stem = out / f"accuracy_vs_{x}"
-    figures = plot_accuracy(summary, settings, x, accuracy_stem, per_length)
-    others = [key for key in [*settings, "length"] if key != x and summary[key].nunique() > 1]
-    setting_grid = x == "length" and len(others) == 1 and pd.api.types.is_numeric_dtype(summary[others[0]])
-    if setting_grid:
-        figures += plot_setting_grid(summary, others[0], out)
-    curves, attentions = [], list(dict.fromkeys(loaded.table["attention"]))
-    for values, runs in groups(loaded.table, settings):
-        suffix, title = setting_suffix(settings, values), setting_title(settings, values)
-        if histories := run_histories(loaded, runs):
-            curves.append((title, plot_curves(histories, attentions, title, out / f"{CURVES_FIGURE}{suffix}.png")))
-    heatmaps = plot_heatmaps(loaded, out)
-    head_heatmaps = plot_head_heatmaps(loaded, out)
-    analysed = with_settings(analysis_tables.analysis_table(analyses), loaded)
-    # the figure's x axis is the trained length: fixed-length runs only (a grid of variable-length runs has the table alone)
-    fixed_length = not analysed.empty and bool((analysed.train_length == analysed.length.astype(str)).any())
-    evidence = evidence_tables(analysed, settings, figure=fixed_length)
-    if evidence and fixed_length:
-        with_chance = analysed.merge(loaded.table[["run", "chance"]], on="run", how="left")
-        figures.append(plot_counterfactual(with_chance, out / COUNTERFACTUAL_FIGURE, settings))
-    generalisation = analysis_tables.length_generalisation_table(analyses + variable_analyses)
-    if not generalisation.empty:
-        generalisation = with_settings(generalisation, loaded)
-        figures.append(plot_length_generalisation(generalisation, out / GENERALISATION_FIGURE, settings))
-    extrapolation = extrapolates(generalisation)
-    if extrapolation:
-        with_chance = generalisation.merge(loaded.table[["run", "chance"]], on="run", how="left")
-        figures.append(plot_extrapolation(with_chance, out / EXTRAPOLATION_FIGURE, settings))
-
+    accuracy = accuracy_section(summary, settings, x, per_length, out)
+    setting_grid = setting_grid_section(summary, settings, x, out)
+    evidence = evidence_section(loaded, out)
+    analysis = analysis_section(loaded, variable_analyses, runs_dir, out)
+    curves = curves_section(loaded, out)
+    heatmaps, head_heatmaps = plot_heatmaps(loaded, out), plot_head_heatmaps(loaded, out)
     lines = [
+        *opening(grid, loaded, runs_dir),
+        *setup_section(loaded, runs_dir),
+        "",
+        *accuracy.lines,
+        *setting_grid.lines,
+        *variable_length_notes(per_length, variable, runs_dir),
+        *missing_runs_section(loaded),
+        *curves.lines,
+        *analysis.lines,
+        *attention_section(evidence.lines, heatmaps, head_heatmaps),
+    ]
+    store.atomic_write(out / "report.md", "\n".join(lines))
+    figures = [figure for section in (accuracy, setting_grid, evidence, analysis, curves) for figure in section.figures]
+    return [out / "report.md", *figures, *(path for _, path in heatmaps + head_heatmaps)]
+
+
+def variable_length_analyses(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path) -> dict[Path, dict | None]:
+    """The analysis.json of every variable-length run drawn beside the grid (`variable_length_runs`,
+    not a row of it), by run folder; None where there is none (or a corrupt one: warned)."""
+    folders = [folder for folder in variable_length_runs(grid, runs_dir) if folder.name not in loaded.runs]
+    return {folder: tables.read_analysis(folder) for folder in folders}
+
+
+def opening(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path) -> list[str]:
+    """report.md's title: what made it from which runs, and how to make it again."""
+    return [
         "# copytask report",
         "",
         f"Made by `python -m copytask report` from the run folders in `{runs_dir}` "
-        f"({len(loaded.table)} of {len(grid)} runs of the grid complete). Regenerate it with `python -m copytask report runs_dir={runs_dir}` "
+        f"({len(loaded.table)} of {len(grid)} runs of the grid complete). "
+        f"Regenerate it with `python -m copytask report runs_dir={runs_dir}` "
         "(the last sweep's grid there) or with the sweep's overrides.",
         "",
-        *setup_section(loaded, runs_dir),
-        "",
+    ]
+
+
+def accuracy_section(
+    summary: pd.DataFrame, settings: list[str], x: str, per_length: pd.DataFrame, out: Path
+) -> Section:
+    """The accuracy figure against `x` (with the variable-length runs' `per_length` curves) and the
+    comparison table: mean over seeds, interval, gap to the baseline."""
+    stem = out / f"accuracy_vs_{x}"
+    figures = plot_accuracy(summary, settings, x, stem, per_length)
+    lines = [
         f"## Accuracy against {label(x)}",
         "",
-        f"![accuracy against {label(x)}]({accuracy_stem.name}.png) ([vector copy]({accuracy_stem.name}.svg))",
+        f"![accuracy against {label(x)}]({stem.name}.png) ([vector copy]({stem.name}.svg))",
         "",
-        "Mean over seeds with a 95% t-interval (clipped to [0, 100]; none with a single seed), never narrower than the held-out set's own "
-        "95% Wilson interval for the tokens or sequences it scores; the gap is the attention type's mean minus "
-        f"the `{tables.BASELINE}` baseline's with the same settings and length, in percentage points (empty where there is no such "
-        f"baseline). Per-run numbers: [`{tables.RESULTS_CSV}`](../{tables.RESULTS_CSV}).",
+        "Mean over seeds with a 95% t-interval (clipped to [0, 100]; none with a single seed), never narrower than the "
+        "held-out set's own 95% Wilson interval for the tokens or sequences it scores; the gap is the attention type's "
+        f"mean minus the `{tables.BASELINE}` baseline's with the same settings and length, in percentage points (empty "
+        f"where there is no such baseline). Per-run numbers: [`{tables.RESULTS_CSV}`](../{tables.RESULTS_CSV}).",
         "",
         markdown_table(tables.comparison_table(summary, settings)),
         "",
     ]
-    if setting_grid:
-        longest = longest_lengths(summary, others[0])
-        lines += [
-            f"### Accuracy over ({others[0]}, length)",
-            "",
-            f"![accuracy over {others[0]} and length]({SETTING_GRID_FIGURE})",
-            "",
-            *([f"![longest length copied against {others[0]}]({LONGEST_FIGURE})", ""] if any(path.name == LONGEST_FIGURE for path in figures) else []),
-            "The longest length of the grid at which the mean greedy token accuracy reaches each threshold (`-`: none does):",
-            "",
-            markdown_table(longest.assign(**{c: longest[c].map(tables.setting_value) for c in longest.columns[1:]})),
-            "",
-        ]
+    return Section(lines, figures)
+
+
+def setting_grid_section(summary: pd.DataFrame, settings: list[str], x: str, out: Path) -> Section:
+    """Where the x axis is the length and one numeric setting varies beside it: accuracy over
+    (setting, length) and the longest length reaching each threshold; nothing otherwise."""
+    others = [key for key in [*settings, "length"] if key != x and summary[key].nunique() > 1]
+    if not (x == "length" and len(others) == 1 and pd.api.types.is_numeric_dtype(summary[others[0]])):
+        return Section([], [])
+    key = others[0]
+    figures = plot_setting_grid(summary, key, out)
+    longest = longest_lengths(summary, key)
+    longest = longest.assign(**{name: longest[name].map(tables.setting_value) for name in longest.columns[1:]})
+    drew_longest = any(path.name == LONGEST_FIGURE for path in figures)
+    lines = [
+        f"### Accuracy over ({key}, length)",
+        "",
+        f"![accuracy over {key} and length]({SETTING_GRID_FIGURE})",
+        "",
+        *([f"![longest length copied against {key}]({LONGEST_FIGURE})", ""] if drew_longest else []),
+        "The longest length of the grid at which the mean greedy token accuracy reaches each threshold "
+        "(`-`: none does):",
+        "",
+        markdown_table(longest),
+        "",
+    ]
+    return Section(lines, figures)
+
+
+def variable_length_notes(per_length: pd.DataFrame, variable: dict[Path, dict | None], runs_dir: Path) -> list[str]:
+    """What the accuracy figure's dashed lines are, where it has some, and which of the
+    variable-length runs (`variable_length_analyses`) it leaves out for want of analysis."""
+    lines = []
     if not per_length.empty:
         lines += [
-            "Dashed lines: models trained on variable lengths (same settings otherwise), evaluated at every length of their "
-            "range on one mixed-length held-out set; their train length reads `min-max`.",
+            "Dashed lines: models trained on variable lengths (same settings otherwise), evaluated at every length of "
+            "their range on one mixed-length held-out set; their train length reads `min-max`.",
             "",
         ]
-    lines += missing_analysis([f for f, a in variable.items() if a is None], len(variable), "the dashed per-length curves", runs_dir)
-    if loaded.missing:
-        lines += ["## Missing runs", "", "These runs of the grid have no usable results and are left out:", ""]
-        lines += [f"- `{run.label or run.folder.name}` (`{run.folder.name}`): {reason}" for run, reason in loaded.missing]
-        lines.append("")
-    if curves:
-        lines += ["## Training curves", ""]
-        for title, path in curves:
-            lines += [*([f"### {title}", ""] if title else []), f"![training curves{', ' + title if title else ''}]({path.name})", ""]
-    lines += ["## Analysis", ""]
-    lines += missing_analysis(unanalysed, len(loaded.table), "the counterfactual, alignment and length-generalisation results", runs_dir)
-    if not generalisation.empty:
-        lines += [
-            "### Length generalisation",
-            "",
-            "Every trained model evaluated (greedy token accuracy, mean over seeds) at every length of the grid: train length "
-            "(rows) against test length (columns). Evaluation only, nothing retrained.",
-            "",
-            f"![train length x test length accuracy]({GENERALISATION_FIGURE})",
-            "",
-        ]
-    lines += heldout_lines(analyses + variable_analyses)
-    if extrapolation:
-        lines += [
-            "### Beyond the trained lengths",
-            "",
-            "Greedy token accuracy against test length (`analysis.lengths`), mean over seeds with their range as a band; "
-            "the lengths the models were trained on are shaded. A model with learned positions is not defined past its "
-            "table (`model.max_length`): its line stops there.",
-            "",
-            f"![accuracy against test length]({EXTRAPOLATION_FIGURE})",
-            "",
-        ]
-    if heatmaps or evidence:
-        lines += ["## Attention: the evidence, then the maps", "", CAUTION, "", *evidence]
-    if heatmaps or head_heatmaps:
-        lines += [
-            "In each map a red outline marks the source position the output step copies (the diagonal for copy, the "
-            "anti-diagonal for reverse), so attention that lands next to it shows; red output symbols are wrong.",
-            "",
-        ]
-    for heading, path in heatmaps:
-        lines += [f"### {heading}", "", f"![attention of {heading}]({path.name})", ""]
-    for heading, path in head_heatmaps:
-        lines += [f"### {heading}: each head", "", f"![heads of {heading}]({path.name})", ""]
-    store.atomic_write(out / "report.md", "\n".join(lines))
-    figures += [path for _, path in curves + heatmaps + head_heatmaps]
-    return [out / "report.md", *figures]
+    unanalysed = [folder for folder, analysis in variable.items() if analysis is None]
+    return lines + missing_analysis(unanalysed, len(variable), "the dashed per-length curves", runs_dir)
+
+
+def missing_runs_section(loaded: tables.Loaded) -> list[str]:
+    """The grid's runs without usable results, each with the reason; nothing if there are none."""
+    if not loaded.missing:
+        return []
+    return [
+        "## Missing runs",
+        "",
+        "These runs of the grid have no usable results and are left out:",
+        "",
+        *(f"- `{run.label or run.folder.name}` (`{run.folder.name}`): {reason}" for run, reason in loaded.missing),
+        "",
+    ]
+
+
+def curves_section(loaded: tables.Loaded, out: Path) -> Section:
+    """The training curves (loss and validation accuracy against step), one figure per setting."""
+    curves, attentions = [], list(dict.fromkeys(loaded.table["attention"]))
+    for values, runs in groups(loaded.table, loaded.settings):
+        suffix, title = setting_suffix(loaded.settings, values), setting_title(loaded.settings, values)
+        if histories := run_histories(loaded, runs):
+            curves.append((title, plot_curves(histories, attentions, title, out / f"{CURVES_FIGURE}{suffix}.png")))
+    if not curves:
+        return Section([], [])
+    lines = ["## Training curves", ""]
+    for title, path in curves:
+        heading = [f"### {title}", ""] if title else []
+        lines += [*heading, f"![training curves{', ' + title if title else ''}]({path.name})", ""]
+    return Section(lines, [path for _, path in curves])
+
+
+def analysis_section(loaded: tables.Loaded, variable_analyses: list[dict], runs_dir: Path, out: Path) -> Section:
+    """What `copytask analyze` found beyond the accuracy table: which runs it has not analysed yet,
+    length generalisation, what holding sequences out did, and accuracy beyond the trained lengths."""
+    analyses = [*loaded.analyses.values(), *variable_analyses]
+    unanalysed = [loaded.runs[run].folder for run in loaded.table["run"] if run not in loaded.analyses]
+    generalisation = with_settings(analysis_tables.length_generalisation_table(analyses), loaded)
+    generalised = generalisation_section(generalisation, loaded.settings, out)
+    beyond = extrapolation_section(generalisation, loaded, out)
+    lines = [
+        "## Analysis",
+        "",
+        *missing_analysis(
+            unanalysed, len(loaded.table), "the counterfactual, alignment and length-generalisation results", runs_dir
+        ),
+        *generalised.lines,
+        *heldout_lines(analyses),
+        *beyond.lines,
+    ]
+    return Section(lines, generalised.figures + beyond.figures)
+
+
+def generalisation_section(generalisation: pd.DataFrame, settings: list[str], out: Path) -> Section:
+    """Accuracy of every trained length at every test length of the grid (`length_generalisation_table`
+    rows with their settings); nothing if no run is analysed."""
+    if generalisation.empty:
+        return Section([], [])
+    figure = plot_length_generalisation(generalisation, out / GENERALISATION_FIGURE, settings)
+    lines = [
+        "### Length generalisation",
+        "",
+        "Every trained model evaluated (greedy token accuracy, mean over seeds) at every length of the grid: train "
+        "length (rows) against test length (columns). Evaluation only, nothing retrained.",
+        "",
+        f"![train length x test length accuracy]({GENERALISATION_FIGURE})",
+        "",
+    ]
+    return Section(lines, [figure])
 
 
 def heldout_lines(analyses: list[dict]) -> list[str]:
@@ -354,19 +361,148 @@ def heldout_lines(analyses: list[dict]) -> list[str]:
     lines = [
         "### Held-out sets at short lengths",
         "",
-        "Every set scored here is held out: no sequence of it was in the run's training batches (replayed from its seed) or "
-        "its validation set. Short lengths have few sequences, so:",
+        "Every set scored here is held out: no sequence of it was in the run's training batches (replayed from its "
+        "seed) or its validation set. Short lengths have few sequences, so:",
         "",
     ]
-    lines += [f"- {note} ({len(runs)} run{'s' * (len(runs) > 1)}: `{runs[0]}`{', ...' * (len(runs) > 1)})" for note, runs in fewer.items()]
+    for note, runs in fewer.items():
+        several = len(runs) > 1
+        lines.append(f"- {note} ({len(runs)} run{'s' * several}: `{runs[0]}`{', ...' * several})")
     for run, mix in mixes.items():
         shares = ", ".join(
             f"length {row['length']} {row['held_out']} of {row['sequences']:,} held out, trained on at "
             f"{100 * row['train_share']:.1f}% of rows instead of {100 * row['uniform_share']:.1f}%"
             for row in mix
         )
-        lines.append(f"- `{run}`: holding the test and validation sets out of training changes its length mix: {shares}.")
+        lines.append(f"- `{run}`: holding the test and validation sets out of training changes its length mix: "
+                     f"{shares}.")
     return [*lines, ""]
+
+
+def extrapolation_section(generalisation: pd.DataFrame, loaded: tables.Loaded, out: Path) -> Section:
+    """Accuracy against test length past the trained lengths, where the analysis tested some run
+    there (`analysis.lengths`); nothing otherwise."""
+    if not extrapolates(generalisation):
+        return Section([], [])
+    with_chance = generalisation.merge(loaded.table[["run", "chance"]], on="run", how="left")
+    figure = plot_extrapolation(with_chance, out / EXTRAPOLATION_FIGURE, loaded.settings)
+    lines = [
+        "### Beyond the trained lengths",
+        "",
+        "Greedy token accuracy against test length (`analysis.lengths`), mean over seeds with their range as a band; "
+        "the lengths the models were trained on are shaded. A model with learned positions is not defined past its "
+        "table (`model.max_length`): its line stops there.",
+        "",
+        f"![accuracy against test length]({EXTRAPOLATION_FIGURE})",
+        "",
+    ]
+    return Section(lines, [figure])
+
+
+def evidence_section(loaded: tables.Loaded, out: Path) -> Section:
+    """The counterfactual and alignment tables of the analysed runs, per setting, length and
+    attention type, mean over seeds, and the counterfactual figure, whose x axis is the trained
+    length: only where some run trained at a fixed length. Nothing if no run is analysed."""
+    analysed = with_settings(analysis_tables.analysis_table(list(loaded.analyses.values())), loaded)
+    if analysed.empty:
+        return Section([], [])
+    fixed_length = bool((analysed.train_length == analysed.length.astype(str)).any())
+    means = seed_means(analysed, loaded.settings)
+    lines = [*counterfactual_lines(means, loaded.settings, fixed_length), *alignment_lines(means, loaded.settings)]
+    if not fixed_length:
+        return Section(lines, [])
+    with_chance = analysed.merge(loaded.table[["run", "chance"]], on="run", how="left")
+    return Section(lines, [plot_counterfactual(with_chance, out / COUNTERFACTUAL_FIGURE, loaded.settings)])
+
+
+def seed_means(analysed: pd.DataFrame, settings: list[str]) -> pd.DataFrame:
+    """The analysis numbers' means over seeds, one row per setting, length and attention type, with
+    the number of seeds (`seeds`) and those keys as columns."""
+    keys = [*settings, "length", "attention"]
+    numbers = analysed.drop(columns=["run", "task", "train_length", "seed"])
+    means = numbers.groupby(keys, dropna=False).mean().join(analysed.groupby(keys, dropna=False).size().rename("seeds"))
+    return means.reset_index()
+
+
+def described(means: pd.DataFrame, settings: list[str]) -> dict[str, pd.Series]:
+    """The columns that say which runs a row of `seed_means` is: settings, length, attention, seeds."""
+    columns = {key: means[key].map(tables.setting_value) for key in settings}
+    return {**columns, "length": means["length"], "attention": means["attention"], "seeds": means["seeds"]}
+
+
+def counterfactual_lines(means: pd.DataFrame, settings: list[str], figure: bool) -> list[str]:
+    """Markdown: accuracy with the model's own attention and with counterfactual weights, the
+    drops, and (with `figure`) the counterfactual figure."""
+    replaced = analysis_tables.COUNTERFACTUALS
+    counterfactual = pd.DataFrame(
+        {
+            **described(means, settings),
+            "own %": means["own"].map(tables.percent),
+            **{f"{name} %": means[name].map(tables.percent) for name in replaced},
+            **{f"drop {name}": means[f"drop_{name}"].map(lambda drop: f"{100 * drop:+.1f}") for name in replaced},
+        }
+    )
+    return [
+        "### Counterfactual attention",
+        "",
+        "Greedy token accuracy (%) with the model's own attention weights and with them replaced, at every decoding "
+        "step, by uniform weights over the source, by the model's weights shuffled among the source positions, and by "
+        "all weight on position 0; `drop` is own minus counterfactual, in points, mean over seeds. A large drop says "
+        "the output depends on where the model attends. Measured on the first held-out sequences "
+        "(`analysis.eval_size`), so `own` can differ a little from the accuracy table above. A Transformer's drops "
+        "mean something else than a GRU model's: its counterfactual replaces the weights of every cross-attention "
+        "layer (the map shown is the last layer's), and its encoder's self-attention has already mixed the source "
+        "into every memory position, so uniform or fixed cross-attention does not cut its access to the source, where "
+        "a GRU attention model is left with its decoder's initial state. Compare drops within an architecture, not "
+        "across.",
+        "",
+        markdown_table(counterfactual),
+        "",
+        *([f"![accuracy under counterfactual attention]({COUNTERFACTUAL_FIGURE})", ""] if figure else []),
+    ]
+
+
+def alignment_lines(means: pd.DataFrame, settings: list[str]) -> list[str]:
+    """Markdown: how often the attention argmax lands on the copied source position, or next to it."""
+    alignment = pd.DataFrame(
+        {
+            **described(means, settings),
+            "argmax on copied position %": means["align_hit"].map(tables.percent),
+            "weight on copied position %": means["align_mass"].map(tables.percent),
+            "argmax next to it %": means["align_adjacent"].map(tables.percent),
+        }
+    )
+    return [
+        "### Alignment",
+        "",
+        "How often the attention argmax at an output step lands on the source position that step copies, and the mean "
+        "weight there (row t of the map produces output t, for both Bahdanau and Luong; EOS not scored), and how often "
+        "the argmax lands on a neighbour of that position instead. The bidirectional encoder's state at a neighbouring "
+        "position also carries the symbol, so a model can copy correctly while attending one position off: a diagonal "
+        "that looks right can be shifted by one, another reason to read maps together with the counterfactual drops.",
+        "",
+        markdown_table(alignment),
+        "",
+    ]
+
+
+def attention_section(
+    evidence: list[str], heatmaps: list[tuple[str, Path]], head_heatmaps: list[tuple[str, Path]]
+) -> list[str]:
+    """The caution on reading attention maps, the `evidence` (counterfactual and alignment tables),
+    then the maps (`plot_heatmaps`, `plot_head_heatmaps`); nothing if there is none of them."""
+    lines = ["## Attention: the evidence, then the maps", "", CAUTION, "", *evidence] if heatmaps or evidence else []
+    if heatmaps or head_heatmaps:
+        lines += [
+            "In each map a red outline marks the source position the output step copies (the diagonal for copy, the "
+            "anti-diagonal for reverse), so attention that lands next to it shows; red output symbols are wrong.",
+            "",
+        ]
+    for heading, path in heatmaps:
+        lines += [f"### {heading}", "", f"![attention of {heading}]({path.name})", ""]
+    for heading, path in head_heatmaps:
+        lines += [f"### {heading}: each head", "", f"![heads of {heading}]({path.name})", ""]
+    return lines
 
 
 def written_line(written: list[Path], seconds: float) -> str:

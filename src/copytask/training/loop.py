@@ -9,6 +9,7 @@ import io
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -25,7 +26,7 @@ from ..data.vocab import PAD
 from ..data.batches import Batch
 from .devices import host, resolve_device, run_settings
 from .devices import torch_state
-from .optimizer import FlatAdam, adam
+from .optimizer import FlatAdam, adam, lr_schedule
 from ..models.build import build_model
 from ..models.greedy import evaluate, rounded
 from .splits import heldout_keys, training_batch
@@ -82,7 +83,11 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
             clear_leftovers(folder, keep_checkpoint=not retrain)
         try:
             device = resolve_device(cfg.train.device)
-            with trackers.open_run(cfg, folder.name) as tracker, torch_state(cfg.train.threads, device), run_settings(device):  # the tracker closes before the run is complete
+            with (
+                trackers.open_run(cfg, folder.name) as tracker,  # it closes before the run is complete
+                torch_state(cfg.train.threads, device),
+                run_settings(device),
+            ):
                 try:
                     metrics = _train_locked(cfg, folder, device, model_class, tracker)
                 except checkpoints.UnusableCheckpoint:  # set aside: from step 0, with everything built afresh
@@ -113,19 +118,62 @@ def summary_line(metrics: dict, folder: Path) -> str:
     return (
         f"{metrics['run']}: greedy token acc {metrics['token_acc']:.2%}, seq acc {metrics['seq_acc']:.2%} "
         f"(chance {metrics['chance']:.1%}), {metrics['steps']} steps, {metrics['train_seconds']:.1f} s, "
-        f"{metrics['params']:,} params" + (f", resumed from step {metrics['resumed_from']}" if metrics.get("resumed_from") else "")
+        f"{metrics['params']:,} params"
+        + (f", resumed from step {metrics['resumed_from']}" if metrics.get("resumed_from") else "")
         + f" -> {folder}"
     )
 
 
-def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_class: type[nn.Module], tracker: trackers.RunLogger) -> dict:
+@dataclass
+class Run:
+    """One run's objects and where it stands: what the training loop advances and a checkpoint saves."""
+
+    cfg: DictConfig
+    folder: Path
+    device: torch.device
+    tracker: trackers.RunLogger
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    generator: torch.Generator  # the training batches' draws
+    excluded: set[bytes]  # what `training_batch` leaves out: the keys of every test and validation sequence
+    test: Batch
+    validation: Batch
+    fused: bool  # the model runs in the C++ kernels
+    step: int = 0  # the last step trained
+    history: list[dict] = field(default_factory=list)  # one entry per evaluation: what history.csv holds
+    hits: int = 0  # evaluations in a row at the target accuracy (early stopping)
+    resumed_from: int = 0  # the step this run continued from after an interruption (0: trained in one go)
+    started: float = 0.0  # the clock's zero (time.perf_counter): earlier than now for a resumed run
+
+    def checkpoint(self) -> None:
+        """Save all the run needs to go on from its current step: the objects' state and where it stands."""
+        seconds = time.perf_counter() - self.started
+        progress = {"step": self.step, "history": self.history, "hits": self.hits, "seconds": seconds}
+        objects = self.model, self.optimizer, self.schedule, self.generator
+        checkpoints.save(self.folder, self.cfg, progress, *objects, self.device)
+
+
+def _train_locked(
+    cfg: DictConfig, folder: Path, device: torch.device, model_class: type[nn.Module], tracker: trackers.RunLogger
+) -> dict:
     """`train`'s work, in `folder` (new, or holding the checkpoint of an interrupted run, from which
     it continues), under the run's lock: every file but metrics.json, whose content it returns.
     `tracker` gets what the folder gets. UnusableCheckpoint for a checkpoint that does not fit the run."""
+    run = set_up(cfg, folder, device, model_class, tracker)
+    resume(run)
+    training_loop(run)
+    return finish(run)
+
+
+def set_up(
+    cfg: DictConfig, folder: Path, device: torch.device, model_class: type[nn.Module], tracker: trackers.RunLogger
+) -> Run:
+    """The run's folder with its config, and its objects built afresh from the seed: the model, the
+    optimizer, its schedule, the training generator and the test and validation sets."""
     folder.mkdir(parents=True, exist_ok=True)
     store.atomic_write(folder / store.CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
-
-    # the model's initialisation (on the CPU) and, on a GPU, its own draws; `torch_state` restores the caller's random state
+    # the model's initialisation (on the CPU) and, on a GPU, its own draws (`torch_state` puts the caller's state back)
     torch.random.default_generator.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.cuda.manual_seed(cfg.seed)
@@ -135,77 +183,112 @@ def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_cla
     fused = runs_fused(model)  # loads the kernels (builds them on first use) before the clock starts
     test, validation, excluded = heldout_keys(cfg)  # training draws again every sequence of either
     test, validation = test.to(device), validation.to(device)
-    steps = cfg.train.steps
     optimizer = adam(model, cfg.train.lr, device)
-    if cfg.train.schedule == "onecycle":
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.train.lr, total_steps=steps, pct_start=cfg.train.warmup)
-    else:
-        schedule = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)
+    schedule = lr_schedule(optimizer, cfg.train)
+    return Run(cfg, folder, device, tracker, model, optimizer, schedule, generator, excluded, test, validation, fused)
 
-    # Where the run stands after an evaluation (all a checkpoint needs besides the objects' state).
+
+def resume(run: Run) -> None:
+    """Continue from the folder's checkpoint, if it holds one of this run, and start the clock (a
+    resumed run's goes on from its checkpoint)."""
     progress = {"step": 0, "history": [], "hits": 0, "seconds": 0.0}
-    if (state := checkpoints.load(folder, cfg)) is not None:
-        progress = checkpoints.restore(state, model, optimizer, schedule, generator, device, folder)
-    resumed_from, history, hits = progress["step"], progress["history"], progress["hits"]
-    for entry in history:  # the tracker run is new (it replaces the stopped one's): it gets the curves so far
-        tracker.log_metrics(entry["step"], {key: value for key, value in entry.items() if key != "step"})
-    loss_sum, loss_count = torch.zeros((), device=device), 0
+    if (state := checkpoints.load(run.folder, run.cfg)) is not None:
+        objects = run.model, run.optimizer, run.schedule, run.generator
+        progress = checkpoints.restore(state, *objects, run.device, run.folder)
+    run.step = run.resumed_from = progress["step"]
+    run.history, run.hits = progress["history"], progress["hits"]
+    for entry in run.history:  # the tracker run is new (it replaces the stopped one's): it gets the curves so far
+        run.tracker.log_metrics(entry["step"], {key: value for key, value in entry.items() if key != "step"})
+    run.started = time.perf_counter() - progress["seconds"]
+
+
+def training_loop(run: Run) -> None:
+    """Train to the step budget, evaluating on the validation set every `train.eval_every` steps and
+    at the last: each evaluation adds to the history, may stop the run early and, unless the run
+    ends there, saves a checkpoint. NonFiniteLoss if the training loss became NaN or inf."""
+    cfg, steps = run.cfg, run.cfg.train.steps
+    loss_sum, loss_count = torch.zeros((), device=run.device), 0
     # The first step whose loss was NaN or inf (0: none), kept on the device and read at each
     # evaluation: reading the loss on the host every step would stall a GPU with a sync per step.
-    nonfinite_step = torch.zeros((), dtype=torch.long, device=device)
-    started = time.perf_counter() - progress["seconds"]  # a resumed run's clock goes on from its checkpoint
-    bar = tqdm(total=steps, initial=resumed_from, desc=folder.name, unit="step", disable=not cfg.train.progress, dynamic_ncols=True)
-    for step in range(resumed_from + 1, steps + 1):
-        batch = training_batch(cfg, generator, excluded).to(device)
-        loss = train_step(model, optimizer, batch, cfg.train.clip)
-        schedule.step()
-        loss_sum += loss
-        loss_count += 1
-        nonfinite_step = torch.where((nonfinite_step == 0) & ~loss.isfinite(), step, nonfinite_step)
-        bar.update()
+    nonfinite_step = torch.zeros((), dtype=torch.long, device=run.device)
+    bar = tqdm(total=steps, initial=run.step, desc=run.folder.name, unit="step", disable=not cfg.train.progress,
+               dynamic_ncols=True)
+    with bar:
+        for step in range(run.step + 1, steps + 1):
+            batch = training_batch(cfg, run.generator, run.excluded).to(run.device)
+            loss = train_step(run.model, run.optimizer, batch, cfg.train.clip)
+            run.schedule.step()
+            run.step = step
+            loss_sum += loss
+            loss_count += 1
+            nonfinite_step = torch.where((nonfinite_step == 0) & ~loss.isfinite(), step, nonfinite_step)
+            bar.update()
+            if step % cfg.train.eval_every == 0 or step == steps:
+                stop_if_diverged(run, int(nonfinite_step))
+                entry = record_evaluation(run, loss_sum.item() / loss_count)
+                loss_sum.zero_()
+                loss_count = 0
+                bar.set_postfix(loss=f"{entry['loss']:.4f}", val_acc=f"{entry['val_token_acc']:.3f}")
+                run.hits = run.hits + 1 if entry["val_token_acc"] >= cfg.train.target_acc else 0
+                if cfg.train.patience and run.hits >= cfg.train.patience:
+                    break
+                if step < steps:  # the run goes on: what it needs to continue from here if it is stopped
+                    run.checkpoint()
 
-        if step % cfg.train.eval_every == 0 or step == steps:
-            if first := int(nonfinite_step):
-                bar.close()
-                (folder / store.PROGRESS).unlink(missing_ok=True)
-                raise NonFiniteLoss(
-                    f"{folder.name}: the training loss became NaN or inf at step {first} (the run diverged: "
-                    f"try a lower train.lr); stopped at step {step}, nothing saved"
-                )
-            result = evaluate(model, validation)
-            history.append(
-                {
-                    "step": step,
-                    "loss": loss_sum.item() / loss_count,
-                    "val_token_acc": result["token_acc"],
-                    "val_seq_acc": result["seq_acc"],
-                    "seconds": time.perf_counter() - started,
-                }
-            )
-            tracker.log_metrics(step, {key: value for key, value in history[-1].items() if key != "step"})
-            loss_sum.zero_()
-            loss_count = 0
-            bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", val_acc=f"{result['token_acc']:.3f}")
-            store.write_progress(folder, step, steps)  # a sweep's bar credits the work of runs in training
-            hits = hits + 1 if result["token_acc"] >= cfg.train.target_acc else 0
-            if cfg.train.patience and hits >= cfg.train.patience:
-                break
-            if step < steps:  # the run goes on: what it needs to continue from here if it is stopped
-                progress = {"step": step, "history": history, "hits": hits, "seconds": time.perf_counter() - started}
-                checkpoints.save(folder, cfg, progress, model, optimizer, schedule, generator, device)
-    bar.close()
-    train_seconds = time.perf_counter() - started
-    result = evaluate(model, test)  # the numbers reported: the test set's, at the step where training stopped
-    (folder / store.PROGRESS).unlink(missing_ok=True)
 
-    store.atomic_write(folder / store.HISTORY, pd.DataFrame(history).to_csv(index=False))
+def stop_if_diverged(run: Run, first_nonfinite: int) -> None:
+    """NonFiniteLoss naming the run and the first step whose loss was NaN or inf (0: none, and nothing happens)."""
+    if first_nonfinite:
+        (run.folder / store.PROGRESS).unlink(missing_ok=True)
+        raise NonFiniteLoss(
+            f"{run.folder.name}: the training loss became NaN or inf at step {first_nonfinite} (the run diverged: "
+            f"try a lower train.lr); stopped at step {run.step}, nothing saved"
+        )
+
+
+def record_evaluation(run: Run, loss: float) -> dict:
+    """Greedy decoding on the validation set at the current step, with `loss`, the mean training loss
+    since the last evaluation: added to the history, sent to the tracker, and the run's progress
+    file updated. -> the history entry."""
+    result = evaluate(run.model, run.validation)
+    entry = {
+        "step": run.step,
+        "loss": loss,
+        "val_token_acc": result["token_acc"],
+        "val_seq_acc": result["seq_acc"],
+        "seconds": time.perf_counter() - run.started,
+    }
+    run.history.append(entry)
+    run.tracker.log_metrics(run.step, {key: value for key, value in entry.items() if key != "step"})
+    # a sweep's bar credits the work of runs in training
+    store.write_progress(run.folder, run.step, run.cfg.train.steps)
+    return entry
+
+
+def finish(run: Run) -> dict:
+    """Score the test set (every reported number) at the step where training stopped and write the
+    run folder's results but metrics.json: the history, the model, the attention samples. -> the metrics."""
+    train_seconds = time.perf_counter() - run.started
+    result = evaluate(run.model, run.test)
+    (run.folder / store.PROGRESS).unlink(missing_ok=True)
+    store.atomic_write(run.folder / store.HISTORY, pd.DataFrame(run.history).to_csv(index=False))
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "config": OmegaConf.to_container(cfg, resolve=True)}, buffer)
-    store.atomic_write(folder / store.CHECKPOINT, buffer.getvalue())
-    samples = attention_samples(cfg, test, result)
-    store.write_json(folder / store.ATTENTION, samples)
-    final = history[-1]
-    metrics = {
+    torch.save({"model": run.model.state_dict(), "config": OmegaConf.to_container(run.cfg, resolve=True)}, buffer)
+    store.atomic_write(run.folder / store.CHECKPOINT, buffer.getvalue())
+    samples = attention_samples(run.cfg, run.test, result)
+    store.write_json(run.folder / store.ATTENTION, samples)
+    metrics = run_metrics(run, result, train_seconds)
+    run.tracker.log_metrics(metrics["steps"], {name: metrics[key] for name, key in trackers.FINAL_METRICS.items()})
+    if run.tracker.active and samples["samples"] and samples["samples"][0]["weights"] is not None:
+        log_heatmap(run.tracker, samples["samples"][0], run.cfg, metrics)
+    return metrics
+
+
+def run_metrics(run: Run, result: dict, train_seconds: float) -> dict:
+    """metrics.json's content: what the run was, the test set's scores (`result`), the last
+    evaluation's, and what training took."""
+    cfg, final = run.cfg, run.history[-1]
+    return {
         "attention": store.architecture(cfg),
         "heads": cfg.model.heads if is_transformer(cfg) else cfg.attention.get("heads", 1),
         "task": cfg.task.name,
@@ -219,22 +302,18 @@ def _train_locked(cfg: DictConfig, folder: Path, device: torch.device, model_cla
         "val_token_acc": final["val_token_acc"],
         "val_seq_acc": final["val_seq_acc"],
         "chance": 1.0 / cfg.task.vocab_size,
-        "params": count_parameters(model),
+        "params": count_parameters(run.model),
         "steps": final["step"],
-        "step_budget": steps,
+        "step_budget": cfg.train.steps,
         "final_loss": final["loss"],
         "train_seconds": train_seconds,
-        "device": str(device),
+        "device": str(run.device),
         "host": host(),
         "threads": torch.get_num_threads(),
-        "fused": fused,
-        "resumed_from": resumed_from,  # the step this run continued from after an interruption (0: trained in one go)
-        "run": folder.name,
+        "fused": run.fused,
+        "resumed_from": run.resumed_from,
+        "run": run.folder.name,
     }
-    tracker.log_metrics(final["step"], {name: metrics[key] for name, key in trackers.FINAL_METRICS.items()})
-    if tracker.active and samples["samples"] and samples["samples"][0]["weights"] is not None:
-        log_heatmap(tracker, samples["samples"][0], cfg, metrics)
-    return metrics
 
 
 def log_heatmap(tracker: trackers.RunLogger, sample: dict, cfg: DictConfig, metrics: dict) -> None:
@@ -243,7 +322,8 @@ def log_heatmap(tracker: trackers.RunLogger, sample: dict, cfg: DictConfig, metr
 
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "attention.png"
-        title = f"{store.model_label(cfg)}, length {cfg.task.length}, seed {cfg.seed} (token acc {100 * metrics['token_acc']:.1f}%)"
+        title = (f"{store.model_label(cfg)}, length {cfg.task.length}, seed {cfg.seed} "
+                 f"(token acc {100 * metrics['token_acc']:.1f}%)")
         plot_attention(sample, cfg.task.vocab_size, cfg.task.name, title, path)
         tracker.log_image(path)
 

@@ -1,17 +1,19 @@
-"""The optimiser: torch's Adam, on CPU over all of a model's parameters as one flat tensor
-(`FlatAdam`, the same numbers to the bit), on CUDA fused."""
+"""A run's optimiser and its learning-rate schedule: torch's Adam, on CPU over all of a model's
+parameters as one flat buffer (`FlatAdam`, the same numbers to the bit), on CUDA fused."""
 
 from __future__ import annotations
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 from .devices import fused_adam
+
 
 class FlatAdam(torch.optim.Adam):
     """torch's Adam (its CPU implementation, one parameter tensor at a time) on one contiguous buffer
     that holds all of a model's parameters, each parameter a view of it and its gradient a view of a
     second buffer: a step runs Adam's dozen ops once, not once per parameter tensor (the
-    Transformer has 68: 1.5 ms of a 12 ms step at length 20). Adam is elementwise, so the numbers
+    Transformer has 68; docs/bench.md has the gain). Adam is elementwise, so the numbers
     are those of Adam on the separate tensors, to the bit (tests/test_train.py). Gradients are
     zeroed in place, never set to None, so that the views stay the parameters' gradients; a
     clip (`clip_grad_norm_`) scales them in one product on the buffer."""
@@ -36,7 +38,7 @@ class FlatAdam(torch.optim.Adam):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ of the model's parameters, to the bit: the total norm from
         the norms of the separate gradients, as torch computes them (`get_total_norm`'s ops, without
-        its grouping by device and a copy call per tensor: 0.2 ms of a step with 68 tensors), then
+        its grouping by device and a copy call per tensor, an overhead per tensor), then
         one product scales the whole buffer (torch's is a product per tensor). -> the total norm."""
         total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self.grads, 2.0)), 2.0)
         torch.nn.utils.clip_grads_with_norm_(self.param_groups[0]["params"], max_norm, total)
@@ -50,11 +52,22 @@ class FlatAdam(torch.optim.Adam):
         states = [state_dict["state"].get(index) for index in group["params"]]
         if len(states) == self.tensors > 1 and all(states):
             joined = {key: torch.cat([state[key].reshape(-1) for state in states]) for key in ("exp_avg", "exp_avg_sq")}
-            state_dict = {"state": {0: {"step": torch.as_tensor(states[0]["step"]).clone(), **joined}}, "param_groups": [{**group, "params": [0]}]}
+            step = torch.as_tensor(states[0]["step"]).clone()
+            state_dict = {"state": {0: {"step": step, **joined}}, "param_groups": [{**group, "params": [0]}]}
         super().load_state_dict(state_dict)
 
 
 def adam(model: nn.Module, lr: float, device: torch.device) -> torch.optim.Adam:
     """A run's optimiser: FlatAdam on the CPU (torch's default Adam's numbers), torch's Adam
     elsewhere, fused on CUDA (devices.fused_adam)."""
-    return FlatAdam(model, lr=lr) if device.type == "cpu" else torch.optim.Adam(model.parameters(), lr=lr, fused=fused_adam(device))
+    if device.type == "cpu":
+        return FlatAdam(model, lr=lr)
+    return torch.optim.Adam(model.parameters(), lr=lr, fused=fused_adam(device))
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, train: DictConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning rate schedule `train.schedule` names: `onecycle` (warm up for the fraction
+    `train.warmup` of `train.steps` to `train.lr`, then anneal), else constant at `train.lr`."""
+    if train.schedule == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, train.lr, total_steps=train.steps, pct_start=train.warmup)
+    return torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)

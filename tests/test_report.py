@@ -18,7 +18,7 @@ from copytask.cli import main
 from copytask.reporting.tables import TARGET_STEP, comparison_table, interval, summarise, target_step
 from copytask.store.grid import compose_grid, variable_length_runs
 
-from .conftest import TINY, overrides
+from .conftest import TINY, overrides, run_cli
 
 
 def test_report_skips_corrupt_and_half_written_runs_with_a_warning(runs_copy):
@@ -312,3 +312,18 @@ def test_analysis_lengths_test_every_run_beyond_its_training_and_the_report_draw
     capsys.readouterr()
     assert main(["analyze", f"runs_dir={runs_copy}", "analysis.lengths=[0]"]) == 2
     assert "analysis.lengths must be null or a list of integers >= 1" in capsys.readouterr().err
+
+
+def test_the_report_speaks_of_transformers_only_where_it_has_one(runs_copy):
+    def counterfactual_text() -> str:
+        assert main(["report", "--all", f"runs_dir={runs_copy}"]) == 0
+        markdown = (runs_copy / "report" / "report.md").read_text()
+        return markdown.split("### Counterfactual attention")[1].split("###")[0]
+
+    assert "Transformer" not in counterfactual_text()  # the tiny grid: GRU models only
+    transformer = ["model=transformer", "model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=16"]
+    trained = run_cli("train", *TINY, *transformer, "task.length=3", f"runs_dir={runs_copy}")
+    assert trained.returncode == 0, trained.stderr
+    assert main(["analyze", f"runs_dir={runs_copy}"]) == 0
+    assert "A Transformer's drops mean something else than a GRU model's" in counterfactual_text()
+

@@ -107,9 +107,8 @@ def thread_count(threads: int | None) -> int:
     """The torch CPU threads a run uses: `train.threads`, or where it is null the OMP_NUM_THREADS that
     a launcher (joblib: cores / jobs; SLURM: the CPUs a job got) or the user set, else one. torch's
     own default, every core, spin-waits its OpenMP threads for one another when anything else needs
-    a core: two such runs at once on two cores took 5-40x their time alone, one-thread runs 1.1x
-    (scripts/bench_threads.py, docs/bench.md), and alone a second thread gains 1.36x at the default
-    sizes."""
+    a core, so runs that share a machine slow each other down many times over; one thread each, they
+    hardly do (scripts/bench_threads.py; docs/bench.md, Threads and a shared machine)."""
     if threads:
         return threads
     given = os.environ.get("OMP_NUM_THREADS", "")

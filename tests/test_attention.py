@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from copytask.models.attention import Attention, masked_softmax
+from copytask.models.attention import make_attention, masked_softmax
 
 CASES = [("additive", 6, 8, 5), ("dot", 8, 8, None), ("general", 6, 8, None)]
 
@@ -9,7 +9,7 @@ CASES = [("additive", 6, 8, 5), ("dot", 8, 8, None), ("general", 6, 8, None)]
 @pytest.mark.parametrize("score, d_s, d_h, size", CASES)
 def test_shapes_and_rows_sum_to_one(score, d_s, d_h, size):
     torch.manual_seed(0)
-    attention = Attention(score, d_s, d_h, size)
+    attention = make_attention(score, d_s, d_h, size)
     states = torch.randn(3, 7, d_h)
     mask = torch.ones(3, 7, dtype=torch.bool)
     context, weights = attention(torch.randn(3, 4, d_s), attention.project_keys(states), states, mask)
@@ -21,7 +21,7 @@ def test_shapes_and_rows_sum_to_one(score, d_s, d_h, size):
 @pytest.mark.parametrize("score, d_s, d_h, size", CASES)
 def test_padded_positions_get_exactly_zero_weight(score, d_s, d_h, size):
     torch.manual_seed(0)
-    attention = Attention(score, d_s, d_h, size)
+    attention = make_attention(score, d_s, d_h, size)
     states = torch.randn(2, 6, d_h)
     mask = torch.tensor([[True] * 6, [True] * 3 + [False] * 3])
     states[1, 3:] = 1e3  # padding must not leak in however large it is
@@ -40,7 +40,7 @@ def test_one_step_equals_forward_on_one_decoder_position():
     and intervention included, without the time axis."""
     torch.manual_seed(0)
     d_s, d_h = 6, 8
-    attention = Attention("additive", d_s, d_h, 5)
+    attention = make_attention("additive", d_s, d_h, 5)
     states = torch.randn(2, 6, d_h)
     mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
     query, keys = torch.randn(2, d_s), attention.project_keys(states)
@@ -65,16 +65,17 @@ def test_dot_attention_worked_example():
     """The attention lesson's example, to three decimals."""
     states = torch.tensor([[[1.0, 0.0, 0.2], [0.5, 0.5, 0.1], [0.1, 0.9, 0.3]]])
     query = torch.tensor([[[0.9, 0.1, 0.2]]])
-    attention = Attention("dot", 3, 3)
+    attention = make_attention("dot", 3, 3)
     _, weights = attention(query, attention.project_keys(states), states, torch.ones(1, 3, dtype=torch.bool))
     assert [round(w, 3) for w in weights[0, 0].tolist()] == [0.464, 0.305, 0.231]
 
 
 def test_dot_refuses_size_mismatch():
     with pytest.raises(ValueError, match=r"d_s=6 and d_h=8"):
-        Attention("dot", 6, 8)
+        make_attention("dot", 6, 8)
 
 
 def test_unknown_score_refused():
     with pytest.raises(ValueError, match="'cosine'"):
-        Attention("cosine", 4, 4)
+        make_attention("cosine", 4, 4)
+

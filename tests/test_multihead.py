@@ -5,7 +5,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from copytask.evaluation.analysis import head_weights
-from copytask.models.attention import Attention, masked_softmax
+from copytask.models.attention import make_attention, masked_softmax
 from copytask.config.schema import config_dir
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import total_vocab
@@ -25,7 +25,7 @@ def inputs(seed: int = 0):
 
 def test_one_head_is_the_single_head_general_score():
     query, values, mask = inputs()
-    attention = Attention("general", H, H, heads=1)
+    attention = make_attention("general", H, H, heads=1)
     context, weights = attention(query, attention.project_keys(values), values, mask)
     # s_t^T W h_i with W shared, written out as the single-head formula
     reference_weights = masked_softmax(query @ attention.key_proj(values).transpose(1, 2), mask)
@@ -36,14 +36,14 @@ def test_one_head_is_the_single_head_general_score():
 def test_each_head_attends_with_its_own_slices_and_contexts_are_concatenated():
     query, values, mask = inputs(1)
     heads, size = 4, H // 4
-    attention = Attention("general", H, H, heads=heads)
+    attention = make_attention("general", H, H, heads=heads)
     keys = attention.project_keys(values)  # (B, T_enc, H): W h, split per head below
     context, weights = attention(query, keys, values, mask)
     per_head = []
     for head in range(heads):
         part = slice(head * size, (head + 1) * size)
         # one head = dot attention of the query slice on the slice of W h, reading the slice of h
-        head_context, head_weights = Attention("dot", size, size)(query[..., part], keys[..., part], values[..., part], mask)
+        head_context, head_weights = make_attention("dot", size, size)(query[..., part], keys[..., part], values[..., part], mask)
         torch.testing.assert_close(context[..., part], head_context)
         per_head.append(head_weights)
     torch.testing.assert_close(weights, torch.stack(per_head).mean(0))  # the contract: mean over heads
@@ -67,9 +67,9 @@ def test_multi_head_model_shares_the_single_head_parameters_and_exposes_each_hea
 
 def test_heads_are_refused_where_undefined_or_indivisible():
     with pytest.raises(ValueError, match="heads=2 needs a dot, scaled_dot, general, multihead score, got 'additive'"):
-        Attention("additive", H, H, attention_size=4, heads=2)
+        make_attention("additive", H, H, attention_size=4, heads=2)
     with pytest.raises(ValueError, match="heads=3 must divide"):
-        Attention("general", H, H, heads=3)
+        make_attention("general", H, H, heads=3)
 
 
 @pytest.mark.parametrize(

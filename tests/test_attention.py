@@ -1,7 +1,14 @@
+from pathlib import Path
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from copytask.models.attention import make_attention, masked_softmax
+import copytask
+from copytask.config.schema import config_dir
+from copytask.models.attention import ATTENTION_TYPES, Attention, make_attention, masked_softmax, register_attention
+
+from .conftest import TINY
 
 CASES = [("additive", 6, 8, 5), ("dot", 8, 8, None), ("general", 6, 8, None)]
 
@@ -79,3 +86,35 @@ def test_unknown_score_refused():
     with pytest.raises(ValueError, match="'cosine'"):
         make_attention("cosine", 4, 4)
 
+
+
+def test_every_score_an_attention_option_names_has_its_class():
+    options = (Path(config_dir()) / "attention").glob("*.yaml")
+    assert {OmegaConf.load(path).get("score") for path in options} - {None} <= set(ATTENTION_TYPES)
+
+
+def test_an_attention_type_is_its_class_and_nothing_else(tmp_path):
+    """Issue 62: a score registered here, with no other file edited, composes under `attention.score`,
+    trains, reloads from its run folder and takes the shared mechanics (Luong's local window)."""
+
+    @register_attention("toy")
+    class NegativeDistanceAttention(Attention):
+        """e_{t,i} = -|q_t - h_i|_1: the nearer an encoder state, the more weight."""
+
+        def scores(self, query, keys):
+            """query (B, T_dec, d_s), keys (B, T_enc, d_s) -> (B, 1, T_dec, T_enc): one head."""
+            return -(query[:, :, None, :] - keys[:, None, :, :]).abs().sum(-1)[:, None]
+
+    try:
+        one_step = ["train.steps=1", "train.eval_every=1", f"runs_dir={tmp_path}"]
+        cfg = copytask.compose([*TINY, "attention=luong_dot", "attention.score=toy", *one_step])
+        metrics = copytask.train(cfg)
+        model, _ = copytask.load_run(tmp_path / metrics["run"])
+        assert type(model.attention) is NegativeDistanceAttention and metrics["steps"] == 1
+        local = make_attention("toy", 4, 4, local="monotonic", window=1)
+        states, mask = torch.randn(2, 5, 4), torch.ones(2, 5, dtype=torch.bool)
+        _, weights = local(torch.randn(2, 3, 4), local.project_keys(states), states, mask, torch.arange(3))
+        assert (weights[:, 0, 2:] == 0).all()  # the window [t - 1, t + 1] at t = 0
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, 3))
+    finally:
+        del ATTENTION_TYPES["toy"]

@@ -9,6 +9,7 @@ from copytask.models.attention import make_attention, masked_softmax
 from copytask.config.schema import config_dir
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import total_vocab
+from copytask.models.build import check_buildable
 from copytask.models.recurrent import Seq2Seq
 from copytask.config.schema import ConfigError
 from copytask.config.checks import validate
@@ -84,6 +85,14 @@ def test_heads_are_refused_where_undefined_or_indivisible():
         (["attention=luong_local", "attention.heads=2"], "attention.local=predictive needs single-head Luong attention, got attention=luong_local with 2 heads"),
         (["attention=bahdanau", "attention.local=monotonic", "attention.window=3"], "attention.local=monotonic needs single-head Luong attention"),
         (["attention=luong_general", "attention.score=scaled"], "attention.score must be one of null, additive, dot, scaled_dot"),
+        # refused by the attention classes (check_buildable)
+        (["attention=luong_concat", "attention.heads=2"],
+         "attention=luong_concat: heads=2 needs a dot, scaled_dot, general, multihead score, got 'additive'"),
+        (["attention=multihead", "attention.heads=1", "attention.local=monotonic", "attention.window=2"],
+         "attention=multihead: local attention needs one head of a single-head score"),
+        (["attention=luong_concat", "attention.size=null"],
+         "attention=luong_concat: additive attention needs attention_size >= 1"),
+        (["attention=luong_general", "attention.score=null"], "attention=luong_general: unknown attention score None"),
     ],
 )
 def test_config_validation_names_the_bad_value(overrides, message):
@@ -91,3 +100,4 @@ def test_config_validation_names_the_bad_value(overrides, message):
         cfg = compose(config_name="config", overrides=overrides)
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
+        check_buildable(cfg)  # what only the attention classes know

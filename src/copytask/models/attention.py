@@ -14,7 +14,8 @@ Luong: the state after it, s_t); a score class decides how the query q scores an
 An attention type is its class here (a subclass of `Attention` with `@register_attention("<score>")`
 that defines `scores`, and `project_keys` where the keys are a projection of the encoder states),
 its configs/attention/<name>.yaml (`score: <score>`) and its test: building a model looks the class
-up in ATTENTION_TYPES (`make_attention`).
+up in ATTENTION_TYPES (`make_attention`), and `build.check_buildable` refuses a config the class
+cannot compute (docs/models.md).
 
 Contract: query (B, T_dec, d_s), keys from `project_keys`, values (B, T_enc, d_h), mask (B, T_enc),
 positions (T_dec,) the query's output steps (local-m only) -> context (B, T_dec, d_h), weights

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -201,29 +200,31 @@ def compose_grid(
                 return config, [GridRun(tuple(overrides), "", job, store.run_dir(job))]
 
 
-def check_job(job: DictConfig, torch_free_check: Callable[[DictConfig], None] = validate) -> None:
-    """`torch_free_check` (`validate`, or `remote_job_check` for a job that runs elsewhere), then what
-    only the attention classes know (`models.build.check_buildable`), which imports torch: only once
-    the torch-free checks have passed, so that their refusals stay immediate."""
-    torch_free_check(job)
-    from ..models.build import check_buildable
-
-    check_buildable(job)
-
-
 def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
-    """Compose and check (`check_job`) every job of `sweep <overrides>` (or the one run of `train
-    <overrides>`) before anything runs. -> the grid; ConfigError, naming the bad value and the
-    grid entry it came from, for the first job that cannot run."""
-    check, searching = check_job, False
+    """Compose and check every job of `sweep <overrides>` (or the one run of `train <overrides>`)
+    before anything runs: `validate` (`remote_job_check` for jobs that run elsewhere), then what only
+    the attention classes know (`models.build.check_buildable`, which imports torch: only once every
+    job has passed the torch-free checks, whose refusals stay immediate). -> the grid; ConfigError,
+    naming the bad value and the grid entry it came from, for the first job that cannot run."""
+    torch_free_check, searching = validate, False
     if multirun:  # jobs that run on other machines (SLURM) check the device there; submitting needs SLURM here
         master, _ = compose_grid(overrides, expand_grid=False)
         launcher = master.hydra.launcher.get("_target_")
         check_launcher(launcher, master.hydra.runtime.choices.get("hydra/launcher"), master.hydra.launcher.get("partition"))
-        check = partial(check_job, torch_free_check=remote_job_check) if remote_launcher(launcher) else check_job
+        torch_free_check = remote_job_check if remote_launcher(launcher) else validate
         searching = proposes_jobs(master.hydra)
+    checked: list[DictConfig] = []  # every job's config (a search's: what its trials share) that passed the torch-free checks
+
+    def check(job: DictConfig) -> None:
+        torch_free_check(job)
+        checked.append(job)
+
     try:  # stops at the first bad job; a search has no jobs yet, only what its trials share
         master, grid = compose_grid(overrides, expand_grid=not searching, multirun=multirun, check=check)
+        from ..models.build import check_buildable
+
+        for job in checked:
+            check_buildable(job)
     except ConfigError as error:
         if not multirun:
             raise

@@ -44,7 +44,8 @@ def test_each_head_attends_with_its_own_slices_and_contexts_are_concatenated():
     for head in range(heads):
         part = slice(head * size, (head + 1) * size)
         # one head = dot attention of the query slice on the slice of W h, reading the slice of h
-        head_context, head_weights = make_attention("dot", size, size)(query[..., part], keys[..., part], values[..., part], mask)
+        head = make_attention("dot", size, size)
+        head_context, head_weights = head(query[..., part], keys[..., part], values[..., part], mask)
         torch.testing.assert_close(context[..., part], head_context)
         per_head.append(head_weights)
     torch.testing.assert_close(weights, torch.stack(per_head).mean(0))  # the contract: mean over heads

@@ -234,7 +234,8 @@ def make_attention(
 
 @register_attention("additive")
 class AdditiveAttention(Attention):
-    """Bahdanau et al. (2015), eq. (6); Luong et al.'s (2015) "concat" (eq. (8): W [s_t; h_i] = W_s s_t + W_h h_i):
+    """Bahdanau et al. (2015), eq. (6) with the alignment model of appendix A.1.2; Luong et al.'s (2015)
+    "concat" (eq. (8), W [s_t; h_i] = W_s s_t + W_h h_i):
 
         e_{t,i} = v_a^T tanh(W_a q_t + U_a h_i)
 

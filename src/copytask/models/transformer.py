@@ -138,7 +138,9 @@ class TransformerSeq2Seq(nn.Module):
         layers = self.transformer.decoder.layers
         assert not any(layer.norm_first or layer.activation is not F.relu for layer in [*layers, *encoder.layers]), "the layers here are post-norm, ReLU"
         # each layer's own nn.MultiheadAttention, read through MultiHeadAttention (the same parameters, not a copy)
-        self.cross_attentions = nn.ModuleList(MultiHeadAttention(d_model, d_model, heads=heads, fused=fused, mha=layer.multihead_attn) for layer in layers)
+        self.cross_attentions = nn.ModuleList(
+            MultiHeadAttention(d_model, d_model, heads=heads, fused=fused, mha=layer.multihead_attn) for layer in layers
+        )
         self.out = nn.Linear(d_model, vocab)
 
     @property

@@ -213,7 +213,7 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
         check_launcher(launcher, master.hydra.runtime.choices.get("hydra/launcher"), master.hydra.launcher.get("partition"))
         torch_free_check = remote_job_check if remote_launcher(launcher) else validate
         searching = proposes_jobs(master.hydra)
-    checked: list[DictConfig] = []  # every job's config (a search's: what its trials share) that passed the torch-free checks
+    checked: list[DictConfig] = []  # each job's config (a search's: what its trials share), torch-free checks passed
 
     def check(job: DictConfig) -> None:
         torch_free_check(job)

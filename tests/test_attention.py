@@ -1,7 +1,14 @@
+from pathlib import Path
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from copytask.models.attention import Attention, masked_softmax
+import copytask
+from copytask.config.schema import config_dir
+from copytask.models.attention import ATTENTION_TYPES, Attention, make_attention, masked_softmax, register_attention
+
+from .conftest import TINY
 
 CASES = [("additive", 6, 8, 5), ("dot", 8, 8, None), ("general", 6, 8, None)]
 
@@ -9,7 +16,7 @@ CASES = [("additive", 6, 8, 5), ("dot", 8, 8, None), ("general", 6, 8, None)]
 @pytest.mark.parametrize("score, d_s, d_h, size", CASES)
 def test_shapes_and_rows_sum_to_one(score, d_s, d_h, size):
     torch.manual_seed(0)
-    attention = Attention(score, d_s, d_h, size)
+    attention = make_attention(score, d_s, d_h, size)
     states = torch.randn(3, 7, d_h)
     mask = torch.ones(3, 7, dtype=torch.bool)
     context, weights = attention(torch.randn(3, 4, d_s), attention.project_keys(states), states, mask)
@@ -21,7 +28,7 @@ def test_shapes_and_rows_sum_to_one(score, d_s, d_h, size):
 @pytest.mark.parametrize("score, d_s, d_h, size", CASES)
 def test_padded_positions_get_exactly_zero_weight(score, d_s, d_h, size):
     torch.manual_seed(0)
-    attention = Attention(score, d_s, d_h, size)
+    attention = make_attention(score, d_s, d_h, size)
     states = torch.randn(2, 6, d_h)
     mask = torch.tensor([[True] * 6, [True] * 3 + [False] * 3])
     states[1, 3:] = 1e3  # padding must not leak in however large it is
@@ -40,7 +47,7 @@ def test_one_step_equals_forward_on_one_decoder_position():
     and intervention included, without the time axis."""
     torch.manual_seed(0)
     d_s, d_h = 6, 8
-    attention = Attention("additive", d_s, d_h, 5)
+    attention = make_attention("additive", d_s, d_h, 5)
     states = torch.randn(2, 6, d_h)
     mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
     query, keys = torch.randn(2, d_s), attention.project_keys(states)
@@ -65,16 +72,49 @@ def test_dot_attention_worked_example():
     """The attention lesson's example, to three decimals."""
     states = torch.tensor([[[1.0, 0.0, 0.2], [0.5, 0.5, 0.1], [0.1, 0.9, 0.3]]])
     query = torch.tensor([[[0.9, 0.1, 0.2]]])
-    attention = Attention("dot", 3, 3)
+    attention = make_attention("dot", 3, 3)
     _, weights = attention(query, attention.project_keys(states), states, torch.ones(1, 3, dtype=torch.bool))
     assert [round(w, 3) for w in weights[0, 0].tolist()] == [0.464, 0.305, 0.231]
 
 
 def test_dot_refuses_size_mismatch():
     with pytest.raises(ValueError, match=r"d_s=6 and d_h=8"):
-        Attention("dot", 6, 8)
+        make_attention("dot", 6, 8)
 
 
 def test_unknown_score_refused():
     with pytest.raises(ValueError, match="'cosine'"):
-        Attention("cosine", 4, 4)
+        make_attention("cosine", 4, 4)
+
+
+
+def test_every_score_an_attention_option_names_has_its_class():
+    options = (Path(config_dir()) / "attention").glob("*.yaml")
+    assert {OmegaConf.load(path).get("score") for path in options} - {None} <= set(ATTENTION_TYPES)
+
+
+def test_an_attention_type_is_its_class_and_nothing_else(tmp_path):
+    """Issue 62: a score registered here, with no other file edited, composes under `attention.score`,
+    trains, reloads from its run folder and takes the shared mechanics (Luong's local window)."""
+
+    @register_attention("toy")
+    class NegativeDistanceAttention(Attention):
+        """e_{t,i} = -|q_t - h_i|_1: the nearer an encoder state, the more weight."""
+
+        def scores(self, query, keys):
+            """query (B, T_dec, d_s), keys (B, T_enc, d_s) -> (B, 1, T_dec, T_enc): one head."""
+            return -(query[:, :, None, :] - keys[:, None, :, :]).abs().sum(-1)[:, None]
+
+    try:
+        one_step = ["train.steps=1", "train.eval_every=1", f"runs_dir={tmp_path}"]
+        cfg = copytask.compose([*TINY, "attention=luong_dot", "attention.score=toy", *one_step])
+        metrics = copytask.train(cfg)
+        model, _ = copytask.load_run(tmp_path / metrics["run"])
+        assert type(model.attention) is NegativeDistanceAttention and metrics["steps"] == 1
+        local = make_attention("toy", 4, 4, local="monotonic", window=1)
+        states, mask = torch.randn(2, 5, 4), torch.ones(2, 5, dtype=torch.bool)
+        _, weights = local(torch.randn(2, 3, 4), local.project_keys(states), states, mask, torch.arange(3))
+        assert (weights[:, 0, 2:] == 0).all()  # the window [t - 1, t + 1] at t = 0
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, 3))
+    finally:
+        del ATTENTION_TYPES["toy"]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from copytask.models.attention import Attention, masked_softmax
+from copytask.models.attention import Attention, make_attention, masked_softmax
 from copytask.data.batches import length_mask
 
 B, T_DEC, T_ENC, H = 3, 5, 7, 8
@@ -22,13 +22,13 @@ def inputs(seed: int = 0):
 def test_scaled_dot_is_the_dot_score_over_sqrt_d():
     query, values, mask = inputs()
     for heads in (1, 2):
-        attention = Attention("scaled_dot", H, H, heads=heads)
+        attention = make_attention("scaled_dot", H, H, heads=heads)
         context, weights = attention(query, attention.project_keys(values), values, mask)
         d = H // heads
         q, k = query.view(B, T_DEC, heads, d).transpose(1, 2), values.view(B, T_ENC, heads, d).transpose(1, 2)
         by_hand = masked_softmax(q @ k.transpose(-1, -2) / math.sqrt(d), mask[:, None, None, :])
         torch.testing.assert_close(weights, by_hand.mean(1))
-        assert not torch.allclose(weights, Attention("dot", H, H, heads=heads)(query, values, values, mask)[1])
+        assert not torch.allclose(weights, make_attention("dot", H, H, heads=heads)(query, values, values, mask)[1])
 
 
 def scaled_dot_product_by_hand(mha: torch.nn.MultiheadAttention, query, values, mask):
@@ -47,7 +47,7 @@ def scaled_dot_product_by_hand(mha: torch.nn.MultiheadAttention, query, values, 
 @pytest.mark.parametrize("heads", [1, 2, 4, 8])
 def test_multihead_is_torch_module_and_equals_scaled_dot_product_by_hand(heads):
     query, values, mask = inputs(1)
-    attention = Attention("multihead", H, H, heads=heads)
+    attention = make_attention("multihead", H, H, heads=heads)
     assert isinstance(attention.mha, torch.nn.MultiheadAttention) and attention.mha.num_heads == heads
     context, weights = attention(query, attention.project_keys(values), values, mask)
     want_context, want_heads = scaled_dot_product_by_hand(attention.mha, query, values, mask)
@@ -64,7 +64,7 @@ def test_multihead_is_torch_module_and_equals_scaled_dot_product_by_hand(heads):
 
 def local_attention(local: str, window: int, score: str = "general") -> Attention:
     torch.manual_seed(2)
-    return Attention(score, H, H, local=local, window=window)
+    return make_attention(score, H, H, local=local, window=window)
 
 
 @pytest.mark.parametrize("local", ["predictive", "monotonic"])
@@ -90,7 +90,7 @@ def test_local_weights_are_zero_outside_the_window_and_on_padding(local):
 def test_local_m_with_a_window_wider_than_the_sequence_is_global_attention():
     query, values, mask = inputs(4)
     local = local_attention("monotonic", T_ENC + T_DEC)
-    glob = Attention("general", H, H)
+    glob = make_attention("general", H, H)
     glob.load_state_dict(local.state_dict())
     got = local(query, local.project_keys(values), values, mask, torch.arange(T_DEC))
     want = glob(query, glob.project_keys(values), values, mask)
@@ -126,10 +126,12 @@ def test_local_p_follows_its_predicted_position():
 
 def test_local_and_multihead_refuse_what_they_cannot_do():
     with pytest.raises(ValueError, match="local attention needs one head"):
-        Attention("general", H, H, heads=2, local="monotonic", window=2)
+        make_attention("general", H, H, heads=2, local="monotonic", window=2)
+    with pytest.raises(ValueError, match="local attention needs one head of a single-head score, got 'multihead'"):
+        make_attention("multihead", H, H, local="monotonic", window=2)
     with pytest.raises(ValueError, match="local attention needs window >= 1"):
-        Attention("general", H, H, local="predictive", window=0)
+        make_attention("general", H, H, local="predictive", window=0)
     with pytest.raises(ValueError, match="unknown local attention 'sideways'"):
-        Attention("general", H, H, local="sideways", window=2)
+        make_attention("general", H, H, local="sideways", window=2)
     with pytest.raises(ValueError, match="multihead attention needs the decoder state size to equal"):
-        Attention("multihead", H, 2 * H, heads=2)
+        make_attention("multihead", H, 2 * H, heads=2)

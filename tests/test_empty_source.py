@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from copytask.kernels import ops
-from copytask.models.attention import Attention, masked_softmax
+from copytask.models.attention import make_attention, masked_softmax
 
 
 def test_masked_softmax_gives_a_fully_masked_row_zero_weights_and_keeps_nan_scores_nan():
@@ -26,7 +26,8 @@ def test_masked_softmax_gives_a_fully_masked_row_zero_weights_and_keeps_nan_scor
 def test_every_score_gives_an_empty_source_zero_weights(score, local, intervention):
     torch.manual_seed(0)
     heads = 2 if score == "multihead" else 1
-    attention = Attention(score, query_size=8, key_size=8, attention_size=6, heads=heads, local=local, window=2 if local else None)
+    window = 2 if local else None
+    attention = make_attention(score, query_size=8, key_size=8, attention_size=6, heads=heads, local=local, window=window)
     if intervention:  # the path the counterfactual checks take
         attention.intervention = lambda weights, mask: weights
     states = torch.randn(2, 4, 8)

@@ -121,16 +121,32 @@ def test_sizes_no_machine_holds_are_refused_in_one_line_naming_the_estimate_and_
 
 
 def test_the_memory_check_compares_the_estimate_with_the_machines_memory(make_config, monkeypatch):
-    """A configuration just under the memory there is runs, however large; just over it is refused."""
+    """A configuration just under the memory there is runs, however large; just over it is refused:
+    without torch on all but the attention's own parameters and activations (`validate`), and on the
+    whole model where it is built (`check_buildable`)."""
+    from copytask.models.build import build_model, check_buildable
+    from copytask.models.recurrent import count_parameters
+
     cfg = make_config(*TINY, "task.length=40", "attention=bahdanau")
-    needed = sum(checks.memory_estimate(cfg).values())
+    model = build_model(cfg)
+    needed = sum(checks.memory_estimate(cfg, count_parameters(model), model.attention.training_floats()).values())
+    without_attention = sum(checks.memory_estimate(cfg).values())
+    assert without_attention < needed
     monkeypatch.setattr(checks, "machine_memory", lambda: needed)
     validate(cfg)
+    random_state = torch.random.get_rng_state()
+    check_buildable(cfg)
+    assert torch.equal(torch.random.get_rng_state(), random_state)  # built on the meta device: nothing drawn
     monkeypatch.setattr(checks, "machine_memory", lambda: needed - 1)
+    validate(cfg)
+    with pytest.raises(ConfigError, match=r"needs about .* more than this machine's"):
+        check_buildable(cfg)
+    monkeypatch.setattr(checks, "machine_memory", lambda: without_attention - 1)
     with pytest.raises(ConfigError, match=r"needs about .* more than this machine's"):
         validate(cfg)
     monkeypatch.setattr(checks, "machine_memory", lambda: None)  # an OS that does not say: nothing refused
     validate(make_config(*ISSUE_SIZES))
+    check_buildable(make_config(*ISSUE_SIZES))
 
 
 @pytest.mark.parametrize(
@@ -149,9 +165,13 @@ def test_every_preset_fits_a_small_machine(preset, monkeypatch):
 
 @pytest.mark.parametrize("attention", ["none", "rnnencdec", "bahdanau", "luong_dot", "luong_general", "luong_concat", "scaled_dot", "multihead", "luong_local", "luong_local_m"])
 @pytest.mark.parametrize("bidirectional", [True, False])
-def test_the_estimates_parameter_count_is_the_models(make_config, attention, bidirectional):
+def test_the_estimates_parameter_count_is_the_models_but_its_attentions(make_config, attention, bidirectional):
+    """Without torch every parameter but the attention's own, which its class knows (`check_buildable`
+    counts the whole)."""
     from copytask.models.recurrent import count_parameters
     from copytask.models.build import build_model
 
     cfg = make_config(f"attention={attention}", f"model.bidirectional={bidirectional}", "model.hidden_size=12", "model.embedding_size=5", "task.vocab_size=7")
-    assert checks.parameter_count(cfg) == count_parameters(build_model(cfg))
+    model = build_model(cfg)
+    attention = 0 if model.attention is None else count_parameters(model.attention)
+    assert checks.parameter_count(cfg) == count_parameters(model) - attention

@@ -5,10 +5,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from copytask.evaluation.analysis import head_weights
-from copytask.models.attention import Attention, masked_softmax
+from copytask.models.attention import make_attention, masked_softmax
 from copytask.config.schema import config_dir
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import total_vocab
+from copytask.models.build import check_buildable
 from copytask.models.recurrent import Seq2Seq
 from copytask.config.schema import ConfigError
 from copytask.config.checks import validate
@@ -25,7 +26,7 @@ def inputs(seed: int = 0):
 
 def test_one_head_is_the_single_head_general_score():
     query, values, mask = inputs()
-    attention = Attention("general", H, H, heads=1)
+    attention = make_attention("general", H, H, heads=1)
     context, weights = attention(query, attention.project_keys(values), values, mask)
     # s_t^T W h_i with W shared, written out as the single-head formula
     reference_weights = masked_softmax(query @ attention.key_proj(values).transpose(1, 2), mask)
@@ -36,14 +37,15 @@ def test_one_head_is_the_single_head_general_score():
 def test_each_head_attends_with_its_own_slices_and_contexts_are_concatenated():
     query, values, mask = inputs(1)
     heads, size = 4, H // 4
-    attention = Attention("general", H, H, heads=heads)
+    attention = make_attention("general", H, H, heads=heads)
     keys = attention.project_keys(values)  # (B, T_enc, H): W h, split per head below
     context, weights = attention(query, keys, values, mask)
     per_head = []
     for head in range(heads):
         part = slice(head * size, (head + 1) * size)
         # one head = dot attention of the query slice on the slice of W h, reading the slice of h
-        head_context, head_weights = Attention("dot", size, size)(query[..., part], keys[..., part], values[..., part], mask)
+        head = make_attention("dot", size, size)
+        head_context, head_weights = head(query[..., part], keys[..., part], values[..., part], mask)
         torch.testing.assert_close(context[..., part], head_context)
         per_head.append(head_weights)
     torch.testing.assert_close(weights, torch.stack(per_head).mean(0))  # the contract: mean over heads
@@ -67,9 +69,9 @@ def test_multi_head_model_shares_the_single_head_parameters_and_exposes_each_hea
 
 def test_heads_are_refused_where_undefined_or_indivisible():
     with pytest.raises(ValueError, match="heads=2 needs a dot, scaled_dot, general, multihead score, got 'additive'"):
-        Attention("additive", H, H, attention_size=4, heads=2)
+        make_attention("additive", H, H, attention_size=4, heads=2)
     with pytest.raises(ValueError, match="heads=3 must divide"):
-        Attention("general", H, H, heads=3)
+        make_attention("general", H, H, heads=3)
 
 
 @pytest.mark.parametrize(
@@ -84,6 +86,14 @@ def test_heads_are_refused_where_undefined_or_indivisible():
         (["attention=luong_local", "attention.heads=2"], "attention.local=predictive needs single-head Luong attention, got attention=luong_local with 2 heads"),
         (["attention=bahdanau", "attention.local=monotonic", "attention.window=3"], "attention.local=monotonic needs single-head Luong attention"),
         (["attention=luong_general", "attention.score=scaled"], "attention.score must be one of null, additive, dot, scaled_dot"),
+        # refused by the attention classes (check_buildable)
+        (["attention=luong_concat", "attention.heads=2"],
+         "attention=luong_concat: heads=2 needs a dot, scaled_dot, general, multihead score, got 'additive'"),
+        (["attention=multihead", "attention.heads=1", "attention.local=monotonic", "attention.window=2"],
+         "attention=multihead: local attention needs one head of a single-head score"),
+        (["attention=luong_concat", "attention.size=null"],
+         "attention=luong_concat: additive attention needs attention_size >= 1"),
+        (["attention=luong_general", "attention.score=null"], "attention=luong_general: unknown attention score None"),
     ],
 )
 def test_config_validation_names_the_bad_value(overrides, message):
@@ -91,3 +101,4 @@ def test_config_validation_names_the_bad_value(overrides, message):
         cfg = compose(config_name="config", overrides=overrides)
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
+        check_buildable(cfg)  # what only the attention classes know

@@ -10,9 +10,9 @@ The key=value overrides are the training configs' (`train.threads=1`, `train.dev
   both models share weights and batch; every round times each (attention, implementation)
   once, interleaved, and the median over the rounds after warm-up is reported. The reference
   implements the CLASSICAL attention types and model=transformer (as `transformer`, the
-  tutorials' Transformer: `reference.ReferenceTransformer`); the others (scaled dot, multi-head,
-  local, Cho et al.'s RNN encoder-decoder) are the project's only, and `vs_luong_general`
-  compares every type's step with Luong general's;
+  tutorials' Transformer: `reference.ReferenceTransformer`); every other option of
+  configs/attention/ (scaled dot, multi-head, local, Cho et al.'s RNN encoder-decoder, ...) is the
+  project's only, and `vs_luong_general` compares every type's step with Luong general's;
 - FLOPs of one step (matrix products only, `FlopCounterMode`, on torch's ops: the project's
   kernels do the same products) and the fraction of this machine's matmul rate (a large
   `torch.mm`) the step reaches;
@@ -63,7 +63,11 @@ from .training.optimizer import adam
 from .training.loop import train, train_step
 
 CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # the reference's GRU models
-ATTENTIONS = (*CLASSICAL, "scaled_dot", "multihead", "luong_local", "luong_local_m", "rnnencdec", "transformer")
+ATTENTIONS = (  # every option of configs/attention/, the classical ones first, and model=transformer
+    *CLASSICAL,
+    *sorted({path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml")} - set(CLASSICAL)),
+    "transformer",
+)
 REFERENCED = (*CLASSICAL, "transformer")  # what the reference implements
 # The overrides that choose a benchmarked model: `attention=<name>` (a GRU model), except these.
 MODEL_OVERRIDES = {"transformer": ["model=transformer"]}

@@ -61,7 +61,7 @@ commands:
   bench    training speed, memory and time to target against the classical reference
              python -m copytask bench [--quick] [--time-to-target] [train.threads=1]
 
-Overrides are Hydra's: attention=none|rnnencdec|bahdanau|luong_dot|luong_general|luong_concat,
+Overrides are Hydra's: attention=NAME (an option of configs/attention/: train --help lists them),
 model=gru|transformer, task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
 Hydra's own flags work too (--cfg job, --help)."""
 

@@ -3,6 +3,8 @@ value that cannot run (ranges, combinations, a held-out set that would cover the
 training draws from, a configuration whose memory no machine here holds, a device or a tracker
 this machine lacks), each in one ConfigError line that names it. Torch-free, like `config`, so
 the command line answers at once. Types are the schema's (`config`, checked by Hydra as it composes).
+What only an attention type's class knows (which `attention.score`s exist, what each takes, its own
+parameters and memory) is checked where the model is built: `models.build.check_buildable`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from . import model_keys
-from .schema import DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MINIMUM, MULTI_HEAD_SCORES, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, SCORES, VARIANTS, AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key
+from .schema import (
+    DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MINIMUM, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, VARIANTS,
+    AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key,
+)
 from ..data.tasks import TASKS
 from .model_keys import FLOAT, LONG, MAX_HEADS
 from ..data.vocab import total_vocab
@@ -56,21 +61,17 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"attention.variant must be {expected} with attention.decoder={attention.decoder}, got {got}")
     if model.bidirectional and model.hidden_size % 2:
         raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
-    if attention.score not in (None, *SCORES):
-        raise ConfigError(f"attention.score must be one of null, {', '.join(SCORES)}, got {attention.score!r}")
-    if attention.score == "additive" and attention.size is None:
-        raise ConfigError("attention.size must be an integer >= 1 with the additive score, got null")
     if attention.heads > MAX_HEADS:
         raise ConfigError(f"attention.heads must be at most {MAX_HEADS}, got {attention.heads}")
-    if attention.heads > 1 and (attention.decoder != "luong" or attention.score not in MULTI_HEAD_SCORES):
+    if attention.heads > 1 and attention.decoder != "luong":
         raise ConfigError(
-            f"attention.heads={attention.heads} needs Luong attention with a {', '.join(MULTI_HEAD_SCORES)} score, "
+            f"attention.heads={attention.heads} needs Luong attention with a multi-head score, "
             f"got attention={attention.name}"
         )
     if attention.local not in LOCAL:
         raise ConfigError(f"attention.local must be one of {', '.join(map(str, LOCAL))}, got {attention.local!r}")
     if attention.local is not None:
-        if attention.decoder != "luong" or attention.heads > 1 or attention.score == "multihead":
+        if attention.decoder != "luong" or attention.heads > 1:
             raise ConfigError(
                 f"attention.local={attention.local} needs single-head Luong attention, "
                 f"got attention={attention.name} with {attention.heads} heads"
@@ -162,8 +163,9 @@ def check_heldout(length: int, vocab_size: int, eval_size: int, val_size: int, m
 
 
 def parameter_count(cfg: DictConfig) -> int:
-    """The trainable parameters of the model `evaluation.build_model` builds from `cfg`, counted without
-    torch (tests check it against `model.count_parameters`)."""
+    """The trainable parameters of the model `models.build.build_model` builds from `cfg`, counted without
+    torch (tests check it against `recurrent.count_parameters`), but for a GRU model's attention's own: its
+    class's (`models.build.check_buildable` counts the whole model)."""
     if model_keys.is_transformer(cfg):
         return model_keys.transformer_parameter_count(cfg)
     vocab, embedding, hidden = total_vocab(cfg.task.vocab_size), cfg.model.embedding_size, cfg.model.hidden_size
@@ -175,14 +177,6 @@ def parameter_count(cfg: DictConfig) -> int:
     per_direction, directions = (hidden // 2, 2) if cfg.model.bidirectional else (hidden, 1)
     count = vocab * embedding + gru(embedding, per_direction, directions)  # the encoder
     count += vocab * embedding  # the decoder's embedding
-    if attention.score == "additive":
-        count += 2 * hidden * attention.size + 2 * attention.size  # W_a, U_a and its bias, v_a
-    elif attention.score == "general":
-        count += hidden * hidden
-    elif attention.score == "multihead":
-        count += 4 * hidden * hidden + 4 * hidden  # the query, key, value and output projections
-    if attention.get("local") == "predictive":
-        count += hidden * hidden + hidden  # W_p, v_p
     if attention.decoder == "plain":
         return count + gru(embedding, hidden) + hidden * vocab + vocab
     if attention.decoder == "bahdanau":
@@ -197,11 +191,15 @@ def parameter_count(cfg: DictConfig) -> int:
 GRU_FLOATS = 10
 
 
-def memory_estimate(cfg: DictConfig) -> dict[str, int]:
+def memory_estimate(
+    cfg: DictConfig, parameters: int | None = None, attention_floats: dict[str, int] | None = None
+) -> dict[str, int]:
     """Roughly the bytes a run needs at its peak, by what needs them, in float32: the parameters with
     their gradients and Adam's two moments, a training step's activations and what autograd saves
     of them (B = train.batch_size, T_enc = task.length, T_dec = T_enc + 1), and the test and
-    validation sets with the attention weights of their evaluation."""
+    validation sets with the attention weights of their evaluation. `parameters`: the model's count
+    (None: `parameter_count`'s, without torch); `attention_floats`: what a GRU model's attention keeps
+    per attention weight beyond it, by what keeps it (its class's `training_floats`; None: nothing)."""
     task, train, model = cfg.task, cfg.train, cfg.model
     batch, t_enc, t_dec, heldout = train.batch_size, task.length, task.length + 1, train.eval_size + train.val_size
     if model_keys.is_transformer(cfg):
@@ -215,13 +213,12 @@ def memory_estimate(cfg: DictConfig) -> dict[str, int]:
             "the embeddings (B x (T_enc + T_dec) x model.embedding_size)": 2 * batch * (t_enc + t_dec) * model.embedding_size * FLOAT,
             "the GRU states (B x (T_enc + T_dec) x model.hidden_size)": GRU_FLOATS * batch * (t_enc + t_dec) * model.hidden_size * FLOAT,
             "the attention weights (B x T_dec x T_enc)": attends * weight_floats * batch * t_dec * t_enc * FLOAT,
-            # the (B, T_dec, T_enc, attention.size) sum and its tanh, saved for the backward pass
-            "the additive scores (B x T_dec x T_enc x attention.size)": (
-                2 * batch * t_dec * t_enc * attention.size * FLOAT if attention.score == "additive" else 0
-            ),
+            **{part: floats * batch * t_dec * t_enc * FLOAT for part, floats in (attention_floats or {}).items()},
         }
+    if parameters is None:
+        parameters = parameter_count(cfg)
     return {
-        "the parameters, their gradients and Adam's moments": 4 * parameter_count(cfg) * FLOAT,
+        "the parameters, their gradients and Adam's moments": 4 * parameters * FLOAT,
         **activations,
         "the logits (B x T_dec x vocabulary)": 3 * batch * t_dec * total_vocab(task.vocab_size) * FLOAT,
         # its token ids (source, decoder input, target, decoded output) and, with attention, the weights kept
@@ -246,15 +243,19 @@ def human_bytes(count: float) -> str:
     return f"{count:.3g} EiB"
 
 
-def check_memory(cfg: DictConfig) -> None:
-    """ConfigError where `memory_estimate` exceeds this machine's physical memory (`machine_memory`),
-    naming the estimate, its largest part and the memory: a run that cannot fit is refused at once
-    rather than killed by the OS after minutes. (With train.device=cuda the host's memory stands in
-    for the GPU's, which this torch-free module cannot ask for.)"""
+def check_memory(
+    cfg: DictConfig, parameters: int | None = None, attention_floats: dict[str, int] | None = None
+) -> None:
+    """ConfigError where `memory_estimate` (of `parameters` and `attention_floats`: see there) exceeds
+    this machine's physical memory (`machine_memory`), naming the estimate, its largest part and the
+    memory: a run that cannot fit is refused at once rather than killed by the OS after minutes.
+    `validate` checks the estimate without the attention's own share (a lower bound: sizes no machine
+    holds are refused without torch), `models.build.check_buildable` the whole. (With train.device=cuda
+    the host's memory stands in for the GPU's, which this torch-free module cannot ask for.)"""
     memory = machine_memory()
     if memory is None:
         return
-    parts = memory_estimate(cfg)
+    parts = memory_estimate(cfg, parameters, attention_floats)
     needed = sum(parts.values())
     if needed > memory:
         largest = max(parts, key=parts.get)

@@ -42,8 +42,6 @@ DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
 # those runs' folders are not read as the new ones'. rnnencdec became Cho et al.'s (2014, appendix A.1) in
 # issue 26; its earlier runs (the encoder's raw final state fed into the GRU's input) have no variant.
 VARIANTS = {"rnnencdec": "cho2014"}
-SCORES = ("additive", "dot", "scaled_dot", "general", "multihead")  # how a decoder state scores an encoder state
-MULTI_HEAD_SCORES = ("dot", "scaled_dot", "general", "multihead")  # a dot product splits into per-head ones; additive does not
 LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
 DEVICES = ("auto", "cpu", "cuda")
 # CUBLAS_WORKSPACE_CONFIG values that make cuBLAS deterministic (PyTorch's reproducibility notes); the first is what the CLI sets

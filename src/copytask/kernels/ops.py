@@ -11,7 +11,7 @@ rows per step.
 - `bahdanau_decode`: Bahdanau's decoder under teacher forcing (attention and GRU cell, step by
   step, as `model.BahdanauDecoder` computes it);
 - `additive_scores`: the additive score of every (decoder step, source position) pair, which
-  Luong's concat score needs under teacher forcing (`attention.Attention.additive_scores`).
+  Luong's concat score needs under teacher forcing (`attention.AdditiveAttention.scores`).
 - `attention`: multi-head scaled dot-product attention, the Transformer's self- and
   cross-attention in a training step (`transformer.TransformerSeq2Seq`): not a recurrence, but
   at its sizes (heads of 8 features) torch's attention runs far below the matmul rate;

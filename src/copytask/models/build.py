@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-
+import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from ..config.checks import check_memory
+from ..config.schema import ConfigError
 from ..data.vocab import total_vocab
-from .recurrent import Seq2Seq
+from .attention import ATTENTION_TYPES
+from .recurrent import Seq2Seq, count_parameters
 from ..config.model_keys import is_transformer, position_rows
 from .transformer import TransformerSeq2Seq
 
@@ -39,3 +42,19 @@ def build_model(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq, transfo
     )
 
 
+def check_buildable(cfg: DictConfig) -> None:
+    """What the torch-free `config.checks.validate` leaves to the attention classes, refused in one
+    ConfigError line: an `attention.score` no class is registered for, a setting the class refuses
+    (heads, Luong's local window, sizes), and a model whose exact memory estimate (its parameter
+    count and its attention's `training_floats`) exceeds the machine's. Run after `validate`, before
+    anything is written; the model is built on torch's meta device, which takes no memory and draws no
+    random number."""
+    score = cfg.attention.score
+    if score is not None and score not in ATTENTION_TYPES:
+        raise ConfigError(f"attention.score must be one of null, {', '.join(ATTENTION_TYPES)}, got {score!r}")
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg)
+    except ValueError as error:  # validate has checked the rest: this is the attention class's refusal
+        raise ConfigError(f"attention={cfg.attention.name}: {error}") from None
+    check_memory(cfg, count_parameters(model), {} if model.attention is None else model.attention.training_floats())

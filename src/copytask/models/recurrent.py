@@ -1,6 +1,5 @@
 """GRU encoder-decoders: no attention (the final state handed over once, or Cho et al.'s RNN
-encoder-decoder), Bahdanau (additive) and Luong (dot / scaled dot / general / concat / torch's
-multi-head; global or local).
+encoder-decoder), Bahdanau (additive) and Luong (any score registered in `attention`; global or local).
 
 Shapes: B batch, T_enc source length, T_dec target length, E embedding size, H hidden size,
 V total vocabulary (content symbols + PAD, BOS, EOS). The encoder's states and final state
@@ -14,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels import ops
-from .attention import Attention
+from .attention import AdditiveAttention, Attention, make_attention
 from ..config.schema import DECODERS
 from ..data.vocab import BOS, PAD
 from ..data.batches import length_mask
@@ -140,7 +139,7 @@ class BahdanauDecoder(Decoder):
     def __init__(self, vocab: int, embedding_size: int, hidden_size: int, attention_size: int, fused: bool = True):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
-        self.attention = Attention("additive", hidden_size, hidden_size, attention_size, fused=fused)
+        self.attention = AdditiveAttention(hidden_size, hidden_size, attention_size, fused=fused)
         self.cell = nn.GRUCell(embedding_size + hidden_size, hidden_size)
         self.out = nn.Linear(2 * hidden_size, vocab)
         self.fused = fused  # teacher forcing on CPU in ops.bahdanau_decode
@@ -196,7 +195,7 @@ class LuongDecoder(Decoder):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embedding_size, padding_idx=PAD)
         self.rnn = ops.GRU(embedding_size, hidden_size, fused=fused)
-        self.attention = Attention(score, hidden_size, hidden_size, attention_size, heads, fused, local, window)
+        self.attention = make_attention(score, hidden_size, hidden_size, attention_size, heads, fused, local, window)
         self.combine = nn.Linear(2 * hidden_size, hidden_size)  # W_c
         self.out = nn.Linear(hidden_size, vocab)
 
@@ -232,7 +231,7 @@ class Seq2Seq(nn.Module):
         hidden_size: int = 64,
         attention_size: int | None = None,
         bidirectional: bool = True,
-        heads: int = 1,  # Luong dot / scaled_dot / general / multihead only
+        heads: int = 1,  # Luong, with a multi-head score only
         fused: bool = True,  # recurrences in copytask.kernels on CPU where they build; False: torch's ops
         local: str | None = None,  # Luong only: None (global), "predictive" (local-p) or "monotonic" (local-m)
         window: int | None = None,  # local: the window's half-width D

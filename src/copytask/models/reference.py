@@ -27,6 +27,9 @@ from .recurrent import Encoder
 from .transformer import LearnedPositions, SinusoidalPositions
 
 
+REFERENCE_SCORES = (None, "additive", "dot", "general")  # the classical ones (None: a decoder without attention)
+
+
 class ReferenceAttention(nn.Module):
     """One decoder step: query (B, d_s) against encoder states (B, T_enc, d_h)."""
 
@@ -152,7 +155,7 @@ class ReferenceSeq2Seq(nn.Module):
         super().__init__()
         if heads != 1:
             raise ValueError(f"the reference implementation is single-head, got heads={heads}")
-        if local is not None or score in ("scaled_dot", "multihead"):
+        if local is not None or score not in REFERENCE_SCORES:
             raise ValueError(f"the reference implementation has global additive, dot and general scores only, got {score!r} local={local!r}")
         self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused=False)
         if decoder == "rnnencdec":

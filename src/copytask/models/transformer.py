@@ -17,10 +17,10 @@ does not give:
   and autograd's formulas for them in C++: the same numbers to the bit, without a dozen ops' and
   autograd nodes' dispatch a layer);
 - cross-attention weights, per head: when weights are wanted (outside autograd, or with a
-  counterfactual set), each decoder layer's cross-attention runs through `attention.Attention`,
-  whose `multihead` score is that layer's nn.MultiheadAttention itself: the last layer's weights
-  are the model's attention maps, and a counterfactual (`intervention`) replaces the weights of
-  every layer, since cross-attention is the decoder's only way to the source;
+  counterfactual set), each decoder layer's cross-attention runs through
+  `attention.MultiHeadAttention` on that layer's nn.MultiheadAttention itself: the last layer's
+  weights are the model's attention maps, and a counterfactual (`intervention`) replaces the weights
+  of every layer, since cross-attention is the decoder's only way to the source;
 - an incremental cache for greedy decoding.
 tests/test_transformer.py checks every path against torch's own nn.Transformer, forward and gradients.
 
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import ops
-from .attention import Attention, masked_softmax
+from .attention import MultiHeadAttention, masked_softmax
 from ..data.vocab import BOS, PAD
 from ..data.batches import length_mask
 
@@ -137,17 +137,19 @@ class TransformerSeq2Seq(nn.Module):
         self.transformer = nn.Transformer(d_model, heads, layers, layers, ff_size, dropout, custom_encoder=encoder, batch_first=True)
         layers = self.transformer.decoder.layers
         assert not any(layer.norm_first or layer.activation is not F.relu for layer in [*layers, *encoder.layers]), "the layers here are post-norm, ReLU"
-        # each layer's own nn.MultiheadAttention, read through Attention (the same parameters, not a copy)
-        self.cross_attentions = nn.ModuleList(Attention("multihead", d_model, d_model, heads=heads, fused=fused, mha=layer.multihead_attn) for layer in layers)
+        # each layer's own nn.MultiheadAttention, read through MultiHeadAttention (the same parameters, not a copy)
+        self.cross_attentions = nn.ModuleList(
+            MultiHeadAttention(d_model, d_model, heads=heads, fused=fused, mha=layer.multihead_attn) for layer in layers
+        )
         self.out = nn.Linear(d_model, vocab)
 
     @property
-    def attention(self) -> Attention:
+    def attention(self) -> MultiHeadAttention:
         """The attention whose weights are the model's maps: the last decoder layer's cross-attention."""
         return self.cross_attentions[-1]
 
     @property
-    def attentions(self) -> list[Attention]:
+    def attentions(self) -> list[MultiHeadAttention]:
         """Every attention a counterfactual replaces: each decoder layer's cross-attention."""
         return list(self.cross_attentions)
 
@@ -229,7 +231,7 @@ class TransformerSeq2Seq(nn.Module):
             return self.out(self.transformer.decoder.norm(x)), None
         for layer, cross_attention in zip(self.transformer.decoder.layers, self.cross_attentions):
             attended = self._attend(layer.self_attn, x, None, None, causal=True)
-            if weighted:  # the layer's cross-attention as Attention: its weights, and a counterfactual's hook
+            if weighted:  # the layer's cross-attention as MultiHeadAttention: its weights, and a counterfactual's hook
                 cross_attend = partial(cross_attention, keys=memory, values=memory, mask=src_mask)
             else:
                 cross_attend = lambda queries: (self._attend(layer.multihead_attn, queries, memory, src_mask), None)  # noqa: E731
@@ -273,7 +275,7 @@ class TransformerSeq2Seq(nn.Module):
 
     @staticmethod
     def _cached_cross_attention(attention: nn.MultiheadAttention, keys: Tensor, values: Tensor, mask_bias: Tensor, empty: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-        """What the layer's cross-attention as Attention (no counterfactual) computes for step t's
+        """What the layer's cross-attention as MultiHeadAttention (no counterfactual) computes for step t's
         queries `x` (B, 1, d), op for op (nn.MultiheadAttention's weighted path, an empty source's
         zero weights), given the memory's keys and values from `_project_memory`, `mask_bias`
         (B * heads, 1, T_enc): 0 on real positions, -inf on padding, and `empty` (B,): True where a
@@ -317,7 +319,7 @@ class TransformerSeq2Seq(nn.Module):
         memory projected once: -> tokens (B, steps), weights (B, steps, T_enc). On CPU each step's
         attention runs in ops.attention_step (fused, float32), elsewhere in
         nn.MultiheadAttention's ops. With a counterfactual set, the cross-attention runs through
-        Attention, which projects them at every step (its hook sees the weights there)."""
+        MultiHeadAttention, which projects them at every step (its hook sees the weights there)."""
         if self.longest_source is not None and steps - 1 > self.longest_source:
             raise ValueError(f"learned positions cover sources up to {self.longest_source} symbols, not {steps - 1}")
         memory, src_mask = self.encode(src, src_lengths)

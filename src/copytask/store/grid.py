@@ -201,18 +201,30 @@ def compose_grid(
 
 
 def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
-    """Compose and validate every job of `sweep <overrides>` (or the one run of `train
-    <overrides>`) before anything runs. -> the grid; ConfigError, naming the bad value and the
-    grid entry it came from, for the first job that cannot run."""
-    check, searching = validate, False
+    """Compose and check every job of `sweep <overrides>` (or the one run of `train <overrides>`)
+    before anything runs: `validate` (`remote_job_check` for jobs that run elsewhere), then what only
+    the attention classes know (`models.build.check_buildable`, which imports torch: only once every
+    job has passed the torch-free checks, whose refusals stay immediate). -> the grid; ConfigError,
+    naming the bad value and the grid entry it came from, for the first job that cannot run."""
+    torch_free_check, searching = validate, False
     if multirun:  # jobs that run on other machines (SLURM) check the device there; submitting needs SLURM here
         master, _ = compose_grid(overrides, expand_grid=False)
         launcher = master.hydra.launcher.get("_target_")
         check_launcher(launcher, master.hydra.runtime.choices.get("hydra/launcher"), master.hydra.launcher.get("partition"))
-        check = remote_job_check if remote_launcher(launcher) else validate
+        torch_free_check = remote_job_check if remote_launcher(launcher) else validate
         searching = proposes_jobs(master.hydra)
+    checked: list[DictConfig] = []  # each job's config (a search's: what its trials share), torch-free checks passed
+
+    def check(job: DictConfig) -> None:
+        torch_free_check(job)
+        checked.append(job)
+
     try:  # stops at the first bad job; a search has no jobs yet, only what its trials share
         master, grid = compose_grid(overrides, expand_grid=not searching, multirun=multirun, check=check)
+        from ..models.build import check_buildable
+
+        for job in checked:
+            check_buildable(job)
     except ConfigError as error:
         if not multirun:
             raise

@@ -27,7 +27,7 @@ from ..data.batches import Batch
 from .devices import host, resolve_device, run_settings
 from .devices import torch_state
 from .optimizer import FlatAdam, adam, lr_schedule
-from ..models.build import build_model
+from ..models.build import build_model, check_buildable
 from ..models.greedy import evaluate, rounded
 from .splits import heldout_keys, training_batch
 from ..kernels.ops import runs_fused
@@ -66,6 +66,7 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
     Torch's thread count and random state are as they were when it returns. `model_class`: see
     `evaluation.build_model`."""
     validate(cfg)
+    check_buildable(cfg)
     folder = store.run_dir(cfg)
     lock = store.lock_run(folder)
     if lock is None:

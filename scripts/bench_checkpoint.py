@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from copytask import api
-from copytask.training import checkpoints
 from copytask.bench import matmul_rate
+from copytask.training import checkpoints
 
 
 def main() -> None:
@@ -35,8 +35,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    overrides = [f"attention={args.attention}", f"task.length={args.length}", f"train.steps={args.steps}",
-                 "train.patience=null", "train.threads=1", "train.progress=false"]
+    overrides = [
+        f"attention={args.attention}",
+        f"task.length={args.length}",
+        f"train.steps={args.steps}",
+        "train.patience=null",
+        "train.threads=1",
+        "train.progress=false",
+    ]
     print(f"matmul {matmul_rate(torch.device('cpu'), 512) / 1e9:.1f} GFLOP/s on one thread")
 
     save, save_seconds = checkpoints.save, []
@@ -62,10 +68,12 @@ def main() -> None:
     with_, without = (statistics.median(times[label]) for label in times)
     for label, values in times.items():
         print(f"{label}: {', '.join(f'{value:.2f}' for value in values)} s")
-    print(f"{args.attention}, length {args.length}, {args.steps} steps, {evaluations} checkpoints per run: "
-          f"saving takes {100 * statistics.median(shares):.2f}% of a run's time (runs: {', '.join(f'{100 * share:.2f}%' for share in shares)}; "
-          f"one save {1000 * statistics.median(save_seconds):.1f} ms, median of {len(save_seconds)}); "
-          f"end to end {with_ / without:.3f}x the time without ({100 * (with_ / without - 1):+.1f}%)")
+    print(
+        f"{args.attention}, length {args.length}, {args.steps} steps, {evaluations} checkpoints per run: "
+        f"saving takes {100 * statistics.median(shares):.2f}% of a run's time (runs: {', '.join(f'{100 * share:.2f}%' for share in shares)}; "
+        f"one save {1000 * statistics.median(save_seconds):.1f} ms, median of {len(save_seconds)}); "
+        f"end to end {with_ / without:.3f}x the time without ({100 * (with_ / without - 1):+.1f}%)"
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ def start(runs_dir: Path, length: int, hidden: int, threads: str, seed: int) -> 
     args = ["attention=luong_general", f"task.length={length}", f"model.hidden_size={hidden}", f"train.threads={threads}",
             "train.steps=100", "train.eval_every=100", "train.eval_size=64", "train.patience=null", "train.progress=false",
             f"seed={seed}", f"runs_dir={runs_dir}"]  # fmt: skip
-    return subprocess.Popen([sys.executable, "-m", "copytask", "train", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "copytask", "train", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
 
 
 def seconds(runs_dir: Path, processes: list[subprocess.Popen]) -> list[float]:
@@ -53,14 +55,20 @@ def main() -> int:
     options = parser.parse_args()
     cores = os.cpu_count()
     print(f"{cores} CPUs; load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"Luong general, length {options.length}, 100 steps of batch 64: each run's train_seconds (median of {options.repeats})")
+    print(
+        f"Luong general, length {options.length}, 100 steps of batch 64: each run's train_seconds (median of {options.repeats})"
+    )
     print("| hidden | situation | threads per run | seconds per run | vs alone at the best thread count |")
     print("|---|---|---|---|---|")
     for hidden in map(int, options.hidden.split(",")):
         rows = {}
         for name, threads in [
-            ("alone", ["1"]), ("alone", [str(cores)]), ("alone", ["null"]),
-            ("two runs at once", ["1", "1"]), ("two runs at once", [str(cores)] * 2), ("two runs at once", ["null", "null"]),
+            ("alone", ["1"]),
+            ("alone", [str(cores)]),
+            ("alone", ["null"]),
+            ("two runs at once", ["1", "1"]),
+            ("two runs at once", [str(cores)] * 2),
+            ("two runs at once", ["null", "null"]),
         ]:
             samples = [situation(options.length, hidden, threads) for _ in range(options.repeats)]
             rows[name, threads[0]] = statistics.median(value for sample in samples for value in sample)

@@ -40,7 +40,9 @@ def main() -> None:
             times, code = [], None
             for _ in range(args.repeats):
                 started = time.perf_counter()
-                code = subprocess.run([sys.executable, "-m", "copytask", *command], capture_output=True, cwd=cwd).returncode
+                code = subprocess.run(
+                    [sys.executable, "-m", "copytask", *command], capture_output=True, cwd=cwd
+                ).returncode
                 times.append(time.perf_counter() - started)
             print(f"{' '.join(command):<45} {statistics.median(times):>8.2f} {max(times):>7.2f}  {code}")
 

@@ -32,7 +32,9 @@ MEMORY_ATTENTIONS = ["bahdanau", "luong_general"]  # the peak-memory children: e
 def copytask(*args: str, out: Path) -> subprocess.CompletedProcess:
     """`python -m copytask ARGS` with this checkout's sources; its output goes to OUT/<command>.log too."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-m", "copytask", *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "copytask", *args], capture_output=True, text=True, env=env, cwd=ROOT
+    )
     with open(out / f"{args[0]}.log", "a") as log:
         log.write(f"$ python -m copytask {' '.join(args)}\n{result.stdout}{result.stderr}\n")
     return result
@@ -50,27 +52,35 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        print(f"gpu_check: error: {socket.gethostname()} has no CUDA device (torch {torch.__version__}, {build}); "
-              "run this where one is", file=sys.stderr)
+        print(
+            f"gpu_check: error: {socket.gethostname()} has no CUDA device (torch {torch.__version__}, {build}); "
+            "run this where one is",
+            file=sys.stderr,
+        )
         return 2
 
     import pandas as pd
     from hydra import compose, initialize_config_dir
 
-    from copytask.evaluation import analysis
-    from copytask.models import build
-    from copytask.training import splits, loop
     from copytask import store
     from copytask.config.schema import config_dir
+    from copytask.evaluation import analysis
+    from copytask.models import build
+    from copytask.training import loop, splits
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     gpu = torch.cuda.get_device_name(0)
-    print(f"gpu_check on {socket.gethostname()}: {gpu}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
-          f"cuDNN {torch.backends.cudnn.version()}, {os.cpu_count()} CPU cores", flush=True)
+    print(
+        f"gpu_check on {socket.gethostname()}: {gpu}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"cuDNN {torch.backends.cudnn.version()}, {os.cpu_count()} CPU cores",
+        flush=True,
+    )
     built = copytask("build", out=out)
-    print(f"fused CPU kernels: {'built' if built.returncode == 0 else 'not built (CPU runs use torch ops)'}", flush=True)
+    print(
+        f"fused CPU kernels: {'built' if built.returncode == 0 else 'not built (CPU runs use torch ops)'}", flush=True
+    )
 
     step = loop.train_step
 
@@ -85,10 +95,20 @@ def main() -> int:
 
     def config(attention: str, device: str, runs: str):
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            return compose("config", overrides=[
-                f"attention={attention}", f"task.length={LENGTH}", f"train.device={device}", f"train.steps={args.steps}",
-                "train.eval_every=100", "train.progress=false", "train.patience=null", "retrain=true", f"runs_dir={out / runs}",
-            ])
+            return compose(
+                "config",
+                overrides=[
+                    f"attention={attention}",
+                    f"task.length={LENGTH}",
+                    f"train.device={device}",
+                    f"train.steps={args.steps}",
+                    "train.eval_every=100",
+                    "train.progress=false",
+                    "train.patience=null",
+                    "retrain=true",
+                    f"runs_dir={out / runs}",
+                ],
+            )
 
     def run(attention: str, device: str, runs: str) -> dict:
         cfg = config(attention, device, runs)
@@ -98,8 +118,15 @@ def main() -> int:
         except Exception as failure:  # noqa: BLE001 - one setting's failure is a finding, not the end of the check
             metrics, error = {}, f"{type(failure).__name__}: {str(failure).splitlines()[0][:120]}"
         history = store.run_dir(cfg) / store.HISTORY
-        return {"attention": attention, "device": device, "runs": runs, "error": error, "folder": store.run_dir(cfg),
-                "history": pd.read_csv(history) if history.is_file() and not error else None, **metrics}
+        return {
+            "attention": attention,
+            "device": device,
+            "runs": runs,
+            "error": error,
+            "folder": store.run_dir(cfg),
+            "history": pd.read_csv(history) if history.is_file() and not error else None,
+            **metrics,
+        }
 
     attentions = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))
     rows = [run(attention, "cuda", "cuda") for attention in attentions]
@@ -123,27 +150,45 @@ def main() -> int:
         recorded = store.read_json(folder / store.ANALYSIS) if (folder / store.ANALYSIS).is_file() else {}
         analysed = f"device {recorded.get('device')}, drop under uniform {recorded.get('drop', {}).get('uniform', float('nan')):.3f}"
         result = copytask("decode", str(folder), "--random", "2", "--length", str(LENGTH), out=out)
-        decoded = "ok" if result.returncode == 0 else f"exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}"
+        decoded = (
+            "ok" if result.returncode == 0 else f"exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}"
+        )
 
     # 4. the benchmark on both devices
     benches = {}
     for device in ("cuda", "cpu"):
         csv = out / f"bench_{device}.csv"
-        result = copytask("bench", f"train.device={device}", *BENCH, "--memory-attentions", *MEMORY_ATTENTIONS, "--csv", str(csv), out=out)
+        result = copytask(
+            "bench",
+            f"train.device={device}",
+            *BENCH,
+            "--memory-attentions",
+            *MEMORY_ATTENTIONS,
+            "--csv",
+            str(csv),
+            out=out,
+        )
         benches[device] = pd.read_csv(csv) if result.returncode == 0 else None
-        print(f"bench on {device}: {'done' if result.returncode == 0 else 'failed, see bench.log'} "
-              f"({time.perf_counter() - started:.0f} s)", flush=True)
+        print(
+            f"bench on {device}: {'done' if result.returncode == 0 else 'failed, see bench.log'} "
+            f"({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
 
     print(f"\n## GPU check: {gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, host {socket.gethostname()}\n")
-    print(f"Training at length {LENGTH}, {args.steps} steps, every step under `torch.cuda.set_sync_debug_mode(\"error\")`:\n")
+    print(
+        f'Training at length {LENGTH}, {args.steps} steps, every step under `torch.cuda.set_sync_debug_mode("error")`:\n'
+    )
     print("| attention | device | token acc | seq acc | train s | ms per step (with build) | fused | result |")
     print("|---|---|---|---|---|---|---|---|")
     for row in [*rows, again, on_cpu]:
         if row["error"]:
             print(f"| {row['attention']} | {row['device']} | - | - | - | - | - | {row['error']} |")
         else:
-            print(f"| {row['attention']} | {row['device']} | {row['token_acc']:.3f} | {row['seq_acc']:.3f} | {row['train_seconds']:.1f} "
-                  f"| {1e3 * row['train_seconds'] / row['steps']:.1f} | {row['fused']} | no host sync in a step |")
+            print(
+                f"| {row['attention']} | {row['device']} | {row['token_acc']:.3f} | {row['seq_acc']:.3f} | {row['train_seconds']:.1f} "
+                f"| {1e3 * row['train_seconds'] / row['steps']:.1f} | {row['fused']} | no host sync in a step |"
+            )
 
     def same(a: dict, b: dict) -> str:
         if a["history"] is None or b["history"] is None:
@@ -157,13 +202,19 @@ def main() -> int:
     print(f"- analysis on cuda: {analysed}; `copytask decode` of the GPU checkpoint on CPU: {decoded}")
     if all(table is not None for table in benches.values()):
         cuda, cpu = (benches[device].set_index("attention") for device in ("cuda", "cpu"))
-        print(f"\n`python -m copytask bench --lengths 80` (batch {int(cpu.batch_size.iloc[0])}); cuda: {cuda.machine.iloc[0]}; cpu: {cpu.machine.iloc[0]}\n")
-        print("| attention | cuda ms/step | cpu ms/step | cpu / cuda | cuda reference ms/step | cuda speedup vs reference | cuda GFLOP/step | cuda peak MiB |")
+        print(
+            f"\n`python -m copytask bench --lengths 80` (batch {int(cpu.batch_size.iloc[0])}); cuda: {cuda.machine.iloc[0]}; cpu: {cpu.machine.iloc[0]}\n"
+        )
+        print(
+            "| attention | cuda ms/step | cpu ms/step | cpu / cuda | cuda reference ms/step | cuda speedup vs reference | cuda GFLOP/step | cuda peak MiB |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for attention in cuda.index:
             c, p = cuda.loc[attention], cpu.loc[attention]
-            print(f"| {attention} | {c.ms_per_step_project:.1f} | {p.ms_per_step_project:.1f} | {p.ms_per_step_project / c.ms_per_step_project:.2f} "
-                  f"| {c.ms_per_step_reference:.1f} | {c.speedup:.2f} | {c.gflop_per_step_project:.3f} | {c.peak_mb_project:.0f} |")
+            print(
+                f"| {attention} | {c.ms_per_step_project:.1f} | {p.ms_per_step_project:.1f} | {p.ms_per_step_project / c.ms_per_step_project:.2f} "
+                f"| {c.ms_per_step_reference:.1f} | {c.speedup:.2f} | {c.gflop_per_step_project:.3f} | {c.peak_mb_project:.0f} |"
+            )
     print(f"\ngpu_check: {time.perf_counter() - started:.0f} s in all; logs and CSVs in {out}")
     return 1 if any(row["error"] for row in [*rows, again, on_cpu]) else 0
 

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from copytask.config.schema import config_dir
-
 from copytask.store.grid import compose_grid
 
 

@@ -49,7 +49,14 @@ from copytask.training.loop import train_step
 from copytask.training.optimizer import adam
 from copytask.training.splits import sample_batch
 
-KERNEL_FUNCTIONS = ("gru_forward", "bahdanau_decode", "additive_scores", "attention", "attention_step", "transformer_layer")
+KERNEL_FUNCTIONS = (
+    "gru_forward",
+    "bahdanau_decode",
+    "additive_scores",
+    "attention",
+    "attention_step",
+    "transformer_layer",
+)
 
 
 def count_calls() -> tuple[Counter, callable]:
@@ -61,6 +68,7 @@ def count_calls() -> tuple[Counter, callable]:
         def counted(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
+
         return counted
 
     for name, fn in originals.items():
@@ -74,6 +82,7 @@ def count_calls() -> tuple[Counter, callable]:
 
 
 # ---- switches: each takes a model (a deep copy) and switches one kernel off at its call site ----
+
 
 def gru_off(model):
     for module in model.modules():
@@ -145,9 +154,14 @@ EVAL_COMPARISONS = [
     ("GRU", "luong_general", gru_off),
 ]
 # the kernel calls a switched-off variant must not make
-FORBIDDEN = {gru_off: "gru_forward", bahdanau_off: "bahdanau_decode", additive_off: "additive_scores",
-             layers_off: "transformer_layer", layers_and_attention_off: ("transformer_layer", "attention"),
-             attention_step_off: "attention_step"}
+FORBIDDEN = {
+    gru_off: "gru_forward",
+    bahdanau_off: "bahdanau_decode",
+    additive_off: "additive_scores",
+    layers_off: "transformer_layer",
+    layers_and_attention_off: ("transformer_layer", "attention"),
+    attention_step_off: "attention_step",
+}
 
 
 def grads_of(model, batch, clip):
@@ -168,8 +182,11 @@ def check(name, model, reference, batch, forbidden, calls):
     forbidden = (forbidden,) if isinstance(forbidden, str) else (forbidden or ())
     bad = [k for k in forbidden if made.get(k)]
     rel = ((grad - ref_grad).norm() / ref_grad.norm()).item()
-    print(f"  check {name:32s} kernel calls {made}  |loss-ref| {abs(loss - ref_loss).item():.1e}  grad rel.diff vs fused=False {rel:.1e}"
-          + (f"  FAILED: called {bad}" if bad else ""), flush=True)
+    print(
+        f"  check {name:32s} kernel calls {made}  |loss-ref| {abs(loss - ref_loss).item():.1e}  grad rel.diff vs fused=False {rel:.1e}"
+        + (f"  FAILED: called {bad}" if bad else ""),
+        flush=True,
+    )
     if bad or rel > 1e-3:
         raise SystemExit(f"check failed for {name}")
     return made
@@ -195,11 +212,16 @@ def main() -> int:
 
     torch.set_num_threads(1)
     started = time.time()
-    print(f"machine: {open('/proc/cpuinfo').read().split('model name')[1].split(':')[1].splitlines()[0].strip()}, "
-          f"{os.cpu_count()} cores; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
-          f"kernels built: {kernels.kernel() is not None}")
+    print(
+        f"machine: {open('/proc/cpuinfo').read().split('model name')[1].split(':')[1].splitlines()[0].strip()}, "
+        f"{os.cpu_count()} cores; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
+        f"kernels built: {kernels.kernel() is not None}"
+    )
     print(f"load average at start: {os.getloadavg()}")
-    print(f"rounds {args.rounds} timed after {args.warmup} warm-up; variants interleaved, order rotated per round\n", flush=True)
+    print(
+        f"rounds {args.rounds} timed after {args.warmup} warm-up; variants interleaved, order rotated per round\n",
+        flush=True,
+    )
     assert kernels.kernel() is not None, "kernels not built"
 
     rows = []
@@ -232,7 +254,7 @@ def main() -> int:
         keys = list(variants)
         seconds = {key: [] for key in keys}
         for round_ in range(args.warmup + args.rounds):
-            order = keys[round_ % len(keys):] + keys[: round_ % len(keys)]
+            order = keys[round_ % len(keys) :] + keys[: round_ % len(keys)]
             for key in order:
                 t = timed_steps(variants[key], steps[key])
                 if round_ >= args.warmup:
@@ -241,12 +263,23 @@ def main() -> int:
             on = seconds[(model_name, on_switch.__name__ if on_switch else "all_on")]
             off = seconds[(model_name, off_switch.__name__)]
             ratios = [b / a for a, b in zip(on, off)]
-            row = {"kernel": kernel, "model": model_name, "length": length, "what": "train_step",
-                   "ms_on": 1e3 * statistics.median(on), "ms_off": 1e3 * statistics.median(off),
-                   "gain": statistics.median(ratios), "gain_min": min(ratios), "gain_max": max(ratios)}
+            row = {
+                "kernel": kernel,
+                "model": model_name,
+                "length": length,
+                "what": "train_step",
+                "ms_on": 1e3 * statistics.median(on),
+                "ms_off": 1e3 * statistics.median(off),
+                "gain": statistics.median(ratios),
+                "gain_min": min(ratios),
+                "gain_max": max(ratios),
+            }
             rows.append(row)
-            print(f"L={length:3d} {kernel:18s} {model_name:14s} on {row['ms_on']:8.2f} ms  off {row['ms_off']:8.2f} ms  "
-                  f"gain {row['gain']:.3f} (rounds {row['gain_min']:.3f}-{row['gain_max']:.3f})", flush=True)
+            print(
+                f"L={length:3d} {kernel:18s} {model_name:14s} on {row['ms_on']:8.2f} ms  off {row['ms_off']:8.2f} ms  "
+                f"gain {row['gain']:.3f} (rounds {row['gain_min']:.3f}-{row['gain_max']:.3f})",
+                flush=True,
+            )
         print(f"  [{time.time() - started:.0f} s elapsed; load {os.getloadavg()[0]:.2f}]\n", flush=True)
 
     # greedy evaluation of 512 sequences (evaluation.evaluate, as a run's evaluations): on vs one kernel off
@@ -256,7 +289,12 @@ def main() -> int:
             torch.manual_seed(cfg.seed)
             base = build_model(cfg)
             # a little training so that the greedy outputs are not all one token
-            setup = (base, adam(base, cfg.train.lr, torch.device("cpu")), sample_batch(cfg, 64, torch.Generator().manual_seed(1)), cfg.train.clip)
+            setup = (
+                base,
+                adam(base, cfg.train.lr, torch.device("cpu")),
+                sample_batch(cfg, 64, torch.Generator().manual_seed(1)),
+                cfg.train.clip,
+            )
             timed_steps(setup, 20)
             batch = sample_batch(cfg, cfg.train.eval_size, torch.Generator().manual_seed(cfg.train.eval_seed))
             on, off = copy.deepcopy(base), copy.deepcopy(base)
@@ -268,45 +306,67 @@ def main() -> int:
             for name, model in (("on", on), ("off", off), ("fused=False", reference)):
                 calls.clear()
                 results[name] = evaluate(model, batch)
-                print(f"  check L={length} {model_name} greedy {name:12s} kernel calls {dict(calls)}  token_acc {results[name]['token_acc']:.4f}", flush=True)
+                print(
+                    f"  check L={length} {model_name} greedy {name:12s} kernel calls {dict(calls)}  token_acc {results[name]['token_acc']:.4f}",
+                    flush=True,
+                )
                 forbidden = FORBIDDEN[off_switch]
                 if name == "off" and calls.get(forbidden):
                     raise SystemExit(f"{off_switch.__name__} still calls {forbidden}")
             restore()
             agree = (results["on"]["tokens"] == results["off"]["tokens"]).float().mean().item()
-            print(f"  greedy tokens on vs off agree on {agree:.4%} of positions; off vs fused=False "
-                  f"{(results['off']['tokens'] == results['fused=False']['tokens']).float().mean().item():.4%}")
+            print(
+                f"  greedy tokens on vs off agree on {agree:.4%} of positions; off vs fused=False "
+                f"{(results['off']['tokens'] == results['fused=False']['tokens']).float().mean().item():.4%}"
+            )
             times = {"on": [], "off": []}
             for round_ in range(args.warmup + args.rounds):
-                for name in (("on", "off") if round_ % 2 == 0 else ("off", "on")):
+                for name in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
                     model = on if name == "on" else off
                     t0 = time.perf_counter()
                     evaluate(model, batch)
                     if round_ >= args.warmup:
                         times[name].append(time.perf_counter() - t0)
             ratios = [b / a for a, b in zip(times["on"], times["off"])]
-            row = {"kernel": kernel, "model": model_name, "length": length, "what": "greedy_eval_512",
-                   "ms_on": 1e3 * statistics.median(times["on"]), "ms_off": 1e3 * statistics.median(times["off"]),
-                   "gain": statistics.median(ratios), "gain_min": min(ratios), "gain_max": max(ratios)}
+            row = {
+                "kernel": kernel,
+                "model": model_name,
+                "length": length,
+                "what": "greedy_eval_512",
+                "ms_on": 1e3 * statistics.median(times["on"]),
+                "ms_off": 1e3 * statistics.median(times["off"]),
+                "gain": statistics.median(ratios),
+                "gain_min": min(ratios),
+                "gain_max": max(ratios),
+            }
             rows.append(row)
-            print(f"L={length:3d} {kernel:18s} {model_name:14s} greedy eval of 512: on {row['ms_on']:8.1f} ms  off {row['ms_off']:8.1f} ms  "
-                  f"gain {row['gain']:.3f} (rounds {row['gain_min']:.3f}-{row['gain_max']:.3f})", flush=True)
+            print(
+                f"L={length:3d} {kernel:18s} {model_name:14s} greedy eval of 512: on {row['ms_on']:8.1f} ms  off {row['ms_off']:8.1f} ms  "
+                f"gain {row['gain']:.3f} (rounds {row['gain_min']:.3f}-{row['gain_max']:.3f})",
+                flush=True,
+            )
         print(f"  [{time.time() - started:.0f} s elapsed; load {os.getloadavg()[0]:.2f}]\n", flush=True)
 
     print(f"\nload average at end: {os.getloadavg()}; total {time.time() - started:.0f} s\n")
     print("kernel | model | length | what | ms on | ms off | gain (off/on, median of per-round ratios) | round range")
     for r in rows:
-        print(f"{r['kernel']} | {r['model']} | {r['length']} | {r['what']} | {r['ms_on']:.2f} | {r['ms_off']:.2f} | {r['gain']:.3f} | {r['gain_min']:.3f}-{r['gain_max']:.3f}")
+        print(
+            f"{r['kernel']} | {r['model']} | {r['length']} | {r['what']} | {r['ms_on']:.2f} | {r['ms_off']:.2f} | {r['gain']:.3f} | {r['gain_min']:.3f}-{r['gain_max']:.3f}"
+        )
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
     with open(args.csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\nverdicts on the training step (keep if gain >= 1.10 at some length); attention_step on greedy evaluation:")
+    print("\nverdicts on the training step (keep if gain >= 1.10 at some length); attention_step on greedy evaluation:")
     for kernel in dict.fromkeys(r["kernel"] for r in rows):
-        mine = [r for r in rows if r["kernel"] == kernel and r["what"] == "train_step"] or [r for r in rows if r["kernel"] == kernel]
+        mine = [r for r in rows if r["kernel"] == kernel and r["what"] == "train_step"] or [
+            r for r in rows if r["kernel"] == kernel
+        ]
         best = max(mine, key=lambda r: r["gain"])
-        print(f"  {kernel}: best {best['gain']:.3f} ({best['model']}, L={best['length']}, {best['what']}) -> {'keep' if best['gain'] >= 1.10 else 'does not pay'}")
+        print(
+            f"  {kernel}: best {best['gain']:.3f} ({best['model']}, L={best['length']}, {best['what']}) -> {'keep' if best['gain'] >= 1.10 else 'does not pay'}"
+        )
     return 0
 
 

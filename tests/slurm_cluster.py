@@ -17,9 +17,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from filelock import FileLock
 
@@ -130,19 +130,44 @@ def one_node_slurm(folder: Path, timeout: float = 60.0) -> Iterator[dict[str, st
     started: list[subprocess.Popen] = []
     try:
         munge = folder / "munge"
-        started.append(subprocess.Popen(
-            [daemon("munged"), "--foreground", "--force", f"--key-file={key}", f"--socket={munge}/munge.socket",
-             f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        ))
+        started.append(
+            subprocess.Popen(
+                [
+                    daemon("munged"),
+                    "--foreground",
+                    "--force",
+                    f"--key-file={key}",
+                    f"--socket={munge}/munge.socket",
+                    f"--pid-file={munge}/munged.pid",
+                    f"--log-file={munge}/munged.log",
+                    f"--seed-file={munge}/munged.seed",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        )
         wait_for(lambda: (munge / "munge.socket").exists(), timeout, "munged's socket", folder, started)
-        started.append(subprocess.Popen([daemon("slurmctld"), "-D", "-i", "-f", str(conf)], env=daemon_env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        started.append(subprocess.Popen([daemon("slurmd"), "-D", "-f", str(conf)], env=daemon_env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        started.append(
+            subprocess.Popen(
+                [daemon("slurmctld"), "-D", "-i", "-f", str(conf)],
+                env=daemon_env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        )
+        started.append(
+            subprocess.Popen(
+                [daemon("slurmd"), "-D", "-f", str(conf)],
+                env=daemon_env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        )
 
         def node_idle() -> bool:
-            state = subprocess.run([daemon("sinfo"), "--noheader", "--format=%t"], env=daemon_env, capture_output=True, text=True)
+            state = subprocess.run(
+                [daemon("sinfo"), "--noheader", "--format=%t"], env=daemon_env, capture_output=True, text=True
+            )
             return state.stdout.strip() == "idle"
 
         wait_for(node_idle, timeout, "the node to be idle in sinfo", folder, started)

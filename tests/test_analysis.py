@@ -10,16 +10,16 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from copytask.evaluation import analysis
-from copytask.reporting import analysis_figures, analysis_tables, figures
 from copytask import cli, store
-from copytask.config.messages import CopytaskWarning
 from copytask.config import schema
+from copytask.config.messages import CopytaskWarning
 from copytask.data import batches
-from copytask.data.vocab import EOS, total_vocab
 from copytask.data.batches import Batch, make_batch
-from copytask.models.recurrent import Seq2Seq
+from copytask.data.vocab import EOS, total_vocab
+from copytask.evaluation import analysis
 from copytask.models.greedy import evaluate
+from copytask.models.recurrent import Seq2Seq
+from copytask.reporting import analysis_figures, analysis_tables, figures
 
 LENGTHS = torch.tensor([5, 3, 1])
 T_ENC = 5
@@ -61,7 +61,11 @@ def hand_built(task: str, lengths: torch.Tensor, on_target: float = 1.0):
     t_enc = int(lengths.max())
     t_dec = t_enc + 1
     # alignment reads only the lengths: the symbols do not matter here
-    batch = Batch(torch.zeros(len(lengths), t_enc, dtype=torch.long), lengths, *torch.zeros(2, len(lengths), t_dec, dtype=torch.long))
+    batch = Batch(
+        torch.zeros(len(lengths), t_enc, dtype=torch.long),
+        lengths,
+        *torch.zeros(2, len(lengths), t_dec, dtype=torch.long),
+    )
     weights = torch.zeros(len(lengths), t_dec, t_enc)
     for b, length in enumerate(lengths.tolist()):
         for t in range(length):
@@ -81,7 +85,9 @@ def test_alignment_of_a_hand_built_matrix(task):
     assert result["hit"] == 1.0 and result["mass"] == pytest.approx(0.7)
     # the other task's matrix (anti-diagonal for copy, diagonal for reverse) mostly misses
     other, _ = hand_built("reverse" if task == "copy" else "copy", lengths)
-    assert analysis.alignment(other, batch.tgt_out, batch, task)["hit"] == pytest.approx(1 / 9)  # only the middle of length 3 agrees
+    assert analysis.alignment(other, batch.tgt_out, batch, task)["hit"] == pytest.approx(
+        1 / 9
+    )  # only the middle of length 3 agrees
 
 
 def test_attention_one_position_off_counts_as_adjacent_not_hit():
@@ -161,7 +167,20 @@ def analysed_runs(tmp_path_factory) -> Path:
     tiny = ["experiment=quick", "model.hidden_size=8", "model.embedding_size=8", "train.steps=4", "train.eval_every=4",
             "train.eval_size=16", "train.val_size=16", "train.progress=false", f"runs_dir={runs_dir}"]  # fmt: skip
     assert cli.main(["train", *tiny, "attention=luong_general", "attention.heads=2", "task.length=4"]) == 0
-    assert cli.main(["train", *tiny, "attention=none", "task=reverse", "task.variable_length=true", "task.min_length=2", "task.length=3"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                *tiny,
+                "attention=none",
+                "task=reverse",
+                "task.variable_length=true",
+                "task.min_length=2",
+                "task.length=3",
+            ]
+        )
+        == 0
+    )
     assert cli.main(["analyze", f"runs_dir={runs_dir}"]) == 0
     return runs_dir
 
@@ -210,11 +229,19 @@ def test_figures_are_drawn_from_the_analysis_files(analysed_runs, tmp_path):
 
     analyses = [store.read_json(folder / store.ANALYSIS) for folder in store.complete_runs(analysed_runs)]
     paths = [
-        analysis_figures.plot_counterfactual(analysis_tables.analysis_table(analyses).assign(chance=1 / 9), tmp_path / "counterfactual.png"),
-        analysis_figures.plot_length_generalisation(analysis_tables.length_generalisation_table(analyses), tmp_path / "generalisation.png"),
+        analysis_figures.plot_counterfactual(
+            analysis_tables.analysis_table(analyses).assign(chance=1 / 9), tmp_path / "counterfactual.png"
+        ),
+        analysis_figures.plot_length_generalisation(
+            analysis_tables.length_generalisation_table(analyses), tmp_path / "generalisation.png"
+        ),
     ]
     attended = next(f for f in store.complete_runs(analysed_runs) if f.name.startswith("luong_general"))
-    paths.append(analysis_figures.plot_head_weights(json.loads((attended / store.ANALYSIS).read_text()), 9, tmp_path / "heads.png"))
+    paths.append(
+        analysis_figures.plot_head_weights(
+            json.loads((attended / store.ANALYSIS).read_text()), 9, tmp_path / "heads.png"
+        )
+    )
     figure, ax = plt.subplots()
     analysis_figures.plot_per_length(ax, analysis_tables.per_length_table(analyses))
     assert len(ax.lines) == 1

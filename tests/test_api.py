@@ -22,7 +22,9 @@ from .conftest import SRC, TINY
 
 def test_import_copytask_loads_no_heavy_module():
     code = "import sys, copytask; print(sorted({'torch', 'pandas', 'matplotlib'} & set(sys.modules)))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(SRC)}, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(SRC)}, check=True
+    )
     assert done.stdout.strip() == "[]"
 
 
@@ -45,7 +47,9 @@ def test_train_returns_the_metrics_and_reads_a_finished_run_instead_of_training_
     cfg = copytask.compose([*TINY, f"runs_dir={tmp_path}"])
     metrics = copytask.train(cfg)
     assert metrics == store.read_json(store.run_dir(cfg) / store.METRICS)
-    monkeypatch.setattr("copytask.training.loop.build_model", lambda *args: pytest.fail("a complete run was trained again"))
+    monkeypatch.setattr(
+        "copytask.training.loop.build_model", lambda *args: pytest.fail("a complete run was trained again")
+    )
     assert copytask.train([*TINY, f"runs_dir={tmp_path}"]) == metrics  # overrides are composed first
 
 
@@ -62,7 +66,10 @@ def test_results_compare_and_report_read_a_folder_as_the_command_line_does(runs_
     assert len(table) == 8 and {"attention", "length", "seed", "token_acc", "run"} <= set(table.columns)
     summary = copytask.compare(runs_copy)
     assert len(summary) == 4 and (summary["seeds"] == 2).all()
-    assert summary["token_acc_lo"].le(summary["token_acc"]).all() and summary["token_acc_hi"].ge(summary["token_acc"]).all()
+    assert (
+        summary["token_acc_lo"].le(summary["token_acc"]).all()
+        and summary["token_acc_hi"].ge(summary["token_acc"]).all()
+    )
 
     from copytask.cli import main
     from copytask.reporting.tables import comparison_table
@@ -93,7 +100,9 @@ def test_a_skipped_run_is_a_warning_the_caller_filters_and_the_command_line_prin
     assert capsys.readouterr().err == ""  # the library prints nothing of its own
 
     command = [sys.executable, "-m", "copytask", "compare", f"runs_dir={runs_copy}"]
-    err = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, check=True).stderr
+    err = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, check=True
+    ).stderr
     [line] = [line for line in err.splitlines() if corrupt.name in line]
     assert line.startswith(f"copytask: warning: skipping {corrupt}: corrupt metrics.json")
 
@@ -120,15 +129,23 @@ def command_and_api(runs_dir, capsys, *flags: str) -> dict:
 
 
 def test_the_command_line_and_the_api_select_the_same_runs_and_give_the_same_tables(runs_copy, tmp_path, capsys):
-    extra = copytask.compose([*TINY, f"runs_dir={runs_copy}", "attention=bahdanau", "task.length=3"])  # a run outside the grid
+    extra = copytask.compose(
+        [*TINY, f"runs_dir={runs_copy}", "attention=bahdanau", "task.length=3"]
+    )  # a run outside the grid
     copytask.train(extra)
     grid = sorted(folder.name for folder in store.complete_runs(runs_copy) if folder != store.run_dir(extra))
     everything = sorted([*grid, store.run_dir(extra).name])
 
     recorded = command_and_api(runs_copy, capsys)  # the sweep recorded there: its grid
-    assert recorded["compare"].endswith(recorded["api compare"] + "\n") and recorded["report"] == recorded["api report"] == recorded["results"] == grid
+    assert (
+        recorded["compare"].endswith(recorded["api compare"] + "\n")
+        and recorded["report"] == recorded["api report"] == recorded["results"] == grid
+    )
     every = command_and_api(runs_copy, capsys, "--all")  # --all: every complete run
-    assert every["compare"].endswith(every["api compare"] + "\n") and every["report"] == every["api report"] == every["results"] == everything
+    assert (
+        every["compare"].endswith(every["api compare"] + "\n")
+        and every["report"] == every["api report"] == every["results"] == everything
+    )
     assert "bahdanau" in every["api compare"] and "bahdanau" not in recorded["api compare"]
 
     (runs_copy / "sweep.json").unlink()  # no sweep recorded: every complete run, as --all
@@ -139,7 +156,11 @@ def test_the_command_line_and_the_api_select_the_same_runs_and_give_the_same_tab
     trained = tmp_path / "trained"  # `train` only, into a fresh folder
     copytask.train(copytask.compose([*TINY, f"runs_dir={trained}"]))
     only = command_and_api(trained, capsys)
-    assert only["compare"].endswith(only["api compare"] + "\n") and len(only["report"]) == 1 and only["report"] == only["api report"]
+    assert (
+        only["compare"].endswith(only["api compare"] + "\n")
+        and len(only["report"]) == 1
+        and only["report"] == only["api report"]
+    )
 
 
 def test_load_run_and_decode_give_a_model_and_arrays(runs_copy):
@@ -239,10 +260,15 @@ def test_the_api_leaves_the_callers_process_as_it_found_it(tmp_path):
     own_configs = tmp_path / "my_configs"
     own_configs.mkdir()
     (own_configs / "mine.yaml").write_text("greeting: hello\n")
-    tiny = [arg for arg in TINY if arg != "train.threads=1"]  # the default thread setting, which must leave the caller's count alone
+    tiny = [
+        arg for arg in TINY if arg != "train.threads=1"
+    ]  # the default thread setting, which must leave the caller's count alone
     done = subprocess.run(
         [sys.executable, "-c", CALLER, str(tmp_path / "runs"), str(own_configs), json.dumps(tiny)],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=600,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     state = json.loads(done.stdout.strip().splitlines()[-1])

@@ -87,7 +87,6 @@ def test_unknown_score_refused():
         make_attention("cosine", 4, 4)
 
 
-
 def test_every_score_an_attention_option_names_has_its_class():
     options = (Path(config_dir()) / "attention").glob("*.yaml")
     assert {OmegaConf.load(path).get("score") for path in options} - {None} <= set(ATTENTION_TYPES)

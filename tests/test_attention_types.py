@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from copytask.models.attention import Attention, make_attention, masked_softmax
 from copytask.data.batches import length_mask
+from copytask.models.attention import Attention, make_attention, masked_softmax
 
 B, T_DEC, T_ENC, H = 3, 5, 7, 8
 
@@ -76,7 +76,9 @@ def test_local_weights_are_zero_outside_the_window_and_on_padding(local):
     if local == "monotonic":
         aligned = torch.minimum(torch.arange(T_DEC)[None, :], lengths[:, None]).float()
     else:
-        aligned = lengths[:, None] * torch.sigmoid(attention.position_v(torch.tanh(attention.position_proj(query)))).squeeze(-1)
+        aligned = lengths[:, None] * torch.sigmoid(
+            attention.position_v(torch.tanh(attention.position_proj(query)))
+        ).squeeze(-1)
     outside = (torch.arange(T_ENC)[None, None, :] - aligned[:, :, None]).abs() > window
     assert outside.any() and (weights[outside] == 0).all()
     assert (weights[~mask[:, None, :].expand_as(weights)] == 0).all()

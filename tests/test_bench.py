@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-
 import torch
 
-from copytask.bench import ATTENTIONS, QUICK, REFERENCED, bench_config, main, parse, setups, speed, step_flops, time_to_target
+from copytask.bench import (
+    ATTENTIONS,
+    QUICK,
+    REFERENCED,
+    bench_config,
+    main,
+    parse,
+    setups,
+    speed,
+    step_flops,
+    time_to_target,
+)
 
 
 @pytest.mark.slow  # about 30 s on two idle cores: model set-up, FLOP counting, two fresh processes
@@ -28,7 +38,9 @@ def test_quick_bench_writes_the_table(tmp_path):
     assert table.loc[~referenced, "ms_per_step_reference"].isna().all()
     assert (table.speedup[referenced] > 0).all() and (table.matmul_gflops > 0).all()
     general = table[table.attention == "luong_general"].set_index("length").ms_per_step_project
-    assert table.vs_luong_general.tolist() == pytest.approx((table.ms_per_step_project / table.length.map(general)).tolist())
+    assert table.vs_luong_general.tolist() == pytest.approx(
+        (table.ms_per_step_project / table.length.map(general)).tolist()
+    )
     assert table.machine.nunique() == 1
 
 
@@ -36,13 +48,26 @@ def test_the_step_table_times_the_attentions_asked_and_luong_general():
     """`bench --attentions transformer`: the Transformer's rows and Luong general's (vs_luong_general
     divides by it), both implementations each, and the memory runs default to the same choice."""
     options = parse(["--attentions", "transformer", "train.threads=1"])
-    assert options.attentions == options.memory_attentions == ["transformer"] and options.overrides == ["train.threads=1"]
-    table = speed([3], QUICK["overrides"], repeats=1, warmup=0, device=torch.device("cpu"), attentions=options.attentions)
-    assert sorted(set(zip(table.attention, table.implementation))) == [(a, n) for a in ("luong_general", "transformer") for n in ("project", "reference")]
+    assert options.attentions == options.memory_attentions == ["transformer"] and options.overrides == [
+        "train.threads=1"
+    ]
+    table = speed(
+        [3], QUICK["overrides"], repeats=1, warmup=0, device=torch.device("cpu"), attentions=options.attentions
+    )
+    assert sorted(set(zip(table.attention, table.implementation))) == [
+        (a, n) for a in ("luong_general", "transformer") for n in ("project", "reference")
+    ]
 
 
 def test_time_to_target_trains_each_implementation_with_its_own_settings(tmp_path):
-    tiny = ["train.steps=20", "train.eval_every=10", "train.target_acc=0", "train.batch_size=8", "train.eval_size=16", "train.progress=false"]
+    tiny = [
+        "train.steps=20",
+        "train.eval_every=10",
+        "train.target_acc=0",
+        "train.batch_size=8",
+        "train.eval_size=16",
+        "train.progress=false",
+    ]
     table = time_to_target(["luong_general"], 5, tiny, "own", tmp_path)
     rows = table.set_index("implementation")
     assert list(rows.index) == ["project", "reference"]

@@ -1,7 +1,7 @@
 import torch
 
-from copytask.data.vocab import BOS, EOS, NUM_SPECIAL, PAD
 from copytask.data.batches import make_batch
+from copytask.data.vocab import BOS, EOS, NUM_SPECIAL, PAD
 
 
 def test_copy_batch_layout():

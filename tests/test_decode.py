@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from copytask import cli, store
-from copytask.evaluation import decode
 from copytask.config.schema import config_dir
 from copytask.data.vocab import parse_symbols
+from copytask.evaluation import decode
 
 from .conftest import run_cli
 
@@ -34,7 +34,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for attention in ATTENTION_TYPES:
         assert cli.main(["train", *tiny, f"attention={attention}"]) == 0
     assert cli.main(["train", *tiny, "attention=luong_general", "task=reverse"]) == 0
-    return {"-".join(folder.name.split("-")[:2]).removesuffix(str(TRAINED_LENGTH)): folder for folder in store.complete_runs(runs_dir)}
+    return {
+        "-".join(folder.name.split("-")[:2]).removesuffix(str(TRAINED_LENGTH)): folder
+        for folder in store.complete_runs(runs_dir)
+    }
 
 
 def decoded(capsys, *args: str) -> list[str]:
@@ -109,11 +112,15 @@ def test_every_attention_type_decodes_with_one_heatmap_row_per_output_step(runs,
         assert maps == [] and f"no attention (attention={attention}): no heatmap" in lines
         return
     heads = HEADS if attention == "multihead" else 1
-    assert len(maps) == heads * (1 + len(output)) + (heads if heads > 1 else 0)  # per map: the source header and one row per output step
+    assert len(maps) == heads * (1 + len(output)) + (
+        heads if heads > 1 else 0
+    )  # per map: the source header and one row per output step
     rows = [line for line in maps if decode.COPIED in line]
     assert len(rows) == heads * min(len(output), 6)  # every content step marks its copied position; EOS copies none
     for step, row in enumerate(rows[: min(len(output), 6)]):
-        assert row.index(decode.COPIED) == first_cell(maps[1 if heads > 1 else 0]) + 2 * step + 1  # after the cell of source position `step`
+        assert (
+            row.index(decode.COPIED) == first_cell(maps[1 if heads > 1 else 0]) + 2 * step + 1
+        )  # after the cell of source position `step`
 
 
 def test_reverse_target_is_the_reversed_input(runs, capsys):

@@ -15,18 +15,18 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from copytask.evaluation import analysis
 from copytask import bench, store
-from copytask.training import devices
+from copytask.config.checks import analysis_device, validate
+from copytask.config.schema import ConfigError, config_dir
+from copytask.data.batches import task_batch
+from copytask.evaluation import analysis
 from copytask.evaluation.load import load_run
 from copytask.kernels import ops
-from copytask.config.schema import ConfigError, config_dir
-from copytask.config.checks import analysis_device, validate
-from copytask.data.batches import task_batch
-from copytask.store.grid import check_grid
 from copytask.models.build import build_model
-from copytask.training.splits import sample_batch
+from copytask.store.grid import check_grid
+from copytask.training import devices
 from copytask.training.loop import train, train_step
+from copytask.training.splits import sample_batch
 
 from .conftest import TINY, run_cli
 
@@ -37,9 +37,20 @@ RAGGED = ["task.variable_length=true", "task.min_length=2"]
 # Tensor methods and torch functions that read a tensor's values on the host: on a GPU each waits
 # for every kernel queued before it.
 HOST_READS = {
-    torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
-    torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.nonzero, torch.nonzero,
-    torch.Tensor.masked_select, torch.masked_select, torch.Tensor.unique, torch.unique,
+    torch.Tensor.item,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.cpu,
+    torch.Tensor.nonzero,
+    torch.nonzero,
+    torch.Tensor.masked_select,
+    torch.masked_select,
+    torch.Tensor.unique,
+    torch.unique,
 }
 
 
@@ -69,7 +80,10 @@ class HostTraffic(TorchFunctionMode):
                 self.reads.append("to(cpu)")
             if target is not None and target.type != "cpu" and args[0].device.type == "cpu":
                 self.copies.append("to")
-        elif func in (torch.tensor, torch.as_tensor) and _device_argument((), kwargs) not in (None, torch.device("cpu")):
+        elif func in (torch.tensor, torch.as_tensor) and _device_argument((), kwargs) not in (
+            None,
+            torch.device("cpu"),
+        ):
             self.copies.append(func.__name__)
         return func(*args, **kwargs)
 
@@ -83,8 +97,11 @@ def config(make_config):
 
 
 def interventions() -> dict:
-    return {"uniform": analysis.uniform_weights, "permuted": analysis.permuted_weights(torch.Generator().manual_seed(0)),
-            "fixed": analysis.fixed_weights}
+    return {
+        "uniform": analysis.uniform_weights,
+        "permuted": analysis.permuted_weights(torch.Generator().manual_seed(0)),
+        "fixed": analysis.fixed_weights,
+    }
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["fixed", "ragged"])
@@ -154,7 +171,10 @@ def test_the_gru_without_host_reads_computes_what_packing_does(bidirectional):
     for got, want in zip(unpacked, packed):
         torch.testing.assert_close(got, want)
     assert unpacked[0][1, 3:].abs().max() == 0
-    grads = [torch.autograd.grad(out[0].sin().sum() + out[1].cos().sum(), [x, hx, *gru.parameters()]) for out in (packed, unpacked)]
+    grads = [
+        torch.autograd.grad(out[0].sin().sum() + out[1].cos().sum(), [x, hx, *gru.parameters()])
+        for out in (packed, unpacked)
+    ]
     for want, got in zip(*grads):
         torch.testing.assert_close(got, want)
 
@@ -229,7 +249,9 @@ def test_a_gpu_sweep_is_submitted_from_a_machine_without_a_gpu(fake_slurm, tmp_p
     assert len(grid) == 4 and {run.config.train.device for run in grid} == {"cuda"}
     with pytest.raises(ConfigError, match="train.device must be one of auto, cpu, cuda, got 'gpu'"):
         check_grid([*TINY, "hydra/launcher=slurm", "train.device=gpu"])  # a bad name is still refused at once
-    with pytest.raises(ConfigError, match=r"task.length must be an integer >= 1, got 0 \(in the grid: task.length=5,0\)"):
+    with pytest.raises(
+        ConfigError, match=r"task.length must be an integer >= 1, got 0 \(in the grid: task.length=5,0\)"
+    ):
         check_grid([*TINY, "hydra/launcher=slurm", "task.length=5,0"])  # and so is everything else
 
 
@@ -252,7 +274,11 @@ def test_a_local_sweep_on_cuda_is_still_checked_here(fake_slurm):
 
 
 def test_the_slurm_launcher_without_slurm_is_refused_in_one_line(tmp_path):
-    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "srun").exists() and not (Path(d) / "sbatch").exists())
+    path = os.pathsep.join(
+        d
+        for d in os.environ["PATH"].split(os.pathsep)
+        if not (Path(d) / "srun").exists() and not (Path(d) / "sbatch").exists()
+    )
     env_path = os.environ["PATH"]
     try:
         os.environ["PATH"] = path
@@ -273,7 +299,9 @@ def test_analyze_honours_and_records_its_device(trained_run, monkeypatch):
     assert recorded["device"] == "cpu"
     assert analysis.is_analysed(trained_run, [3], 8, "cpu") and not analysis.is_analysed(trained_run, [3], 8, "cuda")
     assert analysis.analyze([trained_run], lengths=[3], eval_size=8, progress=False, device="cpu") == 0
-    store.write_json(trained_run / store.ANALYSIS, recorded | {"device": "cuda"})  # made on a GPU: a CPU analysis replaces it
+    store.write_json(
+        trained_run / store.ANALYSIS, recorded | {"device": "cuda"}
+    )  # made on a GPU: a CPU analysis replaces it
     assert analysis.analyze([trained_run], lengths=[3], eval_size=8, progress=False, device="cpu") == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="has no CUDA device"):
@@ -290,9 +318,12 @@ def test_an_analysis_without_a_device_was_made_on_the_cpu(trained_run):
 
 def precision_state() -> dict:
     flags = {f"{id(owner)}.{name}": getattr(owner, name) for owner, name, _ in devices._precision_flags()}
-    return flags | {"cudnn.deterministic": torch.backends.cudnn.deterministic, "cudnn.benchmark": torch.backends.cudnn.benchmark,
-                    "deterministic": torch.are_deterministic_algorithms_enabled(),
-                    "warn_only": torch.is_deterministic_algorithms_warn_only_enabled()}
+    return flags | {
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+    }
 
 
 def test_a_cuda_run_computes_in_full_float32_deterministically_and_restores_the_settings(monkeypatch):

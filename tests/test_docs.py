@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from copytask import bench, cli
+from copytask.config.checks import check_launcher, remote_job_check, remote_launcher, validate
+from copytask.config.hydra_internals import override_args
 from copytask.evaluation import decode
 from copytask.store.grid import check_grid, compose_grid
-from copytask.config.hydra_internals import override_args
-from copytask.config.checks import check_launcher, remote_job_check, remote_launcher, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -45,15 +45,19 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                 for part in line.split("&&"):
                     part = part.strip()
                     if part.startswith(PREFIX):
-                        found.append((where, part[len(PREFIX):]))
+                        found.append((where, part[len(PREFIX) :]))
             else:  # with arguments: a bare `python -m copytask decode` in a sentence names the command
-                found += [(where, quoted[len(PREFIX):]) for quoted in re.findall(r"`(python -m copytask \w+ [^`]*)`", line)]
+                found += [
+                    (where, quoted[len(PREFIX) :]) for quoted in re.findall(r"`(python -m copytask \w+ [^`]*)`", line)
+                ]
     commands, seen = [], set()
     for where, text in found:
         for placeholder, value in PLACEHOLDERS.items():
             text = text.replace(placeholder, value)
         args = tuple(shlex.split(text, comments=True))
-        if "..." in text or "<" in text or args in seen:  # a usage summary or a placeholder, not a command; or one checked already
+        if (
+            "..." in text or "<" in text or args in seen
+        ):  # a usage summary or a placeholder, not a command; or one checked already
             continue
         seen.add(args)
         commands.append((where, list(args)))
@@ -65,7 +69,9 @@ COMMANDS = documented_commands()
 
 def test_the_pages_show_commands_of_every_kind():
     kinds = {args[0] for _, args in COMMANDS}
-    assert kinds == set(cli.COMMANDS) - {"build"} and len(COMMANDS) > 50  # build takes no arguments: the pages name it only in a sentence
+    assert (
+        kinds == set(cli.COMMANDS) - {"build"} and len(COMMANDS) > 50
+    )  # build takes no arguments: the pages name it only in a sentence
 
 
 class Checked(Exception):
@@ -88,13 +94,14 @@ def check_first_job(overrides: list[str]) -> None:
         compose_grid(overrides, check=first)
 
 
-
 @pytest.mark.parametrize("where,args", COMMANDS, ids=[where for where, _ in COMMANDS])
 def test_a_documented_command_is_accepted_as_written(where, args, fake_slurm):
     command, rest = args[0], args[1:]
     if command == "train":
         overrides = override_args(rest)  # Hydra's own flags (--cfg job, --help) are Hydra's to answer
-        check_grid(overrides, multirun=False) if len(overrides) == len(rest) else compose_grid(overrides, multirun=False)
+        check_grid(overrides, multirun=False) if len(overrides) == len(rest) else compose_grid(
+            overrides, multirun=False
+        )
     elif command == "sweep":
         check_first_job(override_args(rest))
     elif command in ("compare", "report", "analyze"):

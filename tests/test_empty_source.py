@@ -20,19 +20,33 @@ def test_masked_softmax_gives_a_fully_masked_row_zero_weights_and_keeps_nan_scor
     assert weights[2].isnan().all()  # a NaN score still propagates, as in torch
 
 
-@pytest.mark.parametrize("score, local", [("additive", None), ("dot", None), ("general", None), ("scaled_dot", None),
-                                          ("multihead", None), ("general", "predictive"), ("general", "monotonic")])
+@pytest.mark.parametrize(
+    "score, local",
+    [
+        ("additive", None),
+        ("dot", None),
+        ("general", None),
+        ("scaled_dot", None),
+        ("multihead", None),
+        ("general", "predictive"),
+        ("general", "monotonic"),
+    ],
+)
 @pytest.mark.parametrize("intervention", [False, True])
 def test_every_score_gives_an_empty_source_zero_weights(score, local, intervention):
     torch.manual_seed(0)
     heads = 2 if score == "multihead" else 1
     window = 2 if local else None
-    attention = make_attention(score, query_size=8, key_size=8, attention_size=6, heads=heads, local=local, window=window)
+    attention = make_attention(
+        score, query_size=8, key_size=8, attention_size=6, heads=heads, local=local, window=window
+    )
     if intervention:  # the path the counterfactual checks take
         attention.intervention = lambda weights, mask: weights
     states = torch.randn(2, 4, 8)
     mask = torch.tensor([[True, True, False, False], [False] * 4])
-    context, weights = attention(torch.randn(2, 3, 8), attention.project_keys(states), states, mask, positions=torch.arange(3))
+    context, weights = attention(
+        torch.randn(2, 3, 8), attention.project_keys(states), states, mask, positions=torch.arange(3)
+    )
     assert torch.isfinite(context).all() and torch.isfinite(weights).all()
     assert weights[1].abs().sum() == 0
 

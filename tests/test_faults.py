@@ -35,7 +35,9 @@ def test_a_sweep_killed_mid_run_resumes_without_retraining_or_duplicating(tmp_pa
     with open(tmp_path / "stderr.txt", "w+") as stderr:
         sweep = subprocess.Popen(
             [sys.executable, "-m", "copytask", "sweep", *args],
-            env={**os.environ, "PYTHONPATH": str(SRC)}, stdout=subprocess.DEVNULL, stderr=stderr,
+            env={**os.environ, "PYTHONPATH": str(SRC)},
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
         )
         try:
             deadline = time.monotonic() + 300

@@ -6,8 +6,16 @@ from __future__ import annotations
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from copytask.config.hydra_internals import (
+    compose,
+    compose_job,
+    override_args,
+    proposes_jobs,
+    search_samples,
+    search_space,
+    sweep_jobs,
+)
 from copytask.config.schema import config_dir
-from copytask.config.hydra_internals import compose, compose_job, override_args, proposes_jobs, search_samples, search_space, sweep_jobs
 
 
 def test_override_args_separates_hydra_flags_from_overrides():
@@ -52,8 +60,14 @@ def test_a_search_space_reads_as_the_optuna_sweeper_reads_it():
 
     assert not proposes_jobs(basic.hydra) and proposes_jobs(master.hydra)
     # the default grid's keys are fixed by the preset; a fixed value on the command line beats the preset's range
-    assert fixed[:3] == ["task.length=20", "attention=none", "seed=0"] and "train.clip=2" in fixed  # in the default grid's key order
+    assert (
+        fixed[:3] == ["task.length=20", "attention=none", "seed=0"] and "train.clip=2" in fixed
+    )  # in the default grid's key order
     # the batch size is not searched: every trial gets the attention models' examples per step
     assert list(searched) == ["train.lr", "train.warmup", "model.hidden_size", "model.bidirectional"]
-    assert samples[:3] == ["train.lr=0.001", "train.warmup=0.05", "model.hidden_size=32"]  # the command line's interval replaced the preset's
+    assert samples[:3] == [
+        "train.lr=0.001",
+        "train.warmup=0.05",
+        "model.hidden_size=32",
+    ]  # the command line's interval replaced the preset's
     assert (job.train.lr, job.train.clip, job.model.hidden_size, job.model.bidirectional) == (0.001, 2, 32, True)

@@ -11,7 +11,21 @@ import copytask
 
 PACKAGE = Path(copytask.__file__).parent
 # Lowest first: a subpackage (or a top-level module) may import only from itself and those before it.
-LAYERS = ["data", "config", "kernels", "models", "store", "reporting", "training", "evaluation", "sweeps", "bench", "api", "cli", "__main__"]
+LAYERS = [
+    "data",
+    "config",
+    "kernels",
+    "models",
+    "store",
+    "reporting",
+    "training",
+    "evaluation",
+    "sweeps",
+    "bench",
+    "api",
+    "cli",
+    "__main__",
+]
 
 
 def layer_of(path: Path) -> str:

@@ -56,15 +56,29 @@ def test_without_trials_or_with_one_seed_the_interval_is_as_before():
 
 
 def runs(eval_size: int | None, **extra) -> pd.DataFrame:
-    rows = [{"attention": "bahdanau", "length": 10, "seed": seed, "token_acc": 1.0, "seq_acc": 1.0, "chance": 1 / 9,
-             "params": 100, TARGET_STEP: 300.0, **extra} for seed in range(3)]
+    rows = [
+        {
+            "attention": "bahdanau",
+            "length": 10,
+            "seed": seed,
+            "token_acc": 1.0,
+            "seq_acc": 1.0,
+            "chance": 1 / 9,
+            "params": 100,
+            TARGET_STEP: 300.0,
+            **extra,
+        }
+        for seed in range(3)
+    ]
     table = pd.DataFrame(rows)
     return table if eval_size is None else table.assign(eval_size=eval_size)
 
 
 def test_the_summary_widens_token_accuracy_by_the_tokens_and_sequence_accuracy_by_the_sequences_scored():
     [row] = summarise(runs(512)).itertuples()
-    assert row.token_acc_lo == pytest.approx(5120 / (5120 + Z**2)) and row.seq_acc_lo == pytest.approx(512 / (512 + Z**2))
+    assert row.token_acc_lo == pytest.approx(5120 / (5120 + Z**2)) and row.seq_acc_lo == pytest.approx(
+        512 / (512 + Z**2)
+    )
     assert row.target_step_lo == row.target_step_hi == 300  # not an accuracy: the plain t-interval
     [old] = summarise(runs(None)).itertuples()  # a table without eval_size: as before
     assert old.token_acc_lo == old.seq_acc_lo == 1.0

@@ -12,9 +12,9 @@ import filelock
 import pytest
 import torch
 
-from copytask.kernels import build, ops
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import total_vocab
+from copytask.kernels import build, ops
 from copytask.models.recurrent import Seq2Seq
 
 from .conftest import SRC, run_cli
@@ -38,7 +38,9 @@ def run(layer, x, hx, lengths):
             tensor.grad = None
     states, final = layer(x, hx, lengths=lengths)
     weights = torch.Generator().manual_seed(7)
-    loss = (states * torch.randn(states.shape, generator=weights)).sum() + (final * torch.randn(final.shape, generator=weights)).sum()
+    loss = (states * torch.randn(states.shape, generator=weights)).sum() + (
+        final * torch.randn(final.shape, generator=weights)
+    ).sum()
     loss.backward()
     grads = [x.grad] + ([hx.grad] if hx is not None else []) + [p.grad for p in layer.parameters()]
     return [states.detach(), final.detach(), *[g.clone() for g in grads]]
@@ -286,7 +288,11 @@ def small_model(attention: str, score: str) -> tuple[Seq2Seq, Seq2Seq, object]:
     return fused, plain, make_batch("copy", 4, 6, 9, torch.Generator().manual_seed(0), min_length=3)
 
 
-EVERY_KERNEL = [("luong", "general"), ("bahdanau", "additive"), ("luong", "additive")]  # GRU, Bahdanau's decoder, the score
+EVERY_KERNEL = [
+    ("luong", "general"),
+    ("bahdanau", "additive"),
+    ("luong", "additive"),
+]  # GRU, Bahdanau's decoder, the score
 
 
 @pytest.mark.parametrize("attention, score", EVERY_KERNEL)
@@ -328,12 +334,28 @@ def test_ops_are_registered_as_torch_asks(kernel):
     torch.manual_seed(0)
     T, B, S, A, H, E = 3, 2, 4, 5, 6, 7
     grad = {"requires_grad": True}
-    gru = (torch.randn(T, B, 3 * H, **grad), torch.randn(B, H, **grad), torch.randn(3 * H, H, **grad), torch.randn(3 * H, **grad),
-           torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]]), True)
+    gru = (
+        torch.randn(T, B, 3 * H, **grad),
+        torch.randn(B, H, **grad),
+        torch.randn(3 * H, H, **grad),
+        torch.randn(3 * H, **grad),
+        torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]]),
+        True,
+    )
     additive = (torch.randn(B, T, A, **grad), torch.randn(B, S, A, **grad), torch.randn(A, **grad))
-    bahdanau = (torch.randn(T, B, E, **grad), torch.randn(B, H, **grad), torch.randn(B, S, A, **grad), torch.randn(B, S, H, **grad),
-                torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]), torch.randn(A, H, **grad), torch.randn(A, **grad),
-                torch.randn(3 * H, E + H, **grad), torch.randn(3 * H, **grad), torch.randn(3 * H, H, **grad), torch.randn(3 * H, **grad))
+    bahdanau = (
+        torch.randn(T, B, E, **grad),
+        torch.randn(B, H, **grad),
+        torch.randn(B, S, A, **grad),
+        torch.randn(B, S, H, **grad),
+        torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]),
+        torch.randn(A, H, **grad),
+        torch.randn(A, **grad),
+        torch.randn(3 * H, E + H, **grad),
+        torch.randn(3 * H, **grad),
+        torch.randn(3 * H, H, **grad),
+        torch.randn(3 * H, **grad),
+    )
     for op, args in ((ops.gru_forward, gru), (ops.additive_forward, additive), (ops.bahdanau_forward, bahdanau)):
         torch.library.opcheck(op, args)
 
@@ -371,7 +393,10 @@ def test_a_build_killed_midway_is_redone_not_waited_for(monkeypatch, fresh_build
     (stale / "lock").touch()
     (stale / f"{name}.so").write_bytes(b"half a library")
     builds = []
-    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda name, sources, **options: builds.append(options["build_directory"]) or "built")
+    monkeypatch.setattr(
+        "torch.utils.cpp_extension.load",
+        lambda name, sources, **options: builds.append(options["build_directory"]) or "built",
+    )
     assert ops.kernel() == "built"
     assert builds == [str(stale)] and not (stale / "lock").exists()
 
@@ -379,10 +404,17 @@ def test_a_build_killed_midway_is_redone_not_waited_for(monkeypatch, fresh_build
 def test_a_build_held_too_long_elsewhere_falls_back_to_torch(monkeypatch, fresh_build_root):
     """Another process holding the build's lock past the bound: a warning, then torch's ops."""
     monkeypatch.setattr(build, "BUILD_WAIT_S", 0.2)
-    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda *args, **options: pytest.fail("built while another process holds the lock"))
+    monkeypatch.setattr(
+        "torch.utils.cpp_extension.load",
+        lambda *args, **options: pytest.fail("built while another process holds the lock"),
+    )
     name = build.build_name_and_flags()[0]
-    with filelock.FileLock(fresh_build_root / f"{name}.lock"):  # a second lock of the same file blocks, in this process too
-        with pytest.warns(UserWarning, match="another process has held .* building the fused CPU kernels; using torch's ops"):
+    with filelock.FileLock(
+        fresh_build_root / f"{name}.lock"
+    ):  # a second lock of the same file blocks, in this process too
+        with pytest.warns(
+            UserWarning, match="another process has held .* building the fused CPU kernels; using torch's ops"
+        ):
             assert ops.kernel() is None
 
 
@@ -408,7 +440,9 @@ def test_loading_the_kernels_on_a_cuda_build_without_a_gpu_says_nothing_of_cuda_
     """torch's extension builder logs "No CUDA runtime is found, using CUDA_HOME=..." when it is imported there:
     noise on every CPU run, since the kernels are CPU-only."""
     env = {**os.environ, "CUDA_HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", CUDA_BUILD_WITHOUT_GPU], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", CUDA_BUILD_WITHOUT_GPU], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert "CUDA_HOME" not in done.stderr and "No CUDA runtime" not in done.stderr, done.stderr
 
@@ -442,7 +476,12 @@ print(mallinfo2().hblkhd - mapped)
 def test_the_kernels_leave_the_allocator_alone(kernel):
     """Loading and running the kernels changes no process-wide setting: glibc still maps a large
     block, as it does by default (the library once raised its mmap threshold to 1 GB)."""
-    done = subprocess.run([sys.executable, "-c", ALLOCATOR_CHECK], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(SRC)})
+    done = subprocess.run(
+        [sys.executable, "-c", ALLOCATOR_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) >= 40 << 20, "the 40 MB block came from the heap: the allocator's thresholds were changed"

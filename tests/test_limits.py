@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from copytask.training import splits
 from copytask.config import checks
-from copytask.config.schema import ConfigError
 from copytask.config.checks import heldout_share, validate
+from copytask.config.schema import ConfigError
+from copytask.training import splits
 from copytask.training.splits import heldout_keys, sequence_keys, training_batch
 
 from .conftest import SRC, TINY
@@ -23,13 +23,28 @@ def test_a_heldout_set_of_every_sequence_is_refused_through_the_cli_at_once(tmp_
     """The command of issue 19: 8 possible sequences, 128 held out. It used to loop for ever in
     `training_batch`; the timeout turns such a hang into a failure."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "HYDRA_FULL_ERROR": "0"}
-    command = [sys.executable, "-m", "copytask", "train", "experiment=quick", "task.vocab_size=2", "task.length=3",
-               "train.progress=false", f"runs_dir={tmp_path}"]
+    command = [
+        sys.executable,
+        "-m",
+        "copytask",
+        "train",
+        "experiment=quick",
+        "task.vocab_size=2",
+        "task.length=3",
+        "train.progress=false",
+        f"runs_dir={tmp_path}",
+    ]
     process = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert process.returncode == 2
     [line] = process.stderr.strip().splitlines()
-    assert line.startswith("copytask: error: ") and "train.eval_size=128 + train.val_size=128" in line and "task.length=3" in line
-    assert "task.vocab_size=2" in line and "train.eval_size + train.val_size <= 4" in line  # 4 of the 8 sequences may be held out
+    assert (
+        line.startswith("copytask: error: ")
+        and "train.eval_size=128 + train.val_size=128" in line
+        and "task.length=3" in line
+    )
+    assert (
+        "task.vocab_size=2" in line and "train.eval_size + train.val_size <= 4" in line
+    )  # 4 of the 8 sequences may be held out
     assert not any(tmp_path.iterdir())
 
 
@@ -38,27 +53,43 @@ def test_a_heldout_set_of_every_sequence_is_refused_through_the_cli_at_once(tmp_
     [
         # 9 sequences, 16 test and 16 validation ones held out
         (["task.length=1"], "train.eval_size + train.val_size <= 4, task.length >= 2 or task.vocab_size >= 64"),
-        (["task.length=2", "task.vocab_size=2", "train.eval_size=3", "train.val_size=1"],
-         "train.eval_size + train.val_size <= 2, task.length >= 3 or task.vocab_size >= 3"),
+        (
+            ["task.length=2", "task.vocab_size=2", "train.eval_size=3", "train.val_size=1"],
+            "train.eval_size + train.val_size <= 2, task.length >= 3 or task.vocab_size >= 3",
+        ),
         # lengths 1-3 over 2 symbols: every length-1 and length-2 sequence can be held out
-        (["task.length=3", "task.vocab_size=2", "task.variable_length=true", "task.min_length=1"], "train.eval_size + train.val_size <= 1"),
+        (
+            ["task.length=3", "task.vocab_size=2", "task.variable_length=true", "task.min_length=1"],
+            "train.eval_size + train.val_size <= 1",
+        ),
     ],
 )
-def test_a_heldout_set_that_leaves_too_few_training_sequences_is_refused_naming_what_works(make_config, overrides, advice):
+def test_a_heldout_set_that_leaves_too_few_training_sequences_is_refused_naming_what_works(
+    make_config, overrides, advice
+):
     cfg = make_config(*TINY, *overrides)
     with pytest.raises(ConfigError) as refused:
         validate(cfg)
     message = str(refused.value)
-    assert "\n" not in message and f"train.eval_size={cfg.train.eval_size} + train.val_size={cfg.train.val_size}" in message
+    assert (
+        "\n" not in message
+        and f"train.eval_size={cfg.train.eval_size} + train.val_size={cfg.train.val_size}" in message
+    )
     assert advice in message
 
 
 def test_the_advice_of_a_refusal_is_accepted(make_config):
     """Each value the message proposes, alone, makes the config valid, and one step short of it does not."""
     base = [*TINY, "task.length=3", "task.vocab_size=2", "train.eval_size=16", "train.val_size=1"]
-    with pytest.raises(ConfigError, match=r"train.eval_size \+ train.val_size <= 4, task.length >= 6 or task.vocab_size >= 4"):
+    with pytest.raises(
+        ConfigError, match=r"train.eval_size \+ train.val_size <= 4, task.length >= 6 or task.vocab_size >= 4"
+    ):
         validate(make_config(*base))
-    for fix, short in (("train.eval_size=3", "train.eval_size=4"), ("task.length=6", "task.length=5"), ("task.vocab_size=4", "task.vocab_size=3")):
+    for fix, short in (
+        ("train.eval_size=3", "train.eval_size=4"),
+        ("task.length=6", "task.length=5"),
+        ("task.vocab_size=4", "task.vocab_size=3"),
+    ):
         validate(make_config(*base, fix))
         with pytest.raises(ConfigError):
             validate(make_config(*base, short))
@@ -72,7 +103,9 @@ def test_the_heldout_share_bounds_how_often_a_fresh_training_row_is_held_out():
     assert heldout_share(length=2, vocab_size=2, eval_size=3, min_length=1) == pytest.approx((1 + 3 / 4) / 2)
     # the default variable-length run: lengths 1-20 over 9 symbols, 512 held out
     assert heldout_share(length=20, vocab_size=9, eval_size=512, min_length=1) < 0.15
-    assert heldout_share(length=10**9, vocab_size=10**9, eval_size=10**9, min_length=1) < 1e-6  # huge values answer at once
+    assert (
+        heldout_share(length=10**9, vocab_size=10**9, eval_size=10**9, min_length=1) < 1e-6
+    )  # huge values answer at once
 
 
 @pytest.mark.parametrize("min_length", [None, 1])
@@ -93,7 +126,10 @@ def test_training_batch_stops_with_an_error_where_every_sequence_is_held_out(mak
         return real(*args)
 
     monkeypatch.setattr("copytask.training.splits.sample_batch", counted)
-    with pytest.raises(ConfigError, match=r"training batch.*held-out.*train.val_size=16, train.eval_size=64.*task.length=2.*task.vocab_size=2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training batch.*held-out.*train.val_size=16, train.eval_size=64.*task.length=2.*task.vocab_size=2",
+    ):
         training_batch(cfg, torch.Generator().manual_seed(0), heldout)
 
 
@@ -151,7 +187,12 @@ def test_the_memory_check_compares_the_estimate_with_the_machines_memory(make_co
 
 @pytest.mark.parametrize(
     "preset",
-    [[], ["experiment=attention_zoo"], ["experiment=budget"], ["experiment=capacity", "model.hidden_size=16,32,64,128,256"]],
+    [
+        [],
+        ["experiment=attention_zoo"],
+        ["experiment=budget"],
+        ["experiment=capacity", "model.hidden_size=16,32,64,128,256"],
+    ],
     ids=["default", "attention_zoo", "budget", "capacity-256"],
 )
 def test_every_preset_fits_a_small_machine(preset, monkeypatch):
@@ -163,15 +204,35 @@ def test_every_preset_fits_a_small_machine(preset, monkeypatch):
     assert len(grid) >= 36
 
 
-@pytest.mark.parametrize("attention", ["none", "rnnencdec", "bahdanau", "luong_dot", "luong_general", "luong_concat", "scaled_dot", "multihead", "luong_local", "luong_local_m"])
+@pytest.mark.parametrize(
+    "attention",
+    [
+        "none",
+        "rnnencdec",
+        "bahdanau",
+        "luong_dot",
+        "luong_general",
+        "luong_concat",
+        "scaled_dot",
+        "multihead",
+        "luong_local",
+        "luong_local_m",
+    ],
+)
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_the_estimates_parameter_count_is_the_models_but_its_attentions(make_config, attention, bidirectional):
     """Without torch every parameter but the attention's own, which its class knows (`check_buildable`
     counts the whole)."""
-    from copytask.models.recurrent import count_parameters
     from copytask.models.build import build_model
+    from copytask.models.recurrent import count_parameters
 
-    cfg = make_config(f"attention={attention}", f"model.bidirectional={bidirectional}", "model.hidden_size=12", "model.embedding_size=5", "task.vocab_size=7")
+    cfg = make_config(
+        f"attention={attention}",
+        f"model.bidirectional={bidirectional}",
+        "model.hidden_size=12",
+        "model.embedding_size=5",
+        "task.vocab_size=7",
+    )
     model = build_model(cfg)
     attention = 0 if model.attention is None else count_parameters(model.attention)
     assert checks.parameter_count(cfg) == count_parameters(model) - attention

@@ -11,8 +11,8 @@ import sys
 import pandas as pd
 import pytest
 
-from copytask.training import checkpoints, trackers
 from copytask import cli, store
+from copytask.training import checkpoints, trackers
 from copytask.training.loop import train
 
 from .conftest import SRC, TINY, run_cli
@@ -38,12 +38,16 @@ def test_tensorboard_logs_the_history_the_identity_and_the_attention_map(make_co
     from tensorboard.plugins.hparams import metadata, plugin_data_pb2
 
     cfg, history, metrics = trained(make_config, "logger=tensorboard")
-    events = EventAccumulator(str(store.run_dir(cfg).parent / "tensorboard" / metrics["run"]), size_guidance={"images": 0, "scalars": 0})
+    events = EventAccumulator(
+        str(store.run_dir(cfg).parent / "tensorboard" / metrics["run"]), size_guidance={"images": 0, "scalars": 0}
+    )
     events.Reload()
     for column in RECORDED:
         scalars = events.Scalars(column)
         assert [scalar.step for scalar in scalars] == history["step"].tolist()
-        assert [scalar.value for scalar in scalars] == pytest.approx(history[column].tolist(), rel=1e-6)  # float32 in the event file
+        assert [scalar.value for scalar in scalars] == pytest.approx(
+            history[column].tolist(), rel=1e-6
+        )  # float32 in the event file
     for name, key in trackers.FINAL_METRICS.items():
         (final,) = events.Scalars(name)
         assert final.step == metrics["steps"] and final.value == pytest.approx(metrics[key], rel=1e-6)
@@ -73,7 +77,9 @@ def test_a_resumed_run_logs_its_whole_history_in_its_tracker_run(make_config, mo
             train(cfg)
     metrics = train(cfg)  # continues from step 5, in a new tracker run that replaces the stopped one's
     assert metrics["resumed_from"] == 5
-    events = EventAccumulator(str(store.run_dir(cfg).parent / "tensorboard" / metrics["run"]), size_guidance={"scalars": 0})
+    events = EventAccumulator(
+        str(store.run_dir(cfg).parent / "tensorboard" / metrics["run"]), size_guidance={"scalars": 0}
+    )
     events.Reload()
     history = pd.read_csv(store.run_dir(cfg) / store.HISTORY)
     for column in RECORDED:
@@ -81,8 +87,8 @@ def test_a_resumed_run_logs_its_whole_history_in_its_tracker_run(make_config, mo
 
 
 def test_tensorboard_report_run_holds_the_sweeps_png_figures(make_config, tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     import matplotlib.pyplot as plt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = make_config("logger=tensorboard", f"logger.log_dir={tmp_path / 'tb'}")
     figure = plt.figure(figsize=(2, 2))
@@ -103,7 +109,9 @@ def test_mlflow_logs_the_history_the_identity_and_the_attention_map(make_config)
     from mlflow.tracking import MlflowClient
 
     cfg, history, metrics = trained(make_config, "logger=mlflow")
-    train(make_config(*TINY, "attention=bahdanau", "task.length=4", "logger=mlflow", "retrain=true"))  # replaces its MLflow run
+    train(
+        make_config(*TINY, "attention=bahdanau", "task.length=4", "logger=mlflow", "retrain=true")
+    )  # replaces its MLflow run
     runs_dir = store.run_dir(cfg).parent
     client = MlflowClient(tracking_uri=f"sqlite:///{runs_dir.resolve() / 'mlflow.db'}")  # the default store
     experiment = client.get_experiment_by_name(str(runs_dir))
@@ -130,7 +138,9 @@ def test_a_sweep_is_one_mlflow_experiment_with_one_run_per_copytask_run(tmp_path
     from mlflow.tracking import MlflowClient
 
     runs_dir = tmp_path / "runs"
-    process = run_cli("sweep", *TINY, "attention=none,bahdanau", "task.length=4", "seed=0", f"runs_dir={runs_dir}", "logger=mlflow")
+    process = run_cli(
+        "sweep", *TINY, "attention=none,bahdanau", "task.length=4", "seed=0", f"runs_dir={runs_dir}", "logger=mlflow"
+    )
     assert process.returncode == 0, process.stderr
     client = MlflowClient(tracking_uri=f"sqlite:///{runs_dir.resolve() / 'mlflow.db'}")
     (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
@@ -140,10 +150,16 @@ def test_a_sweep_is_one_mlflow_experiment_with_one_run_per_copytask_run(tmp_path
     assert sorted(run.info.run_name for run in runs) == sorted(table["run"])
     assert sorted(run.data.params["attention.name"] for run in runs) == ["bahdanau", "none"]  # the swept key, a column
     for run in runs:
-        assert run.data.metrics["final/token_acc"] == pytest.approx(table.set_index("run").loc[run.info.run_name, "token_acc"])
+        assert run.data.metrics["final/token_acc"] == pytest.approx(
+            table.set_index("run").loc[run.info.run_name, "token_acc"]
+        )
     (report,) = client.search_runs([experiment.experiment_id], f"tags.`{trackers.KIND_TAG}` = 'report'")
     figures = {artifact.path for artifact in client.list_artifacts(report.info.run_id, "figures")}
-    assert {"figures/accuracy_vs_length.png", "figures/attention_bahdanau_length4.png", "figures/training_curves.png"} <= figures
+    assert {
+        "figures/accuracy_vs_length.png",
+        "figures/attention_bahdanau_length4.png",
+        "figures/training_curves.png",
+    } <= figures
 
 
 def test_a_missing_extra_is_refused_in_one_line_before_anything_runs(tmp_path):
@@ -153,7 +169,10 @@ def test_a_missing_extra_is_refused_in_one_line_before_anything_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{hidden}{os.pathsep}{SRC}", "HYDRA_FULL_ERROR": "0"}
     process = subprocess.run(
         [sys.executable, "-m", "copytask", "train", *TINY, f"runs_dir={tmp_path / 'runs'}", "logger=mlflow"],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert process.returncode == 2
     assert process.stderr == "copytask: error: logger=mlflow needs MLflow: pip install 'copytask[mlflow]'\n"
@@ -162,16 +181,29 @@ def test_a_missing_extra_is_refused_in_one_line_before_anything_runs(tmp_path):
 
 def test_a_sweep_refuses_a_missing_tracker_before_its_first_job(tmp_path, monkeypatch, capsys):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "tensorboard" else find_spec(name, *args))
-    assert cli.main(["sweep", *TINY, "attention=none,bahdanau", f"runs_dir={tmp_path / 'runs'}", "logger=tensorboard"]) == 2
-    assert capsys.readouterr().err == "copytask: error: logger=tensorboard needs TensorBoard: pip install 'copytask[tensorboard]'\n"
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "tensorboard" else find_spec(name, *args)
+    )
+    assert (
+        cli.main(["sweep", *TINY, "attention=none,bahdanau", f"runs_dir={tmp_path / 'runs'}", "logger=tensorboard"])
+        == 2
+    )
+    assert (
+        capsys.readouterr().err
+        == "copytask: error: logger=tensorboard needs TensorBoard: pip install 'copytask[tensorboard]'\n"
+    )
     assert not (tmp_path / "runs").exists()
 
 
 def test_the_logger_is_not_part_of_a_runs_identity(make_config):
     plain = make_config(*TINY)
-    assert type(trackers.open_run(plain, "any")) is trackers.RunLogger and not trackers.RunLogger.active  # none logs nothing
-    for choice in (["logger=tensorboard"], ["logger=mlflow", "logger.experiment=elsewhere", "logger.tracking_uri=sqlite:///x.db"]):
+    assert (
+        type(trackers.open_run(plain, "any")) is trackers.RunLogger and not trackers.RunLogger.active
+    )  # none logs nothing
+    for choice in (
+        ["logger=tensorboard"],
+        ["logger=mlflow", "logger.experiment=elsewhere", "logger.tracking_uri=sqlite:///x.db"],
+    ):
         cfg = make_config(*TINY, *choice)
         assert store.run_name(cfg) == store.run_name(plain)
         assert store.identity(cfg) == store.identity(plain) and "logger" not in store.identity(cfg)

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from copytask import store
+from copytask.config.checks import validate
 from copytask.config.schema import ConfigError
 from copytask.data.batches import make_batch
 from copytask.data.vocab import total_vocab
 from copytask.models.recurrent import Seq2Seq, count_parameters
-from copytask.config.checks import validate
 
 # Seq2Seq's arguments for each attention config (configs/attention/), at a tiny size
 ATTENTION = {
@@ -24,12 +24,16 @@ ATTENTION = {
     "luong_local_m": dict(decoder="luong", score="general", local="monotonic", window=2),
 }
 NO_ATTENTION = ("none", "rnnencdec")
-WEIGHTS_SUM_TO_ONE = [name for name in ATTENTION if name not in (*NO_ATTENTION, "luong_local")]  # local-p: the paper's Gaussian
+WEIGHTS_SUM_TO_ONE = [
+    name for name in ATTENTION if name not in (*NO_ATTENTION, "luong_local")
+]  # local-p: the paper's Gaussian
 
 
 def make_model(name: str, bidirectional: bool = True) -> Seq2Seq:
     torch.manual_seed(0)
-    return Seq2Seq(total_vocab(6), embedding_size=8, hidden_size=16, bidirectional=bidirectional, **ATTENTION[name]).eval()
+    return Seq2Seq(
+        total_vocab(6), embedding_size=8, hidden_size=16, bidirectional=bidirectional, **ATTENTION[name]
+    ).eval()
 
 
 @pytest.mark.parametrize("name", ATTENTION)
@@ -107,7 +111,9 @@ def test_bahdanau_queries_the_state_before_the_step():
     decoder = model.decoder
     # s_0 is the encoder's final state; s_1 follows from it, the first input and the first context.
     torch.testing.assert_close(queries[0], final)
-    context, _ = decoder.attention.step(final, *decoder.memory(model.encoder(batch.src, batch.src_lengths)[0]), batch.src_mask)
+    context, _ = decoder.attention.step(
+        final, *decoder.memory(model.encoder(batch.src, batch.src_lengths)[0]), batch.src_mask
+    )
     s1 = decoder.cell(torch.cat([decoder.embedding(batch.tgt_in[:, 0]), context], -1), final)
     torch.testing.assert_close(queries[1], s1)
 
@@ -165,15 +171,25 @@ def test_rnnencdec_runs_are_named_apart_from_those_of_its_earlier_equations(make
     validate(cfg)
     assert store.identity(cfg)["attention"]["variant"] == "cho2014"
     assert store.run_name(cfg) != "rnnencdec-copy20-seed0-19c01655"  # its name at commit 0cb4bce
-    assert store.run_name(make_config("attention=none")) == "none-copy20-seed0-255ad0c3"  # unchanged since the validation set
+    assert (
+        store.run_name(make_config("attention=none")) == "none-copy20-seed0-255ad0c3"
+    )  # unchanged since the validation set
     assert "variant" not in store.identity(make_config("attention=none"))["attention"]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["attention=rnnencdec", "attention.variant=null"], "attention.variant must be cho2014 with attention.decoder=rnnencdec, got null"),
-    (["attention=bahdanau", "attention.variant=cho2014"], "attention.variant must be null with attention.decoder=bahdanau, got 'cho2014'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["attention=rnnencdec", "attention.variant=null"],
+            "attention.variant must be cho2014 with attention.decoder=rnnencdec, got null",
+        ),
+        (
+            ["attention=bahdanau", "attention.variant=cho2014"],
+            "attention.variant must be null with attention.decoder=bahdanau, got 'cho2014'",
+        ),
+    ],
+)
 def test_a_variant_no_decoder_computes_is_refused(make_config, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(make_config(*overrides))
-

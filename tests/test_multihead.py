@@ -4,15 +4,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from copytask.evaluation.analysis import head_weights
-from copytask.models.attention import make_attention, masked_softmax
-from copytask.config.schema import config_dir
+from copytask.config.checks import validate
+from copytask.config.schema import ConfigError, config_dir
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import total_vocab
+from copytask.evaluation.analysis import head_weights
+from copytask.models.attention import make_attention, masked_softmax
 from copytask.models.build import check_buildable
 from copytask.models.recurrent import Seq2Seq
-from copytask.config.schema import ConfigError
-from copytask.config.checks import validate
 
 B, T_DEC, T_ENC, H = 3, 4, 6, 8
 
@@ -78,21 +77,42 @@ def test_heads_are_refused_where_undefined_or_indivisible():
     ("overrides", "message"),
     [
         (["attention=bahdanau", "attention.heads=2"], "attention.heads=2 needs Luong attention"),
-        (["attention=luong_general", "attention.heads=3"], r"model.hidden_size \(64\) must be divisible by attention.heads \(3\)"),
+        (
+            ["attention=luong_general", "attention.heads=3"],
+            r"model.hidden_size \(64\) must be divisible by attention.heads \(3\)",
+        ),
         (["attention=luong_general", "attention.heads=0"], "attention.heads must be an integer >= 1, got 0"),
         (["attention=multihead", "attention.heads=16"], "attention.heads must be at most 8, got 16"),
         (["attention=luong_local", "attention.window=0"], "attention.window must be an integer >= 1, got 0"),
-        (["attention=luong_local", "attention.local=sideways"], "attention.local must be one of None, predictive, monotonic, got 'sideways'"),
-        (["attention=luong_local", "attention.heads=2"], "attention.local=predictive needs single-head Luong attention, got attention=luong_local with 2 heads"),
-        (["attention=bahdanau", "attention.local=monotonic", "attention.window=3"], "attention.local=monotonic needs single-head Luong attention"),
-        (["attention=luong_general", "attention.score=scaled"], "attention.score must be one of null, additive, dot, scaled_dot"),
+        (
+            ["attention=luong_local", "attention.local=sideways"],
+            "attention.local must be one of None, predictive, monotonic, got 'sideways'",
+        ),
+        (
+            ["attention=luong_local", "attention.heads=2"],
+            "attention.local=predictive needs single-head Luong attention, got attention=luong_local with 2 heads",
+        ),
+        (
+            ["attention=bahdanau", "attention.local=monotonic", "attention.window=3"],
+            "attention.local=monotonic needs single-head Luong attention",
+        ),
+        (
+            ["attention=luong_general", "attention.score=scaled"],
+            "attention.score must be one of null, additive, dot, scaled_dot",
+        ),
         # refused by the attention classes (check_buildable)
-        (["attention=luong_concat", "attention.heads=2"],
-         "attention=luong_concat: heads=2 needs a dot, scaled_dot, general, multihead score, got 'additive'"),
-        (["attention=multihead", "attention.heads=1", "attention.local=monotonic", "attention.window=2"],
-         "attention=multihead: local attention needs one head of a single-head score"),
-        (["attention=luong_concat", "attention.size=null"],
-         "attention=luong_concat: additive attention needs attention_size >= 1"),
+        (
+            ["attention=luong_concat", "attention.heads=2"],
+            "attention=luong_concat: heads=2 needs a dot, scaled_dot, general, multihead score, got 'additive'",
+        ),
+        (
+            ["attention=multihead", "attention.heads=1", "attention.local=monotonic", "attention.window=2"],
+            "attention=multihead: local attention needs one head of a single-head score",
+        ),
+        (
+            ["attention=luong_concat", "attention.size=null"],
+            "attention=luong_concat: additive attention needs attention_size >= 1",
+        ),
         (["attention=luong_general", "attention.score=null"], "attention=luong_general: unknown attention score None"),
     ],
 )

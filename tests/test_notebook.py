@@ -24,7 +24,9 @@ def test_the_notebook_runs_and_shows_its_tables_figures_and_a_decoded_sequence(t
     grid = [*TINY, "attention=none,bahdanau", "task.length=3,6", "seed=0"]
     parameters.source = f"RUNS_DIR = {str(tmp_path / 'runs')!r}\nGRID = {grid!r}\nTYPED = 'a b c'"
     monkeypatch.setenv("PYTHONPATH", str(SRC))  # the kernel imports this checkout's copytask
-    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
 
     outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
     assert not [output for output in outputs if output.output_type == "error"]
@@ -42,7 +44,13 @@ def test_what_the_notebook_writes_run_from_examples_is_ignored_by_git():
     root = NOTEBOOK.parents[1]
     if shutil.which("git") is None or not (root / ".git").exists():
         pytest.skip("not a git checkout")
-    written = ["examples/runs/notebook/report/report.md", "examples/runs/notebook/none-copy5-seed0-0/metrics.json", "runs/quick/results.csv"]
+    written = [
+        "examples/runs/notebook/report/report.md",
+        "examples/runs/notebook/none-copy5-seed0-0/metrics.json",
+        "runs/quick/results.csv",
+    ]
     done = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=root, capture_output=True, text=True)
     assert done.stdout.split() == written
-    assert subprocess.run(["git", "check-ignore", "-q", "--no-index", "runs/.gitkeep"], cwd=root).returncode == 1  # the folder itself stays
+    assert (
+        subprocess.run(["git", "check-ignore", "-q", "--no-index", "runs/.gitkeep"], cwd=root).returncode == 1
+    )  # the folder itself stays

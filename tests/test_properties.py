@@ -43,9 +43,22 @@ NO_ATTENTION = ("none", "rnnencdec")  # GRU decoders without attention weights
 RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store.ATTENTION}
 # Small, fast and quiet defaults; a drawn override of the same key comes later and wins.
 # Each model reads its own sizes and leaves the other's unused, so both are here.
-QUIET = ["train.progress=false", "train.threads=1", "train.steps=2", "train.eval_every=1", "task.length=4",
-         "model.hidden_size=8", "model.embedding_size=4", "train.batch_size=4", "train.eval_size=8", "train.val_size=8",
-         "model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=8"]
+QUIET = [
+    "train.progress=false",
+    "train.threads=1",
+    "train.steps=2",
+    "train.eval_every=1",
+    "task.length=4",
+    "model.hidden_size=8",
+    "model.embedding_size=4",
+    "train.batch_size=4",
+    "train.eval_size=8",
+    "train.val_size=8",
+    "model.d_model=8",
+    "model.heads=2",
+    "model.layers=1",
+    "model.ff_size=8",
+]
 
 
 def compose(overrides: list[str]):
@@ -75,6 +88,7 @@ def time_limit(seconds: int):
 
 # -- the configuration space ------------------------------------------------------------------
 
+
 def number(value: float) -> str:
     return repr(value)
 
@@ -102,7 +116,9 @@ VALID = {
     "model.positions": st.sampled_from(["sinusoidal", "learned"]),
     "model.max_length": st.integers(1, 8).map(str) | st.just("null"),
     "model.dropout": st.floats(0, 0.9).map(number),
-    "analysis.lengths": st.lists(st.integers(1, 9), min_size=1, max_size=3).map(lambda lengths: f"[{','.join(map(str, lengths))}]"),
+    "analysis.lengths": st.lists(st.integers(1, 9), min_size=1, max_size=3).map(
+        lambda lengths: f"[{','.join(map(str, lengths))}]"
+    ),
     "train.batch_size": st.integers(1, 8),
     "train.eval_size": st.integers(1, 16),
     "train.val_size": st.integers(1, 16),
@@ -122,12 +138,43 @@ VALID = {
 }
 # Junk for any key: out of range, huge (refused as sizes no machine holds), of the wrong type, empty.
 JUNK_VALUES = st.sampled_from(
-    ["0", "-1", "-1000000", "1000000000000", "10**30", "1" + "0" * 30, "2.5", "1e400", "nan", "inf", "-inf",
-     "", "' '", "oops", "true", "null", "[1,2]", "{a: 1}", "-0.0"]
+    [
+        "0",
+        "-1",
+        "-1000000",
+        "1000000000000",
+        "10**30",
+        "1" + "0" * 30,
+        "2.5",
+        "1e400",
+        "nan",
+        "inf",
+        "-inf",
+        "",
+        "' '",
+        "oops",
+        "true",
+        "null",
+        "[1,2]",
+        "{a: 1}",
+        "-0.0",
+    ]
 )
 JUNK_OVERRIDES = st.sampled_from(
-    ["task.lenght=3", "+model.depth=2", "~task.length", "attention=bogus", "task=sort", "experiment=nope",
-     "model=big", "train=fast", "=3", "task.length", "seed=1=2", "hparams_search=nope"]
+    [
+        "task.lenght=3",
+        "+model.depth=2",
+        "~task.length",
+        "attention=bogus",
+        "task=sort",
+        "experiment=nope",
+        "model=big",
+        "train=fast",
+        "=3",
+        "task.length",
+        "seed=1=2",
+        "hparams_search=nope",
+    ]
 )
 
 
@@ -149,7 +196,10 @@ def any_overrides(draw) -> list[str]:
     """Valid overrides, and in most examples some junk among them."""
     overrides = draw(valid_overrides())
     for _ in range(draw(st.integers(0, 2))):
-        junk = draw(st.builds("{}={}".format, st.sampled_from(sorted(VALID)), JUNK_VALUES).filter(not_a_long_run) | JUNK_OVERRIDES)
+        junk = draw(
+            st.builds("{}={}".format, st.sampled_from(sorted(VALID)), JUNK_VALUES).filter(not_a_long_run)
+            | JUNK_OVERRIDES
+        )
         overrides.insert(draw(st.integers(0, len(overrides))), junk)
     return overrides
 
@@ -173,7 +223,9 @@ PROPERTY = settings(max_examples=80, deadline=None, derandomize=True, suppress_h
 @PROPERTY
 @given(any_overrides())
 @example(["task.vocab_size=2", "task.length=3", "train.eval_size=16"])  # issue 19: looped for ever
-@example(["attention=scaled_dot", "task=reverse", "task.length=1000000", "model.embedding_size=1000000"])  # issue 19: killed for memory
+@example(
+    ["attention=scaled_dot", "task=reverse", "task.length=1000000", "model.embedding_size=1000000"]
+)  # issue 19: killed for memory
 # Found by this test; each was a traceback, or a NaN loss after the run folder was written:
 @example(["=3"])  # Hydra's ValueError
 @example(["attention=[1,2]"])  # Hydra's TypeError
@@ -219,13 +271,17 @@ def test_the_command_line_trains_or_answers_in_one_line_with_exit_status_2(overr
 
 # -- the attention contract -------------------------------------------------------------------
 
+
 def attention_config(attention: str):
     """A tiny model's config per attention option (and `transformer`: model=transformer); hidden 8 keeps
     4 heads and both directions whole."""
     if attention == "transformer":
         return compose(["model=transformer", "model.d_model=8", "model.heads=2", "model.ff_size=8"])
-    return compose([f"attention={attention}", "model.hidden_size=8", "model.embedding_size=4", "attention.window=2"]
-                   if attention.startswith("luong_local") else [f"attention={attention}", "model.hidden_size=8", "model.embedding_size=4"])
+    return compose(
+        [f"attention={attention}", "model.hidden_size=8", "model.embedding_size=4", "attention.window=2"]
+        if attention.startswith("luong_local")
+        else [f"attention={attention}", "model.hidden_size=8", "model.embedding_size=4"]
+    )
 
 
 CONFIGS: dict[str, object] = {}
@@ -243,7 +299,11 @@ def mixed_batches(draw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
-@given(st.sampled_from([*(name for name in ATTENTIONS if name not in NO_ATTENTION), "transformer"]), mixed_batches(), st.integers(0, 2**16))
+@given(
+    st.sampled_from([*(name for name in ATTENTIONS if name not in NO_ATTENTION), "transformer"]),
+    mixed_batches(),
+    st.integers(0, 2**16),
+)
 def test_attention_weights_keep_the_contract_on_mixed_length_batches(attention, batch, seed):
     src, lengths, tgt_in = batch
     if attention not in CONFIGS:
@@ -273,7 +333,9 @@ def test_attention_weights_keep_the_contract_on_mixed_length_batches(attention, 
     for row in range(batch_size):  # each sequence alone, trimmed to its own length
         length = int(lengths[row])
         with torch.no_grad():
-            alone_logits, alone_weights = model(src[row : row + 1, :length], lengths[row : row + 1], tgt_in[row : row + 1, : length + 1])
+            alone_logits, alone_weights = model(
+                src[row : row + 1, :length], lengths[row : row + 1], tgt_in[row : row + 1, : length + 1]
+            )
         torch.testing.assert_close(alone_weights[0], weights[row, : length + 1, :length], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(alone_logits[0], logits[row, : length + 1], atol=1e-5, rtol=1e-4)
     if not any(getattr(module, "fused", False) for module in model.modules()):
@@ -292,17 +354,43 @@ def test_attention_weights_keep_the_contract_on_mixed_length_batches(attention, 
 
 # Keys that change the computation, with two values each that every option accepts.
 COMPUTATION = {
-    "task.length": ("4", "5"), "task.vocab_size": ("5", "6"), "task": ("copy", "reverse"), "seed": ("0", "1"),
-    "model.hidden_size": ("8", "12"), "model.embedding_size": ("4", "6"), "model.bidirectional": ("true", "false"),
-    "train.batch_size": ("4", "5"), "train.eval_size": ("8", "9"), "train.steps": ("2", "3"), "train.lr": ("0.01", "0.02"),
-    "train.clip": ("1", "2"), "train.eval_every": ("1", "2"), "train.eval_seed": ("7", "8"), "train.val_size": ("8", "9"), "train.val_seed": ("7", "8"), "train.target_acc": ("0.9", "1"),
-    "train.patience": ("2", "null"), "attention": ("luong_general", "bahdanau"),
+    "task.length": ("4", "5"),
+    "task.vocab_size": ("5", "6"),
+    "task": ("copy", "reverse"),
+    "seed": ("0", "1"),
+    "model.hidden_size": ("8", "12"),
+    "model.embedding_size": ("4", "6"),
+    "model.bidirectional": ("true", "false"),
+    "train.batch_size": ("4", "5"),
+    "train.eval_size": ("8", "9"),
+    "train.steps": ("2", "3"),
+    "train.lr": ("0.01", "0.02"),
+    "train.clip": ("1", "2"),
+    "train.eval_every": ("1", "2"),
+    "train.eval_seed": ("7", "8"),
+    "train.val_size": ("8", "9"),
+    "train.val_seed": ("7", "8"),
+    "train.target_acc": ("0.9", "1"),
+    "train.patience": ("2", "null"),
+    "attention": ("luong_general", "bahdanau"),
 }
 # Spellings of one computation: (key, value) pairs that leave it as it is when added.
-NEUTRAL = [("attention.heads", "1"), ("train.threads", "1"), ("train.progress", "false"), ("train.fused", "false"),
-           ("train.attention_samples", "2"), ("task.variable_length", "false"), ("train.schedule", "onecycle"),
-           ("task.min_length", "3"), ("runs_dir", "elsewhere"), ("analysis.eval_size", "7"), ("model", "gru"),
-           ("model.d_model", "16"), ("model.layers", "3"), ("analysis.lengths", "[5,9]")]  # model=gru reads no Transformer key
+NEUTRAL = [
+    ("attention.heads", "1"),
+    ("train.threads", "1"),
+    ("train.progress", "false"),
+    ("train.fused", "false"),
+    ("train.attention_samples", "2"),
+    ("task.variable_length", "false"),
+    ("train.schedule", "onecycle"),
+    ("task.min_length", "3"),
+    ("runs_dir", "elsewhere"),
+    ("analysis.eval_size", "7"),
+    ("model", "gru"),
+    ("model.d_model", "16"),
+    ("model.layers", "3"),
+    ("analysis.lengths", "[5,9]"),
+]  # model=gru reads no Transformer key
 
 
 def whole_float(value: str) -> str:

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from copytask.models.attention import SigmoidTanh
 from copytask.config.schema import config_dir
 from copytask.data.batches import make_batch
-from copytask.models.reference import ReferenceSeq2Seq
+from copytask.models.attention import SigmoidTanh
 from copytask.models.build import build_model
+from copytask.models.reference import ReferenceSeq2Seq
 
 ATTENTIONS = ("none", "rnnencdec", "bahdanau", "luong_dot", "luong_general", "luong_concat")
 NO_ATTENTION = ("none", "rnnencdec")
@@ -20,7 +20,9 @@ LENGTH, VOCAB, BATCH = 12, 9, 16
 
 def config(attention: str):
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("config", overrides=[f"attention={attention}", f"task.length={LENGTH}", f"task.vocab_size={VOCAB}"])
+        return compose(
+            "config", overrides=[f"attention={attention}", f"task.length={LENGTH}", f"task.vocab_size={VOCAB}"]
+        )
 
 
 def model_pair(attention: str):
@@ -81,7 +83,9 @@ def test_additive_score_in_pieces_equals_reference(monkeypatch, steps_per_piece)
     5 leaves a remainder piece): logits, weights and gradients still equal the reference's."""
     project, reference = model_pair("luong_concat")
     b = batch(mixed=True)
-    monkeypatch.setattr("copytask.models.attention.ADDITIVE_CHUNK", steps_per_piece * BATCH * LENGTH * project.attention.v.in_features)
+    monkeypatch.setattr(
+        "copytask.models.attention.ADDITIVE_CHUNK", steps_per_piece * BATCH * LENGTH * project.attention.v.in_features
+    )
     logits, weights = project(b.src, b.src_lengths, b.tgt_in)
     ref_logits, ref_weights = reference(b.src, b.src_lengths, b.tgt_in)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
@@ -112,7 +116,7 @@ def test_comparison_detects_a_changed_summary_path(layer):
     project, reference = model_pair("rnnencdec")
     with torch.no_grad():
         weight = getattr(reference.decoder, layer).weight
-        weight[:, -project.decoder.summary.out_features:].mul_(1.5)  # the readout: only c's columns
+        weight[:, -project.decoder.summary.out_features :].mul_(1.5)  # the readout: only c's columns
     b = batch(mixed=True)
     logits, _ = project(b.src, b.src_lengths, b.tgt_in)
     ref_logits, _ = reference(b.src, b.src_lengths, b.tgt_in)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from copytask.evaluation import analysis
 from copytask import store
-from copytask.config.messages import CopytaskWarning
 from copytask.cli import main
+from copytask.config.messages import CopytaskWarning
+from copytask.evaluation import analysis
 from copytask.reporting.tables import TARGET_STEP, comparison_table, interval, summarise, target_step
 from copytask.store.grid import compose_grid, variable_length_runs
 
@@ -167,7 +167,9 @@ def test_report_without_analysis_says_it_is_missing_and_how_to_make_it(runs_copy
     markdown = (runs_copy / "report" / "report.md").read_text()
     assert "**Analysis missing** for 8 of 8 runs" in markdown
     assert f"python -m copytask analyze runs_dir={runs_copy}" in markdown
-    assert "### Counterfactual attention" not in markdown and "Jain and Wallace" in markdown  # maps still come with the caution
+    assert (
+        "### Counterfactual attention" not in markdown and "Jain and Wallace" in markdown
+    )  # maps still come with the caution
     assert pd.read_csv(runs_copy / "results.csv")["align_hit"].isna().all()
 
 
@@ -186,7 +188,9 @@ def test_a_failing_analysis_is_named_and_the_others_go_on(runs_copy):
 def test_variable_length_run_is_drawn_per_length_beside_the_grid(runs_copy, capsys):
     variable = ["attention=luong_general", "seed=0", "task.variable_length=true", "task.min_length=2", "task.length=6"]
     assert main(["train", *TINY, f"runs_dir={runs_copy}", *variable]) == 0
-    assert main(["train", *TINY, f"runs_dir={runs_copy}", *variable, "train.steps=11"]) == 0  # other settings: not the grid's
+    assert (
+        main(["train", *TINY, f"runs_dir={runs_copy}", *variable, "train.steps=11"]) == 0
+    )  # other settings: not the grid's
 
     assert main(["report", *overrides(runs_copy)]) == 0  # not analysed yet: the report says so
     assert "**Analysis missing** for 1 of 1 runs" in (runs_copy / "report" / "report.md").read_text()
@@ -195,7 +199,9 @@ def test_variable_length_run_is_drawn_per_length_beside_the_grid(runs_copy, caps
     assert main(["report", *overrides(runs_copy)]) == 0
     markdown = (runs_copy / "report" / "report.md").read_text()
     assert "Dashed lines: models trained on variable lengths" in markdown and "Analysis missing" not in markdown
-    assert "luong_general (copy) trained on 2-6" in (runs_copy / "report" / "accuracy_vs_length.svg").read_text()  # legend
+    assert (
+        "luong_general (copy) trained on 2-6" in (runs_copy / "report" / "accuracy_vs_length.svg").read_text()
+    )  # legend
     assert "8 of 8 runs of the grid complete" in markdown  # the variable-length runs are not rows of the grid
     _, grid = compose_grid(overrides(runs_copy))
     [matching] = variable_length_runs(grid, runs_copy)  # the train.steps=11 run is left out
@@ -218,15 +224,35 @@ def test_multi_head_runs_are_labelled_apart(tmp_path):
 def test_steps_to_target_is_the_first_evaluation_at_target_over_the_seeds_that_reached_it(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
-    (folder / store.HISTORY).write_text("step,loss,val_token_acc,val_seq_acc,seconds\n50,1.0,0.5,0.0,1\n100,0.1,0.995,0.9,2\n150,0.1,0.98,0.8,3\n")
+    (folder / store.HISTORY).write_text(
+        "step,loss,val_token_acc,val_seq_acc,seconds\n50,1.0,0.5,0.0,1\n100,0.1,0.995,0.9,2\n150,0.1,0.98,0.8,3\n"
+    )
     assert target_step(folder, 0.99) == 100  # the first hit, though accuracy fell again after it
     assert math.isnan(target_step(folder, 0.999)) and math.isnan(target_step(tmp_path / "nowhere", 0.99))
 
     runs = [
-        {"length": 5, "attention": "none", "seed": seed, "token_acc": 0.5, "seq_acc": 0.0, "chance": 1 / 9, "params": 10, TARGET_STEP: math.nan}
+        {
+            "length": 5,
+            "attention": "none",
+            "seed": seed,
+            "token_acc": 0.5,
+            "seq_acc": 0.0,
+            "chance": 1 / 9,
+            "params": 10,
+            TARGET_STEP: math.nan,
+        }
         for seed in range(3)
     ] + [
-        {"length": 5, "attention": "luong_general", "seed": seed, "token_acc": 0.99, "seq_acc": 0.9, "chance": 1 / 9, "params": 12, TARGET_STEP: step}
+        {
+            "length": 5,
+            "attention": "luong_general",
+            "seed": seed,
+            "token_acc": 0.99,
+            "seq_acc": 0.9,
+            "chance": 1 / 9,
+            "params": 12,
+            TARGET_STEP: step,
+        }
         for seed, step in enumerate([100, 200, math.nan])
     ]
     summary = summarise(pd.DataFrame(runs))
@@ -234,7 +260,9 @@ def test_steps_to_target_is_the_first_evaluation_at_target_over_the_seeds_that_r
     assert attended[TARGET_STEP] == 150 and attended["reached"] == 2 and attended[f"{TARGET_STEP}_lo"] < 150
     shown = comparison_table(summary).set_index("attention")["steps to target [95% CI]"]
     assert shown["none"] == "never"
-    assert re.fullmatch(r"150 \[0, \d[\d,]*\] \(2/3\)", shown["luong_general"])  # t-interval with 1 df: wide, clipped at 0
+    assert re.fullmatch(
+        r"150 \[0, \d[\d,]*\] \(2/3\)", shown["luong_general"]
+    )  # t-interval with 1 df: wide, clipped at 0
 
 
 def test_report_heatmaps_outline_the_copied_positions_and_say_so(runs_copy, monkeypatch):
@@ -271,8 +299,9 @@ def drawn_figures(monkeypatch) -> dict[str, object]:
 
 
 def test_a_one_length_grid_gives_figures_that_hold_and_a_report_that_states_what_was_swept(tmp_path, monkeypatch):
-    import copytask
     from matplotlib.container import ErrorbarContainer
+
+    import copytask
 
     grid = ["attention=none,luong_general", "task.length=5", "seed=0,1", "task.vocab_size=4,16", "train.lr=1e-3,5e-3"]
     copytask.sweep([*TINY, *grid], runs_dir=tmp_path / "runs")
@@ -294,7 +323,9 @@ def test_a_one_length_grid_gives_figures_that_hold_and_a_report_that_states_what
             if axis.get_visible() and axis.get_label() != "<colorbar>":
                 assert axis.lines or axis.images or axis.collections or axis.containers, name
     accuracy = drawn["accuracy_vs_length.png"]
-    assert all(any(isinstance(c, ErrorbarContainer) for c in axis.containers) for axis in accuracy.axes)  # one x: error bars
+    assert all(
+        any(isinstance(c, ErrorbarContainer) for c in axis.containers) for axis in accuracy.axes
+    )  # one x: error bars
     assert "bar = 95% interval" in accuracy._suptitle.get_text()
 
 
@@ -303,7 +334,9 @@ def test_analysis_lengths_test_every_run_beyond_its_training_and_the_report_draw
     assert not (report / "extrapolation.png").exists()  # the sweep's analysis tested the trained lengths only
     assert main(["analyze", f"runs_dir={runs_copy}", "analysis.lengths=[3,6,9]", "train.progress=false"]) == 0
     for run in pd.read_csv(runs_copy / "results.csv")["run"]:
-        tested = [row["test_length"] for row in store.read_json(runs_copy / run / store.ANALYSIS)["length_generalisation"]]
+        tested = [
+            row["test_length"] for row in store.read_json(runs_copy / run / store.ANALYSIS)["length_generalisation"]
+        ]
         assert tested == [3, 6, 9]
     shutil.rmtree(report)
     assert main(["report", *overrides(runs_copy)]) == 0
@@ -326,4 +359,3 @@ def test_the_report_speaks_of_transformers_only_where_it_has_one(runs_copy):
     assert trained.returncode == 0, trained.stderr
     assert main(["analyze", f"runs_dir={runs_copy}"]) == 0
     assert "A Transformer's drops mean something else than a GRU model's" in counterfactual_text()
-

@@ -12,18 +12,37 @@ import pandas as pd
 import pytest
 import torch
 
-from copytask.training import checkpoints, loop
 from copytask import store
 from copytask.config.messages import CopytaskWarning
+from copytask.training import checkpoints, loop
 from copytask.training.loop import train
 
 from .conftest import SRC, run_cli
 
 # Long enough for three evaluations and numbers above chance; no early stop, so every run trains its budget.
-RUN = ["experiment=quick", "train.steps=60", "train.eval_every=20", "train.eval_size=32", "train.val_size=32", "train.batch_size=16",
-       "train.threads=1", "train.progress=false", "train.patience=null"]
+RUN = [
+    "experiment=quick",
+    "train.steps=60",
+    "train.eval_every=20",
+    "train.eval_size=32",
+    "train.val_size=32",
+    "train.batch_size=16",
+    "train.threads=1",
+    "train.progress=false",
+    "train.patience=null",
+]
 # The numbers that must not change; `seconds` (wall time) and `resumed_from` are all that may.
-SAME = ["token_acc", "seq_acc", "val_token_acc", "val_seq_acc", "ended_early", "final_loss", "steps", "params", "chance"]
+SAME = [
+    "token_acc",
+    "seq_acc",
+    "val_token_acc",
+    "val_seq_acc",
+    "ended_early",
+    "final_loss",
+    "steps",
+    "params",
+    "chance",
+]
 
 # `python -m copytask ARGS` that kills itself with SIGKILL right after writing its checkpoint at
 # step KILL_AT: a kill between two evaluations, at a known step.
@@ -51,7 +70,11 @@ def history(folder) -> pd.DataFrame:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [["attention=luong_general"], ["model=transformer", "model.dropout=0.1"]], ids=["gru", "transformer-dropout"])
+@pytest.mark.parametrize(
+    "model",
+    [["attention=luong_general"], ["model=transformer", "model.dropout=0.1"]],
+    ids=["gru", "transformer-dropout"],
+)
 def test_a_run_killed_between_evaluations_resumes_to_the_uninterrupted_numbers(tmp_path, model):
     whole = run_cli("train", *RUN, *model, f"runs_dir={tmp_path / 'whole'}")
     assert whole.returncode == 0, whole.stderr
@@ -72,16 +95,25 @@ def test_a_run_killed_between_evaluations_resumes_to_the_uninterrupted_numbers(t
     assert resumed["resumed_from"] == 20 and uninterrupted["resumed_from"] == 0
     pd.testing.assert_frame_equal(history(folder), history(reference), check_exact=True)
     weights = [torch.load(f / store.CHECKPOINT, weights_only=True)["model"] for f in (folder, reference)]
-    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+    assert weights[0].keys() == weights[1].keys() and all(
+        torch.equal(weights[0][key], weights[1][key]) for key in weights[0]
+    )
     assert not (folder / store.RESUME).exists()  # a complete run keeps no checkpoint
 
 
 def test_the_checkpoint_holds_what_the_run_stood_at(make_config, monkeypatch):
     saved = []
-    monkeypatch.setattr(checkpoints, "save", lambda folder, cfg, progress, *args: saved.append(dict(progress, history=list(progress["history"]))))
+    monkeypatch.setattr(
+        checkpoints,
+        "save",
+        lambda folder, cfg, progress, *args: saved.append(dict(progress, history=list(progress["history"]))),
+    )
     cfg = make_config(*RUN)
     train(cfg)
-    assert [state["step"] for state in saved] == [20, 40]  # at each evaluation but the last: the run is complete after it
+    assert [state["step"] for state in saved] == [
+        20,
+        40,
+    ]  # at each evaluation but the last: the run is complete after it
     assert [len(state["history"]) for state in saved] == [1, 2]
 
 
@@ -130,7 +162,10 @@ def test_an_unreadable_checkpoint_is_set_aside_with_a_warning_and_the_run_starts
         _, other = interrupted(make_config, "train.lr=1e-3")
         path.write_bytes((other / store.RESUME).read_bytes())
 
-    with pytest.warns(CopytaskWarning, match=rf"^{folder.name}: its checkpoint {store.RESUME} is unreadable \(.*\); set aside as {store.UNREADABLE_RESUME}, training from step 0$"):
+    with pytest.warns(
+        CopytaskWarning,
+        match=rf"^{folder.name}: its checkpoint {store.RESUME} is unreadable \(.*\); set aside as {store.UNREADABLE_RESUME}, training from step 0$",
+    ):
         metrics = train(cfg)
     assert metrics["resumed_from"] == 0
     assert {key: metrics[key] for key in SAME} == {key: reference[key] for key in SAME}  # never wrong numbers

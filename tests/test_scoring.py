@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from copytask.data.vocab import EOS
 from copytask.data.batches import task_batch
 from copytask.data.scoring import output_mask, sequence_scores
+from copytask.data.vocab import EOS
 
 A, B, C, D, X = 3, 4, 5, 6, 7  # content symbols (the first three ids are PAD, BOS, EOS)
 

@@ -47,13 +47,23 @@ def test_a_complete_run_skipped_by_a_job_still_returns_its_objective(tmp_path):
 # A search at the tiny budget: the preset with the tiny run settings (a fixed value beats a searched
 # one, so TINY fixes the batch and hidden sizes) and a handful of trials.
 def search(runs_dir: Path, trials: int, *extra: str) -> list[str]:
-    return ["hparams_search=baseline", *TINY, "task.length=3", f"hydra.sweeper.n_trials={trials}", f"runs_dir={runs_dir}", *extra]
+    return [
+        "hparams_search=baseline",
+        *TINY,
+        "task.length=3",
+        f"hydra.sweeper.n_trials={trials}",
+        f"runs_dir={runs_dir}",
+        *extra,
+    ]
 
 
 def objectives_and_metrics(runs_dir: Path) -> list[tuple[float, float]]:
     """(the objective each trial returned, its run's validation greedy token accuracy) from the sweep record."""
     trials = store.read_json(runs_dir / "sweep.json")["trials"]
-    return [(trial["objective"], store.read_json(runs_dir / trial["run"] / store.METRICS)["val_token_acc"]) for trial in trials]
+    return [
+        (trial["objective"], store.read_json(runs_dir / trial["run"] / store.METRICS)["val_token_acc"])
+        for trial in trials
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +128,11 @@ def test_an_interrupted_search_resumes_without_training_a_finished_trial_again(s
     trials = store.read_json(runs_dir / "sweep.json")["trials"]
     assert [trial["run"] for trial in trials[:3]] == [trial["run"] for trial in first]  # the same proposals, replayed
     assert process.stdout.count("already complete, skipped") == 2
-    trained = [line.split(":")[0] for line in process.stdout.splitlines() if line.startswith("none-") and "greedy token acc" in line]
+    trained = [
+        line.split(":")[0]
+        for line in process.stdout.splitlines()
+        if line.startswith("none-") and "greedy token acc" in line
+    ]
     assert trained == [trials[2]["run"], trials[3]["run"]]
     assert all((runs_dir / run / store.METRICS).read_text() == text for run, text in finished.items())
     assert all(objective == metric for objective, metric in objectives_and_metrics(runs_dir))  # skipped trials too
@@ -127,25 +141,36 @@ def test_an_interrupted_search_resumes_without_training_a_finished_trial_again(s
 
 def test_a_trial_that_cannot_run_is_a_failed_trial_with_its_reason(tmp_path):
     # a bidirectional encoder refuses an odd hidden size: the trials proposed 7 fail in their job, the search goes on
-    tiny = [override for override in search(tmp_path, 4, "hydra/launcher=basic") if not override.startswith("model.hidden_size=")]
+    tiny = [
+        override
+        for override in search(tmp_path, 4, "hydra/launcher=basic")
+        if not override.startswith("model.hidden_size=")
+    ]
     process = run_cli("sweep", *tiny, "model.bidirectional=true", "model.hidden_size=choice(7,8)")
 
     trials = store.read_json(tmp_path / "sweep.json")["trials"]
-    proposed = {trial["trial"]: int(dict(o.split("=", 1) for o in trial["overrides"])["model.hidden_size"]) for trial in trials}
+    proposed = {
+        trial["trial"]: int(dict(o.split("=", 1) for o in trial["overrides"])["model.hidden_size"]) for trial in trials
+    }
     assert len(trials) == 4 and set(proposed.values()) == {7, 8}  # the seeded sampler proposes both
     reason = "ConfigError: model.hidden_size must be even with a bidirectional encoder, got 7"
     for trial in trials:
         failed = tmp_path / trial["run"] / store.FAILED
         if proposed[trial["trial"]] == 7:
             assert trial["objective"] is None and store.read_json(failed)["error"] == reason
-            assert any(line.startswith(f"copytask: job failed: trial {trial['trial']}:") and reason in line for line in process.stderr.splitlines())
+            assert any(
+                line.startswith(f"copytask: job failed: trial {trial['trial']}:") and reason in line
+                for line in process.stderr.splitlines()
+            )
         else:
             assert trial["objective"] is not None and not failed.exists()
     assert process.returncode == 1  # named at the end, after the results of the others
     table = pd.read_csv(tmp_path / "trials.csv")
-    since_first = table["best_so_far"][table["objective"].first_valid_index():]
+    since_first = table["best_so_far"][table["objective"].first_valid_index() :]
     assert since_first.notna().all() and since_first.is_monotonic_increasing  # a failed trial keeps the best before it
-    assert (tmp_path / "report" / "report.md").is_file() and "## Failed trials" in (tmp_path / "report" / "report.md").read_text()
+    assert (tmp_path / "report" / "report.md").is_file() and "## Failed trials" in (
+        tmp_path / "report" / "report.md"
+    ).read_text()
 
 
 def test_the_search_bar_counts_the_trials_recorded_since_it_started(tmp_path):
@@ -165,10 +190,16 @@ def test_the_search_bar_counts_the_trials_recorded_since_it_started(tmp_path):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ("train.lr=tag(log,interval(1e-4,1e-2)", "copytask: error: no viable alternative at input 'tag(log,interval(1e-4,1e-2)'"),
-        ("train.lr=interval(1e-2,1e-4)", "copytask: error: train.lr=interval(1e-2,1e-4): the Optuna sweeper searches choice(a,b), "
-         "range(start,stop,step), interval(low,high) and tag(log,interval(low,high)), and says: The `low` value must be smaller "
-         "than or equal to the `high` value (low=0.01, high=0.0001)."),
+        (
+            "train.lr=tag(log,interval(1e-4,1e-2)",
+            "copytask: error: no viable alternative at input 'tag(log,interval(1e-4,1e-2)'",
+        ),
+        (
+            "train.lr=interval(1e-2,1e-4)",
+            "copytask: error: train.lr=interval(1e-2,1e-4): the Optuna sweeper searches choice(a,b), "
+            "range(start,stop,step), interval(low,high) and tag(log,interval(low,high)), and says: The `low` value must be smaller "
+            "than or equal to the `high` value (low=0.01, high=0.0001).",
+        ),
         ("train.lrr=interval(1e-4,1e-2)", "copytask: error: unknown key 'train.lrr'; did you mean train.lr?"),
         ("train.steps=0", "copytask: error: train.steps must be an integer >= 1, got 0 (in the grid: train.steps=0)"),
     ],
@@ -185,7 +216,9 @@ def test_without_the_plugin_the_search_says_what_to_install(monkeypatch):
 
     Plugins.instance()  # registers the installed plugins' configs
     monkeypatch.delitem(ConfigStore.instance().repo["hydra"]["sweeper"], "optuna.yaml")
-    with pytest.raises(ConfigError, match=r"^hydra/sweeper=optuna needs Hydra's Optuna sweeper: pip install 'copytask\[optuna\]'$"):
+    with pytest.raises(
+        ConfigError, match=r"^hydra/sweeper=optuna needs Hydra's Optuna sweeper: pip install 'copytask\[optuna\]'$"
+    ):
         compose_grid(["hparams_search=baseline"])
 
 
@@ -193,8 +226,21 @@ def test_a_failed_trial_keeps_the_best_so_far_before_it():
     from copytask.reporting.search import trial_table
     from copytask.reporting.tables import Loaded
 
-    runs = pd.DataFrame({"run": ["a", "c"], "token_acc": [0.4, 0.3], "seq_acc": [0.0, 0.0], "params": [1, 1], "steps": [1, 1], "train_seconds": [1.0, 1.0]})
-    trials = [{"trial": 0, "run": "a", "objective": 0.4}, {"trial": 1, "run": "b", "objective": None}, {"trial": 2, "run": "c", "objective": 0.3}]
+    runs = pd.DataFrame(
+        {
+            "run": ["a", "c"],
+            "token_acc": [0.4, 0.3],
+            "seq_acc": [0.0, 0.0],
+            "params": [1, 1],
+            "steps": [1, 1],
+            "train_seconds": [1.0, 1.0],
+        }
+    )
+    trials = [
+        {"trial": 0, "run": "a", "objective": 0.4},
+        {"trial": 1, "run": "b", "objective": None},
+        {"trial": 2, "run": "c", "objective": 0.3},
+    ]
     table = trial_table(trials, Loaded(runs, {}, [], {}, []))
     assert list(table["best_so_far"]) == [0.4, 0.4, 0.4]
     assert list(table["status"]) == ["complete", "not run", "complete"]

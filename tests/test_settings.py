@@ -39,7 +39,10 @@ def parse_rows(output: str) -> dict[tuple[int, int, str], list[str]]:
     for line in output.splitlines():
         match = re.match(r"\s*(\d+)\s+(\d+)\s+(none|luong_general)\s+(\d+)\s+(.*)$", line)
         if match:
-            rows[int(match[1]), int(match[2]), match[3]] = [int(match[4]), *re.findall(r"[+-]?\d[\d,]*\.?\d*", match[5])]
+            rows[int(match[1]), int(match[2]), match[3]] = [
+                int(match[4]),
+                *re.findall(r"[+-]?\d[\d,]*\.?\d*", match[5]),
+            ]
     return rows
 
 
@@ -87,7 +90,9 @@ def test_report_shows_every_value_and_names_the_setting_of_each_figure(settings_
     assert (out / "accuracy_grid.png").is_file()
     assert "| attention | model.hidden_size | longest at 99% | longest at 50% |" in markdown
     longest = markdown.split("| attention | model.hidden_size | longest at 99% | longest at 50% |")[1].split("\n\n")[0]
-    reached = any(cell.strip() not in ("", "-", "---") for line in longest.splitlines()[2:] for cell in line.split("|")[3:5])
+    reached = any(
+        cell.strip() not in ("", "-", "---") for line in longest.splitlines()[2:] for cell in line.split("|")[3:5]
+    )
     assert (out / "longest_length.png").is_file() == reached == ("longest_length.png" in markdown)  # never drawn empty
 
 
@@ -123,13 +128,21 @@ def test_analyze_names_the_setting_of_each_row(settings_swept, capsys):
     assert main(["analyze", f"runs_dir={settings_swept}", "train.progress=false"]) == 0
     output = capsys.readouterr().out
     counterfactual, generalisation = output.split("\n\n")[-2:]
-    assert "model.hidden_size" in counterfactual and "model.hidden_size" in generalisation  # both tables name the setting
+    assert (
+        "model.hidden_size" in counterfactual and "model.hidden_size" in generalisation
+    )  # both tables name the setting
 
 
 def test_all_takes_every_complete_run_grouped_by_what_varies(settings_swept, tmp_path, capsys):
     runs_dir = tmp_path / "runs"
     shutil.copytree(settings_swept, runs_dir)
-    other = [*settings_overrides(runs_dir)[: len(TINY) - 1], "attention=none", "task.length=3", "seed=0", f"runs_dir={runs_dir}"]
+    other = [
+        *settings_overrides(runs_dir)[: len(TINY) - 1],
+        "attention=none",
+        "task.length=3",
+        "seed=0",
+        f"runs_dir={runs_dir}",
+    ]
     assert main(["train", *other, "train.steps=11"]) == 0  # a run from no grid: another budget
 
     assert main(["compare", "--all", f"runs_dir={runs_dir}"]) == 0
@@ -143,10 +156,20 @@ def test_all_takes_every_complete_run_grouped_by_what_varies(settings_swept, tmp
 
 def test_gap_is_empty_where_no_baseline_has_the_same_settings():
     def run(attention, size, seed, acc):
-        return {"attention": attention, "length": 5, "model.hidden_size": size, "seed": seed, "token_acc": acc,
-                "seq_acc": acc, "chance": 1 / 9, "params": size * 100}
+        return {
+            "attention": attention,
+            "length": 5,
+            "model.hidden_size": size,
+            "seed": seed,
+            "token_acc": acc,
+            "seq_acc": acc,
+            "chance": 1 / 9,
+            "params": size * 100,
+        }
 
-    table = pd.DataFrame([run("none", 8, 0, 0.5), run("none", 8, 1, 0.7), run("bahdanau", 8, 0, 0.9), run("bahdanau", 16, 0, 1.0)])
+    table = pd.DataFrame(
+        [run("none", 8, 0, 0.5), run("none", 8, 1, 0.7), run("bahdanau", 8, 0, 0.9), run("bahdanau", 16, 0, 1.0)]
+    )
     summary = summarise(table, ["model.hidden_size"]).set_index(["model.hidden_size", "attention"])
 
     assert summary.loc[(8, "bahdanau"), "token_acc_gap"] == pytest.approx(0.9 - 0.6)
@@ -158,16 +181,31 @@ def test_two_settings_give_panels_for_one_and_line_styles_for_the_other(tmp_path
     from copytask.reporting.result_figures import plot_accuracy
 
     rows = [
-        {"attention": attention, "length": length, "model.hidden_size": size, "train.lr": lr, "seed": seed,
-         "token_acc": 0.5, "seq_acc": 0.2, "chance": 1 / 9, "params": size}
-        for attention in ("none", "bahdanau") for length in (5, 10) for size in (8, 16) for lr in (1e-3, 6e-3) for seed in (0, 1)
+        {
+            "attention": attention,
+            "length": length,
+            "model.hidden_size": size,
+            "train.lr": lr,
+            "seed": seed,
+            "token_acc": 0.5,
+            "seq_acc": 0.2,
+            "chance": 1 / 9,
+            "params": size,
+        }
+        for attention in ("none", "bahdanau")
+        for length in (5, 10)
+        for size in (8, 16)
+        for lr in (1e-3, 6e-3)
+        for seed in (0, 1)
     ]
     settings = ["model.hidden_size", "train.lr"]
     summary = summarise(pd.DataFrame(rows), settings)
     [_, svg] = plot_accuracy(summary, settings, "length", tmp_path / "accuracy", pd.DataFrame())
 
     text = svg.read_text()
-    assert "greedy token accuracy, model.hidden_size=8" in text and "greedy token accuracy, model.hidden_size=16" in text
+    assert (
+        "greedy token accuracy, model.hidden_size=8" in text and "greedy token accuracy, model.hidden_size=16" in text
+    )
     assert "bahdanau, train.lr=0.001" in text and "bahdanau, train.lr=0.006" in text  # one line style per value
 
 
@@ -176,7 +214,11 @@ def test_the_longest_length_figure_is_drawn_only_when_a_length_reaches_a_thresho
     from copytask.reporting.result_figures import LONGEST_FIGURE, plot_setting_grid
 
     summary = pd.DataFrame(
-        [{"attention": "none", "model.hidden_size": size, "length": length, "token_acc": accuracy} for size in (8, 16) for length in (5, 10)]
+        [
+            {"attention": "none", "model.hidden_size": size, "length": length, "token_acc": accuracy}
+            for size in (8, 16)
+            for length in (5, 10)
+        ]
     )
     paths = plot_setting_grid(summary, "model.hidden_size", tmp_path)
     assert len(paths) == drawn and (tmp_path / LONGEST_FIGURE).is_file() == (drawn == 2)

@@ -33,8 +33,15 @@ GRID = ["attention=none,luong_general", "task.length=3", "seed=0"]
 # A run that trains for a while (several seconds, a checkpoint every 20 steps): long enough to be
 # caught in the middle; no early stop.
 STEPS = 400
-LONG = [*(o for o in TINY if not o.startswith("train.steps=")), f"train.steps={STEPS}", "train.eval_every=20",
-        "train.patience=null", "attention=none", "task.length=3", "seed=0"]
+LONG = [
+    *(o for o in TINY if not o.startswith("train.steps=")),
+    f"train.steps={STEPS}",
+    "train.eval_every=20",
+    "train.patience=null",
+    "attention=none",
+    "task.length=3",
+    "seed=0",
+]
 SAME = ["token_acc", "seq_acc", "final_loss", "steps", "params"]
 
 
@@ -54,8 +61,13 @@ def metrics_of(runs_dir: Path, args: list[str]) -> dict[str, dict]:
 
 
 def sweep_in_background(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "copytask", "sweep", *args], env={**os.environ, "PYTHONPATH": str(SRC)},
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "copytask", "sweep", *args],
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_until(condition, what: str, process: subprocess.Popen | None = None, timeout: float = 240) -> None:
@@ -100,12 +112,16 @@ def job_processes(job: str) -> list[int]:
 
 
 def squeue_ids() -> list[str]:
-    return subprocess.run(["squeue", "--noheader", "--array", "--format=%i"], capture_output=True, text=True).stdout.split()
+    return subprocess.run(
+        ["squeue", "--noheader", "--array", "--format=%i"], capture_output=True, text=True
+    ).stdout.split()
 
 
 def test_a_slurm_sweep_gives_the_local_launchers_runs_and_numbers_on_a_quiet_terminal(slurm, tmp_path):
     args = [*TINY, *GRID]
-    local = sweep_in_background([*args, f"runs_dir={tmp_path / 'local'}"], tmp_path / "local.txt")  # side by side: the SLURM sweep mostly waits
+    local = sweep_in_background(
+        [*args, f"runs_dir={tmp_path / 'local'}"], tmp_path / "local.txt"
+    )  # side by side: the SLURM sweep mostly waits
     cluster = run_cli("sweep", *args, *SLURM, f"runs_dir={tmp_path / 'slurm'}")
     assert cluster.returncode == 0, cluster.stderr
     assert local.wait(timeout=300) == 0, (tmp_path / "local.txt").read_text()
@@ -132,17 +148,29 @@ def test_killed_cancelled_and_preempted_jobs_are_named_or_requeued_and_the_rerun
     runs_dir = tmp_path / "runs"
     # three runs, one CPU each on a two-CPU node: two train, the third waits in the queue.
     # timeout_min=60: a signal this early is a preemption, which max_num_timeout does not count.
-    args = [*(o for o in LONG if not o.startswith("seed=")), "seed=0,1,2", *SLURM, "hydra.launcher.timeout_min=60",
-            "hydra.launcher.max_num_timeout=0", f"runs_dir={runs_dir}"]
+    args = [
+        *(o for o in LONG if not o.startswith("seed=")),
+        "seed=0,1,2",
+        *SLURM,
+        "hydra.launcher.timeout_min=60",
+        "hydra.launcher.max_num_timeout=0",
+        f"runs_dir={runs_dir}",
+    ]
     killed, preempted, cancelled = compose_grid(args)[1]
     sweep = sweep_in_background(args, tmp_path / "sweep.txt")
     try:
-        wait_until(lambda: min(checkpointed_step(killed.folder), checkpointed_step(preempted.folder)) >= 20, "two runs' first checkpoint", sweep)
+        wait_until(
+            lambda: min(checkpointed_step(killed.folder), checkpointed_step(preempted.folder)) >= 20,
+            "two runs' first checkpoint",
+            sweep,
+        )
         jobs = job_ids(runs_dir)
         subprocess.run(["scancel", jobs[cancelled.folder.name]], check=True)  # still queued
         for pid in job_processes(jobs[killed.folder.name]):
             os.kill(pid, signal.SIGKILL)  # kill -9 (scancel does not stop a step under proctrack/linuxproc)
-        subprocess.run(["scancel", "--signal=USR2", jobs[preempted.folder.name]], check=True)  # what SLURM sends a job it preempts
+        subprocess.run(
+            ["scancel", "--signal=USR2", jobs[preempted.folder.name]], check=True
+        )  # what SLURM sends a job it preempts
         assert sweep.wait(timeout=240) == 1  # the summary names the failed jobs
     finally:
         sweep.kill()
@@ -179,11 +207,21 @@ def test_a_job_past_its_time_limit_is_requeued_and_finishes(slurm, tmp_path):
     # it, and the requeued attempt continues the run from its checkpoint at full speed, to its end.
     # (A one-minute limit signalled 20 to 50 s after the start: once, on a loaded machine, before the
     # first checkpoint, and the rerun then trained from step 0.)
-    args = [*(o for o in LONG if not o.startswith("train.steps=")), "train.steps=1200", "train.eval_every=50", *SLURM,
-            "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=60", "hydra.launcher.max_num_timeout=3", f"runs_dir={runs_dir}"]
+    args = [
+        *(o for o in LONG if not o.startswith("train.steps=")),
+        "train.steps=1200",
+        "train.eval_every=50",
+        *SLURM,
+        "hydra.launcher.timeout_min=2",
+        "hydra.launcher.signal_delay_s=60",
+        "hydra.launcher.max_num_timeout=3",
+        f"runs_dir={runs_dir}",
+    ]
     (run,) = compose_grid(args)[1]
     env = {**os.environ, "PYTHONPATH": f"{Path(__file__).with_name('first_attempt_slow')}{os.pathsep}{SRC}"}
-    result = subprocess.run([sys.executable, "-m", "copytask", "sweep", *args], capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "copytask", "sweep", *args], capture_output=True, text=True, env=env, timeout=600
+    )
     assert result.returncode == 0, result.stderr
     metrics = store.read_json(run.folder / store.METRICS)
     assert 0 < metrics["resumed_from"] < 1200 and metrics["steps"] == 1200
@@ -206,8 +244,14 @@ def test_a_second_sweep_while_the_first_runs_leaves_the_first_ones_runs_alone(sl
     runs_dir = tmp_path / "runs"
     # two CPUs per job: the node runs one job at a time, so the first sweep's second run waits in the queue;
     # five times the steps: the first run still trains while the second sweep starts, also on a loaded machine
-    args = [*(o for o in LONG if not o.startswith(("seed=", "train.steps="))), "seed=0,1", f"train.steps={5 * STEPS}", *SLURM,
-            "hydra.launcher.cpus_per_task=2", f"runs_dir={runs_dir}"]
+    args = [
+        *(o for o in LONG if not o.startswith(("seed=", "train.steps="))),
+        "seed=0,1",
+        f"train.steps={5 * STEPS}",
+        *SLURM,
+        "hydra.launcher.cpus_per_task=2",
+        f"runs_dir={runs_dir}",
+    ]
     first_run, second_run = compose_grid(args)[1]
     first = sweep_in_background(args, tmp_path / "first.txt")
     try:
@@ -222,14 +266,19 @@ def test_a_second_sweep_while_the_first_runs_leaves_the_first_ones_runs_alone(sl
     # the first sweep's queued run: the second sweep's job found it held or complete, and trained nothing
     jobs_out = "".join(path.read_text() for path in (runs_dir / ".sweep" / ".submitit").glob("*/*_log.*"))
     assert jobs_out.count(f"{second_run.folder.name}: greedy token acc") == 1
-    assert all(store.is_complete(run.folder) and store.read_json(run.folder / store.METRICS)["resumed_from"] == 0
-               for run in (first_run, second_run))
+    assert all(
+        store.is_complete(run.folder) and store.read_json(run.folder / store.METRICS)["resumed_from"] == 0
+        for run in (first_run, second_run)
+    )
 
 
 def test_a_partition_that_does_not_exist_is_refused_before_anything_is_submitted(slurm, tmp_path):
     result = run_cli("sweep", *TINY, *GRID, *SLURM, "hydra.launcher.partition=nope", f"runs_dir={tmp_path}")
     assert result.returncode == 2
-    assert result.stderr.strip() == "copytask: error: hydra.launcher.partition=nope: this cluster has no partition nope (sinfo lists debug)"
+    assert (
+        result.stderr.strip()
+        == "copytask: error: hydra.launcher.partition=nope: this cluster has no partition nope (sinfo lists debug)"
+    )
     assert not squeue_ids()
 
 
@@ -237,8 +286,10 @@ def test_a_job_sbatch_refuses_is_one_line_naming_the_reason(slurm, tmp_path):
     result = run_cli("sweep", *TINY, *GRID, *SLURM, "hydra.launcher.mem_gb=100000", f"runs_dir={tmp_path}")
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if "error" in line]
-    assert errors == ["copytask: error: SLURM refused the sweep's 2 jobs, nothing was submitted: sbatch: error: "
-                      "Batch job submission failed: Requested node configuration is not available"], result.stderr
+    assert errors == [
+        "copytask: error: SLURM refused the sweep's 2 jobs, nothing was submitted: sbatch: error: "
+        "Batch job submission failed: Requested node configuration is not available"
+    ], result.stderr
 
 
 def test_a_launcher_key_that_does_not_exist_is_refused_in_one_line(slurm, tmp_path):

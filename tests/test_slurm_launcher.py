@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from copytask.sweeps import slurm
-from copytask.config.schema import ConfigError
 from copytask.config.checks import check_launcher
+from copytask.config.schema import ConfigError
+from copytask.sweeps import slurm
 
 LAUNCHER = "hydra_plugins.copytask_slurm_launcher.copytask_slurm_launcher.SlurmLauncher"
 
@@ -64,7 +64,9 @@ def test_submitits_messages_go_to_the_sweep_log_not_the_terminal(tmp_path, capsy
 
 def test_a_failed_jobs_cause_is_its_logs_last_line_but_submitits_own(tmp_path):
     log = tmp_path / "12_0_log.err"
-    log.write_text("training...\nsrun: error: node17: task 0: Killed\nsubmitit WARNING (2026-12-01) - Bypassing signal SIGTERM\n\n")
+    log.write_text(
+        "training...\nsrun: error: node17: task 0: Killed\nsubmitit WARNING (2026-12-01) - Bypassing signal SIGTERM\n\n"
+    )
     assert slurm.last_line(log) == "srun: error: node17: task 0: Killed"
     assert slurm.last_line(tmp_path / "missing.err") == ""
 
@@ -72,7 +74,10 @@ def test_a_failed_jobs_cause_is_its_logs_last_line_but_submitits_own(tmp_path):
 def test_a_partition_the_cluster_does_not_have_is_refused_naming_those_it_has(commands):
     commands(srun="exit 0", sbatch="exit 0", sinfo='printf "cpu\\ngpu\\ngpu\\n"')
     check_launcher(LAUNCHER, "slurm", "gpu")  # there
-    with pytest.raises(ConfigError, match=r"^hydra.launcher.partition=gpux: this cluster has no partition gpux \(sinfo lists cpu, gpu\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^hydra.launcher.partition=gpux: this cluster has no partition gpux \(sinfo lists cpu, gpu\)$",
+    ):
         check_launcher(LAUNCHER, "slurm", "gpux")
     commands(sinfo="exit 1")  # the controller does not answer: sbatch will say
     check_launcher(LAUNCHER, "slurm", "gpux")

@@ -32,7 +32,10 @@ def test_the_validation_set_is_its_own_draw_and_holds_no_test_sequence(make_conf
 def test_replaying_a_runs_data_stream_gives_the_sequences_it_trained_on(make_config, monkeypatch):
     cfg = make_config(*VARIABLE)
     seen = []
-    monkeypatch.setattr("copytask.training.loop.train_step", lambda model, optimizer, batch, clip: seen.append(batch) or torch.tensor(1.0))
+    monkeypatch.setattr(
+        "copytask.training.loop.train_step",
+        lambda model, optimizer, batch, clip: seen.append(batch) or torch.tensor(1.0),
+    )
     metrics = train(cfg)
     trained = set().union(*(keys(batch) for batch in seen))
     assert splits.training_sequences(cfg, metrics["steps"]) == trained

@@ -8,7 +8,7 @@ import stat
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from omegaconf import OmegaConf
@@ -97,7 +97,10 @@ def test_a_run_in_training_is_left_alone_and_a_killed_ones_lock_is_taken_over(ma
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     first = subprocess.Popen(
         [sys.executable, "-c", HANGS_IN_TRAINING, "train", *TINY, f"runs_dir={runs_dir}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         wait_for(lambda: (folder / store.CONFIG).is_file(), first)
@@ -112,13 +115,20 @@ def test_a_run_in_training_is_left_alone_and_a_killed_ones_lock_is_taken_over(ma
 
         # A sweep over a grid with that run: not a failure, not complete, and says so.
         with pytest.warns(CopytaskWarning) as warned:  # in this process: warnings, as the library gives them
-            assert cli.main(["sweep", *TINY, f"runs_dir={runs_dir}", "task.length=5,3", "attention=luong_general", "seed=0"]) == 0
+            assert (
+                cli.main(
+                    ["sweep", *TINY, f"runs_dir={runs_dir}", "task.length=5,3", "attention=luong_general", "seed=0"]
+                )
+                == 0
+            )
         out, err = capsys.readouterr()
         assert "sweep: 1/2 runs complete (1 trained now), 0 failed, 1 being trained by another process" in out
         assert "job failed" not in err
         messages = [str(warning.message) for warning in warned]
         [skipped] = [line for line in messages if "being trained by another process" in line and "skipped" in line]
-        [summary] = [line for line in messages if "being trained by another process" in line and "not in these results" in line]
+        [summary] = [
+            line for line in messages if "being trained by another process" in line and "not in these results" in line
+        ]
         assert folder.name in skipped and "task.length=5" in summary
         assert store.read_json(runs_dir / "sweep.json")["training_elsewhere"] == 1
     finally:
@@ -139,26 +149,45 @@ def test_one_computation_is_one_run_however_it_is_spelled(make_config):
     assert store.run_name(make_config("train.clip=1")) == name  # the default is 1.0
     assert store.run_name(make_config("train.lr=0.006")) == name  # 6.0e-3
     assert store.run_name(make_config("attention.heads=1")) == name  # the default, given explicitly
-    assert store.run_name(make_config("attention=none", "attention.heads=1")) == store.run_name(make_config("attention=none"))
+    assert store.run_name(make_config("attention=none", "attention.heads=1")) == store.run_name(
+        make_config("attention=none")
+    )
     assert store.run_name(make_config("attention.window=4")) == name  # used only with attention.local
     assert store.run_name(make_config("task.min_length=3")) == name  # used only with task.variable_length
-    assert store.run_name(make_config("train.schedule=constant", "train.warmup=0.1")) == store.run_name(make_config("train.schedule=constant"))
+    assert store.run_name(make_config("train.schedule=constant", "train.warmup=0.1")) == store.run_name(
+        make_config("train.schedule=constant")
+    )
     # what is saved, where and how fast: not what is computed
-    for extra in ("train.attention_samples=0", "train.threads=1", "train.progress=false", "train.fused=false", "runs_dir=elsewhere"):
+    for extra in (
+        "train.attention_samples=0",
+        "train.threads=1",
+        "train.progress=false",
+        "train.fused=false",
+        "runs_dir=elsewhere",
+    ):
         assert store.run_name(make_config(extra)).split("-")[-1] == name.split("-")[-1], extra
 
 
 def test_what_changes_the_computation_changes_the_run(make_config):
-    names = {store.run_name(make_config(*extra)) for extra in (
-        [], ["train.clip=2"], ["attention.heads=2"], ["task.variable_length=true"],
-        ["task.variable_length=true", "task.min_length=3"], ["train.warmup=0.1"], ["train.eval_seed=1"],
-    )}
+    names = {
+        store.run_name(make_config(*extra))
+        for extra in (
+            [],
+            ["train.clip=2"],
+            ["attention.heads=2"],
+            ["task.variable_length=true"],
+            ["task.variable_length=true", "task.min_length=3"],
+            ["train.warmup=0.1"],
+            ["train.eval_seed=1"],
+        )
+    }
     assert len(names) == 7
 
 
 def test_a_key_added_at_its_neutral_value_renames_no_existing_run(make_config, monkeypatch):
     """A later version adds a key whose default is what the code computed before: the runs made
     before it keep their names."""
+
     def with_label_smoothing(value: float):
         cfg = OmegaConf.create(OmegaConf.to_container(make_config()))  # untyped, as a later schema's would be
         cfg.train.label_smoothing = value

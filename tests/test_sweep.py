@@ -56,7 +56,9 @@ def test_sweep_analyses_its_runs_before_the_report(swept):
     assert "| length | attention | seeds | argmax on copied position % | weight on copied position % |" in markdown
     assert "![train length x test length accuracy](length_generalisation.png)" in markdown
     # the evidence comes before the maps it qualifies, after the Jain and Wallace caution
-    caution, evidence, heatmap = (markdown.index(s) for s in ("Jain and Wallace", "### Counterfactual attention", "![attention of luong_general"))
+    caution, evidence, heatmap = (
+        markdown.index(s) for s in ("Jain and Wallace", "### Counterfactual attention", "![attention of luong_general")
+    )
     assert caution < evidence < heatmap
     assert "Analysis missing" not in markdown
 
@@ -107,11 +109,20 @@ def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, fails_at_leng
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (["task.length=5,oops"], "copytask: error: task.length must be an integer >= 1, got 'oops' (in the grid: task.length=5,oops)"),
+        (
+            ["task.length=5,oops"],
+            "copytask: error: task.length must be an integer >= 1, got 'oops' (in the grid: task.length=5,oops)",
+        ),
         (["train.steps=0"], "copytask: error: train.steps must be an integer >= 1, got 0 (in the grid: train.steps=0)"),
         (["task.lenght=40"], "copytask: error: unknown key 'task.lenght'; did you mean task.length?"),
-        (["attention=bogus"], "copytask: error: attention=bogus: no such option; choose one of bahdanau, luong_concat, luong_dot, luong_general, luong_local, luong_local_m, multihead, none, rnnencdec, scaled_dot"),
-        (["report.x=model.hidden_size"], "copytask: error: report.x must be task.length or a numeric key this sweep varies (task.length), got 'model.hidden_size'"),
+        (
+            ["attention=bogus"],
+            "copytask: error: attention=bogus: no such option; choose one of bahdanau, luong_concat, luong_dot, luong_general, luong_local, luong_local_m, multihead, none, rnnencdec, scaled_dot",
+        ),
+        (
+            ["report.x=model.hidden_size"],
+            "copytask: error: report.x must be task.length or a numeric key this sweep varies (task.length), got 'model.hidden_size'",
+        ),
     ],
 )
 def test_a_bad_grid_is_refused_in_one_line_before_anything_runs(tmp_path, bad, message):
@@ -134,7 +145,12 @@ def test_train_refuses_an_unknown_key_instead_of_training_the_default(tmp_path):
 @pytest.mark.slow
 def test_sweep_through_submitit_local(tmp_path):
     process = run_cli(
-        "sweep", *TINY, f"runs_dir={tmp_path}", "attention=none,luong_general", "task.length=3", "seed=0",
+        "sweep",
+        *TINY,
+        f"runs_dir={tmp_path}",
+        "attention=none,luong_general",
+        "task.length=3",
+        "seed=0",
         "hydra/launcher=submitit_local",
     )
 
@@ -149,8 +165,14 @@ def test_slurm_preset_passes_cluster_settings_and_sets_torch_threads():
     from hydra.utils import instantiate
 
     master, _ = compose_grid(
-        ["experiment=quick", "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=30",
-         "hydra.launcher.gpus_per_node=1", "hydra.launcher.cpus_per_task=4"]
+        [
+            "experiment=quick",
+            "hydra/launcher=slurm",
+            "hydra.launcher.partition=gpu",
+            "hydra.launcher.timeout_min=30",
+            "hydra.launcher.gpus_per_node=1",
+            "hydra.launcher.cpus_per_task=4",
+        ]
     )
     params = instantiate(master.hydra.launcher).params
     assert (params["partition"], params["timeout_min"], params["gpus_per_node"]) == ("gpu", 30, 1)
@@ -163,13 +185,15 @@ def test_slurm_preset_passes_cluster_settings_and_sets_torch_threads():
 )
 def test_a_sweep_on_this_machines_cpu_builds_the_kernels_before_its_bar_starts(tmp_path, monkeypatch, extra, builds):
     """A fresh machine's compile (30-80 s) inside the first jobs would count as training in the ETA."""
-    from copytask.sweeps import jobs
     from copytask.kernels import build
+    from copytask.sweeps import jobs
 
     calls = []
     monkeypatch.setattr(build, "kernel", lambda: calls.append("build"))
     monkeypatch.setattr(jobs.SweepProgress, "__init__", lambda self, *args, **kwargs: calls.append("bar"))
-    monkeypatch.setattr(jobs, "expand", lambda config: [])  # the grid's runs: what the bar is given, not what this test is about
+    monkeypatch.setattr(
+        jobs, "expand", lambda config: []
+    )  # the grid's runs: what the bar is given, not what this test is about
     master, _ = compose_grid([*TINY, f"runs_dir={tmp_path}", "task.length=3,4", "train.device=cpu", *extra])
     jobs.SweepSummary().on_multirun_start(master)
     assert calls == (["build", "bar"] if builds else ["bar"])
@@ -177,7 +201,9 @@ def test_a_sweep_on_this_machines_cpu_builds_the_kernels_before_its_bar_starts(t
 
 def test_a_sweep_shows_one_progress_bar_for_all_its_runs(tmp_path):
     tiny = [override for override in TINY if override != "train.progress=false"]
-    process = run_cli("sweep", *tiny, "train.progress=true", "attention=none", "task.length=3,4", "seed=0", f"runs_dir={tmp_path}")
+    process = run_cli(
+        "sweep", *tiny, "train.progress=true", "attention=none", "task.length=3,4", "seed=0", f"runs_dir={tmp_path}"
+    )
 
     assert process.returncode == 0, process.stderr
     assert "sweep (2/2 runs): 100%" in process.stderr  # the work done, and the runs finished of the grid
@@ -185,8 +211,15 @@ def test_a_sweep_shows_one_progress_bar_for_all_its_runs(tmp_path):
 
 
 def test_a_sweep_through_the_parallel_launcher(tmp_path):
-    process = run_cli("sweep", *TINY, "attention=none,luong_general", "task.length=3", "seed=0", f"runs_dir={tmp_path}",
-                      "hydra/launcher=parallel")
+    process = run_cli(
+        "sweep",
+        *TINY,
+        "attention=none,luong_general",
+        "task.length=3",
+        "seed=0",
+        f"runs_dir={tmp_path}",
+        "hydra/launcher=parallel",
+    )
 
     assert process.returncode == 0, process.stderr  # the jobs, callbacks included, pickle into joblib's workers
     assert set(pd.read_csv(tmp_path / "results.csv")["attention"]) == {"none", "luong_general"}
@@ -245,9 +278,22 @@ def test_a_sweeps_log_with_both_streams_has_each_runs_line_on_a_line_of_its_own(
     other line (a job's result, Hydra's) lands on the end of a bar's."""
     tiny = [override for override in TINY if override != "train.progress=false"]
     env = {**os.environ, "PYTHONPATH": str(SRC), "HYDRA_FULL_ERROR": "0"}
-    args = ["sweep", *tiny, "train.progress=true", "attention=none", "task.length=3,4,5", "seed=0", f"runs_dir={tmp_path}"]
-    process = subprocess.run([sys.executable, "-m", "copytask", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             env=env, timeout=600)  # bytes: text mode would read each carriage return as a newline
+    args = [
+        "sweep",
+        *tiny,
+        "train.progress=true",
+        "attention=none",
+        "task.length=3,4,5",
+        "seed=0",
+        f"runs_dir={tmp_path}",
+    ]
+    process = subprocess.run(
+        [sys.executable, "-m", "copytask", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        timeout=600,
+    )  # bytes: text mode would read each carriage return as a newline
     log = process.stdout.decode()
     assert process.returncode == 0, log
     assert "\r" not in log

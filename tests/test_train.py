@@ -1,23 +1,22 @@
 import copy
 import itertools
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from copytask import cli, store
-from copytask.kernels import ops
-from copytask.training import loop
-from copytask.config.schema import ConfigError
 from copytask.config.checks import validate
+from copytask.config.schema import ConfigError
 from copytask.data.batches import Batch
-from copytask.store.grid import compose_grid
+from copytask.kernels import ops
 from copytask.models.build import build_model
 from copytask.models.greedy import evaluate
-from copytask.training import devices, splits
-from copytask.training.optimizer import FlatAdam
+from copytask.store.grid import compose_grid
+from copytask.training import devices, loop, splits
 from copytask.training.loop import NonFiniteLoss, train, train_step
+from copytask.training.optimizer import FlatAdam
 
 from .conftest import TINY, run_cli
 
@@ -27,8 +26,13 @@ RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store
 def test_a_run_records_its_progress_while_it_trains_and_not_once_complete(make_config, monkeypatch):
     recorded = []
     write_progress = store.write_progress
-    monkeypatch.setattr(store, "write_progress", lambda folder, step, steps: recorded.append(
-        (step, steps, store.is_complete(folder))) or write_progress(folder, step, steps))
+    monkeypatch.setattr(
+        store,
+        "write_progress",
+        lambda folder, step, steps: (
+            recorded.append((step, steps, store.is_complete(folder))) or write_progress(folder, step, steps)
+        ),
+    )
     cfg = make_config(*TINY, "train.steps=6", "train.eval_every=2", "train.target_acc=1.0", "train.patience=5")
     loop.train(cfg)
     assert recorded == [(2, 6, False), (4, 6, False), (6, 6, False)]
@@ -42,7 +46,18 @@ def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
     assert folder.name.startswith("bahdanau-copy5-seed0-")
     assert RUN_FILES <= {p.name for p in folder.iterdir()}
     metrics = json.loads((folder / store.METRICS).read_text())
-    for key in ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "device"):
+    for key in (
+        "attention",
+        "length",
+        "seed",
+        "token_acc",
+        "seq_acc",
+        "chance",
+        "params",
+        "steps",
+        "train_seconds",
+        "device",
+    ):
         assert key in metrics
     assert metrics["attention"] == "bahdanau" and metrics["length"] == 5 and metrics["steps"] == 10
     assert metrics["fused"] == (ops.kernel() is not None)  # the encoder and decoder ran in the kernels
@@ -139,7 +154,9 @@ def test_same_config_and_seed_give_the_same_metrics(make_config, tmp_path):
 
 @pytest.mark.parametrize("attention", ["none", "bahdanau", "luong_general"])
 def test_greedy_evaluation_in_pieces_equals_one_piece(make_config, attention):
-    cfg = make_config(*TINY, f"attention={attention}", "train.eval_size=50", "task.variable_length=true", "task.min_length=2")
+    cfg = make_config(
+        *TINY, f"attention={attention}", "train.eval_size=50", "task.variable_length=true", "task.min_length=2"
+    )
     torch.manual_seed(0)
     model, heldout = build_model(cfg), splits.test_batch(cfg)
     whole, pieces = evaluate(model, heldout, chunk_size=len(heldout)), evaluate(model, heldout, chunk_size=16)
@@ -155,14 +172,19 @@ def test_no_heldout_sequence_is_ever_trained_on(make_config, monkeypatch, seed):
     """Length 2 has 81 sequences and the test and validation sets hold 40 of them: without the
     exclusion about 40% of training rows would be held-out ones. With seed == train.eval_seed the
     training generator starts where the test set's did, so its first batch would be the test set."""
-    cfg = make_config(*TINY, "task.length=2", "train.eval_size=24", "train.patience=null", f"seed={seed}", "train.eval_seed=1234")
+    cfg = make_config(
+        *TINY, "task.length=2", "train.eval_size=24", "train.patience=null", f"seed={seed}", "train.eval_seed=1234"
+    )
     test, validation = splits.test_batch(cfg), splits.validation_batch(cfg)
     heldout = {tuple(row) for row in test.src.tolist()}
     validating = {tuple(row) for row in validation.src.tolist()}
     assert not heldout & validating  # the validation set holds no test sequence
     heldout |= validating
     trained = []
-    monkeypatch.setattr("copytask.training.loop.train_step", lambda model, optimizer, batch, clip: trained.append(batch) or torch.tensor(1.0))
+    monkeypatch.setattr(
+        "copytask.training.loop.train_step",
+        lambda model, optimizer, batch, clip: trained.append(batch) or torch.tensor(1.0),
+    )
     train(cfg)
     rows = [tuple(row) for batch in trained for row in batch.src.tolist()]
     assert len(trained) == 10 and len(rows) == 80
@@ -190,7 +212,9 @@ def test_interrupted_run_never_looks_complete_and_is_trained_again(make_config, 
 def test_complete_run_is_skipped(make_config, monkeypatch):
     cfg = make_config(*TINY)
     first = train(cfg)
-    monkeypatch.setattr("copytask.training.loop.build_model", lambda cfg: pytest.fail("a complete run was trained again"))
+    monkeypatch.setattr(
+        "copytask.training.loop.build_model", lambda cfg: pytest.fail("a complete run was trained again")
+    )
     assert train(cfg) == first
 
 
@@ -226,7 +250,9 @@ def test_nonfinite_loss_stops_the_run_naming_it_and_the_step(make_config, monkey
     steps = itertools.count(1)
     monkeypatch.setattr("copytask.training.loop.train_step", diverging(lambda batch: next(steps) == 7))
 
-    with pytest.raises(NonFiniteLoss, match=rf"^{store.run_name(cfg)}: .* at step 7 .* stopped at step 10, nothing saved"):
+    with pytest.raises(
+        NonFiniteLoss, match=rf"^{store.run_name(cfg)}: .* at step 7 .* stopped at step 10, nothing saved"
+    ):
         train(cfg)
     assert not store.is_complete(store.run_dir(cfg)) and not (store.run_dir(cfg) / store.METRICS).exists()
 
@@ -274,7 +300,13 @@ def test_chance_and_the_summary_follow_the_vocabulary(tmp_path, vocab_size, chan
     compare's table; the data use exactly the content symbols of that vocabulary."""
     from copytask.reporting.tables import comparison_table, load, summarise
 
-    grid_overrides = [*TINY, f"runs_dir={tmp_path}", f"task.vocab_size={vocab_size}", "attention=none,luong_general", "seed=0,1"]
+    grid_overrides = [
+        *TINY,
+        f"runs_dir={tmp_path}",
+        f"task.vocab_size={vocab_size}",
+        "attention=none,luong_general",
+        "seed=0,1",
+    ]
     _, grid = compose_grid(grid_overrides)
     for run in grid:
         metrics = train(run.config)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
+from copytask import store
+from copytask.config.checks import parameter_count, validate
+from copytask.config.schema import ConfigError
+from copytask.data.batches import length_mask, make_batch
+from copytask.data.vocab import BOS, PAD
 from copytask.evaluation import analysis
 from copytask.kernels import ops
-from copytask import store
-from copytask.config.schema import ConfigError
-from copytask.config.checks import parameter_count, validate
-from copytask.data.vocab import BOS, PAD
-from copytask.data.batches import length_mask, make_batch
 from copytask.models.build import build_model
 from copytask.models.recurrent import count_parameters
 from copytask.models.reference import ReferenceTransformer, reference_transformer_state
@@ -25,14 +25,21 @@ from .conftest import TINY, run_cli
 
 # A small Transformer: two layers so that the decoder's cache and the last layer both matter.
 SMALL = ["model=transformer", "model.d_model=16", "model.heads=2", "model.layers=2", "model.ff_size=24"]
-TINY_TRANSFORMER = [*TINY, "model=transformer", "model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=16"]
+TINY_TRANSFORMER = [
+    *TINY,
+    "model=transformer",
+    "model.d_model=8",
+    "model.heads=2",
+    "model.layers=1",
+    "model.ff_size=16",
+]
 
 
 def trained_a_little(model: nn.Module, cfg, steps: int = 30) -> nn.Module:
     """A few Adam steps on the copy task: weights away from their initialisation, so that argmaxes differ
     between steps and positions and the tests below test something."""
-    from copytask.training.splits import sample_batch
     from copytask.training.loop import train_step
+    from copytask.training.splits import sample_batch
 
     generator = torch.Generator().manual_seed(0)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -41,8 +48,10 @@ def trained_a_little(model: nn.Module, cfg, steps: int = 30) -> nn.Module:
     return model.eval()
 
 
-@pytest.fixture(params=[SMALL, [*SMALL, "model.positions=learned"], ["attention=rnnencdec", "model.hidden_size=16"]],
-                ids=["sinusoidal", "learned", "rnnencdec"])
+@pytest.fixture(
+    params=[SMALL, [*SMALL, "model.positions=learned"], ["attention=rnnencdec", "model.hidden_size=16"]],
+    ids=["sinusoidal", "learned", "rnnencdec"],
+)
 def model_and_config(request, make_config):
     cfg = make_config("task.length=7", "task.variable_length=true", "task.min_length=2", *request.param)
     torch.manual_seed(0)
@@ -50,14 +59,18 @@ def model_and_config(request, make_config):
 
 
 def mixed_batch(cfg, size: int = 6):
-    return make_batch("copy", size, cfg.task.length, cfg.task.vocab_size, torch.Generator().manual_seed(3), min_length=2)
+    return make_batch(
+        "copy", size, cfg.task.length, cfg.task.vocab_size, torch.Generator().manual_seed(3), min_length=2
+    )
 
 
 def test_greedy_equals_the_teacher_forced_argmax_fed_its_own_outputs(model_and_config):
     model, cfg = model_and_config
     batch = mixed_batch(cfg)
     tokens, weights = model.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))
-    fed = torch.cat([torch.full_like(tokens[:, :1], BOS), tokens[:, :-1]], dim=1)  # its own outputs as the decoder input
+    fed = torch.cat(
+        [torch.full_like(tokens[:, :1], BOS), tokens[:, :-1]], dim=1
+    )  # its own outputs as the decoder input
     with torch.no_grad():
         logits, forced_weights = model(batch.src, batch.src_lengths, fed)
     assert torch.equal(logits.argmax(-1), tokens)
@@ -99,12 +112,16 @@ def test_greedys_cross_attention_on_the_memory_projected_once_is_the_layers_atte
     with torch.no_grad():
         memory, src_mask = model.encode(batch.src, lengths)
         heads = model.cross_attentions[0].heads
-        mask_bias = torch.zeros(src_mask.shape).masked_fill(~src_mask, float("-inf")).repeat_interleave(heads, 0)[:, None]
+        mask_bias = (
+            torch.zeros(src_mask.shape).masked_fill(~src_mask, float("-inf")).repeat_interleave(heads, 0)[:, None]
+        )
         for layer, cross_attention in zip(model.transformer.decoder.layers, model.cross_attentions):
             keys, values = model._project_memory(layer.multihead_attn, memory)
             for step in range(3):
                 x = torch.randn(len(batch), 1, model.d_model, generator=torch.Generator().manual_seed(step))
-                context, weights = model._cached_cross_attention(layer.multihead_attn, keys, values, mask_bias, ~src_mask.any(-1), x)
+                context, weights = model._cached_cross_attention(
+                    layer.multihead_attn, keys, values, mask_bias, ~src_mask.any(-1), x
+                )
                 want_context, want_weights = cross_attention(x, memory, memory, src_mask)
                 assert torch.equal(context, want_context) and torch.equal(weights, want_weights)
     assert weights[4].abs().max() == 0 and weights[lengths > 0].sum(-1).sub(1).abs().max() < 1e-6
@@ -112,17 +129,25 @@ def test_greedys_cross_attention_on_the_memory_projected_once_is_the_layers_atte
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["fixed", "mixed"])
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
-def test_greedy_with_each_steps_attention_in_the_kernel_decodes_what_torchs_ops_decode(make_config, monkeypatch, positions, mixed):
+def test_greedy_with_each_steps_attention_in_the_kernel_decodes_what_torchs_ops_decode(
+    make_config, monkeypatch, positions, mixed
+):
     """Greedy decoding on CPU runs each step's attention in ops.attention_step (keys and values
     cached transposed); with fused=False, nn.MultiheadAttention's ops. The same tokens, and the
     same weights to float rounding, on sources of 12 (not a whole tile of 8), fixed or mixed lengths
     with an empty source, and a step count that is not a whole tile either."""
     if ops.kernel() is None:
         pytest.skip("the fused kernels are not built on this machine")
-    cfg = make_config("task.length=12", "task.variable_length=true", "task.min_length=2", *SMALL, f"model.positions={positions}")
+    cfg = make_config(
+        "task.length=12", "task.variable_length=true", "task.min_length=2", *SMALL, f"model.positions={positions}"
+    )
     torch.manual_seed(0)
     model = trained_a_little(build_model(cfg), cfg)
-    batch = mixed_batch(cfg, size=9) if mixed else make_batch("copy", 9, 12, cfg.task.vocab_size, torch.Generator().manual_seed(3))
+    batch = (
+        mixed_batch(cfg, size=9)
+        if mixed
+        else make_batch("copy", 9, 12, cfg.task.vocab_size, torch.Generator().manual_seed(3))
+    )
     lengths = batch.src_lengths.clone()
     if mixed:
         lengths[4] = 0  # an empty source
@@ -153,7 +178,9 @@ def test_the_decoding_steps_kernel_computes_torchs_batched_products(head_size, k
     batch, heads = 4, 3
     d = heads * head_size
     q, k, v = torch.randn(batch, 1, d), torch.randn(batch, keys_seen, d), torch.randn(batch, keys_seen, d)
-    key_mask = length_mask(torch.tensor([keys_seen, keys_seen // 2, 0, 1]).clamp(max=keys_seen), keys_seen) if masked else None
+    key_mask = (
+        length_mask(torch.tensor([keys_seen, keys_seen // 2, 0, 1]).clamp(max=keys_seen), keys_seen) if masked else None
+    )
     cache = torch.zeros(2, batch, heads, head_size, ops.cache_length(keys_seen + 3))
     cache[..., :keys_seen] = torch.stack([k, v]).view(2, batch, keys_seen, heads, head_size).permute(0, 1, 3, 4, 2)
     mask = q.new_empty(0) if key_mask is None else ops.padding(key_mask)
@@ -163,7 +190,12 @@ def test_the_decoding_steps_kernel_computes_torchs_batched_products(head_size, k
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
     assert weights.shape == (batch, heads, keys_seen)
     if keys_seen:
-        torch.testing.assert_close(torch.einsum("bhs,bshc->bhc", weights, v.view(batch, keys_seen, heads, head_size)).flatten(1), out, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.einsum("bhs,bshc->bhc", weights, v.view(batch, keys_seen, heads, head_size)).flatten(1),
+            out,
+            atol=1e-5,
+            rtol=1e-4,
+        )
         seen = torch.ones(batch, keys_seen, dtype=torch.bool) if key_mask is None else key_mask
         assert torch.allclose(weights.sum(-1), seen.any(-1, keepdim=True).float().expand(-1, heads))
         assert weights.masked_fill(seen[:, None, :], 0.0).abs().max() == 0
@@ -190,8 +222,12 @@ def torch_transformer_logits(model, batch):
     steps = batch.tgt_in.size(1)
     causal = torch.ones(steps, steps, dtype=torch.bool).triu(1)  # True: masked
     decoded = model.transformer(
-        model._embed(model.src_embedding, batch.src), model._embed(model.tgt_embedding, batch.tgt_in), tgt_mask=causal,
-        src_key_padding_mask=~batch.src_mask, memory_key_padding_mask=~batch.src_mask, tgt_is_causal=True,
+        model._embed(model.src_embedding, batch.src),
+        model._embed(model.tgt_embedding, batch.tgt_in),
+        tgt_mask=causal,
+        src_key_padding_mask=~batch.src_mask,
+        memory_key_padding_mask=~batch.src_mask,
+        tgt_is_causal=True,
     )
     return model.out(decoded)
 
@@ -216,7 +252,9 @@ def test_every_path_computes_what_torchs_own_transformer_computes(make_config, f
     cfg = make_config("task.length=9", *SMALL, f"train.fused={str(fused).lower()}")
     torch.manual_seed(0)
     model = trained_a_little(build_model(cfg), cfg).train()
-    batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 9, cfg.task.vocab_size, torch.Generator().manual_seed(4))
+    batch = (
+        mixed_batch(cfg) if mixed else make_batch("copy", 6, 9, cfg.task.vocab_size, torch.Generator().manual_seed(4))
+    )
     assert ops.runs_fused(model) == fused
     want = torch_transformer_logits(model, batch)
     want_grads = loss_and_gradients(model, want, batch)
@@ -232,9 +270,12 @@ def test_every_path_computes_what_torchs_own_transformer_computes(make_config, f
     # the masks change nothing that is trained on: torch's with the target's padding masked too, at real positions
     valid = batch.target_mask
     padded = model.transformer(
-        model._embed(model.src_embedding, batch.src), model._embed(model.tgt_embedding, batch.tgt_in),
+        model._embed(model.src_embedding, batch.src),
+        model._embed(model.tgt_embedding, batch.tgt_in),
         tgt_mask=torch.ones(batch.tgt_in.size(1), batch.tgt_in.size(1), dtype=torch.bool).triu(1),
-        src_key_padding_mask=~batch.src_mask, memory_key_padding_mask=~batch.src_mask, tgt_key_padding_mask=batch.tgt_in == PAD,
+        src_key_padding_mask=~batch.src_mask,
+        memory_key_padding_mask=~batch.src_mask,
+        tgt_key_padding_mask=batch.tgt_in == PAD,
     )
     torch.testing.assert_close(logits[valid], model.out(padded)[valid], atol=1e-5, rtol=1e-4)
 
@@ -249,7 +290,9 @@ def test_the_layers_in_one_kernel_call_compute_their_ops_in_python_to_the_bit(ma
     cfg = make_config("task.length=9", *SMALL)
     torch.manual_seed(0)
     model = trained_a_little(build_model(cfg), cfg).train()
-    batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 9, cfg.task.vocab_size, torch.Generator().manual_seed(4))
+    batch = (
+        mixed_batch(cfg) if mixed else make_batch("copy", 6, 9, cfg.task.vocab_size, torch.Generator().manual_seed(4))
+    )
     calls = []
     layer = ops.transformer_layer
     monkeypatch.setattr(ops, "transformer_layer", lambda *args: calls.append(args) or layer(*args))
@@ -307,7 +350,10 @@ def test_the_attention_kernel_computes_torchs_batched_products(heads, d, causal,
     key_mask = None if causal else length_mask(torch.tensor([source, 3, 0, 9]), source)
     grad = torch.randn(batch, steps, d)
     results = []
-    for attend in (lambda: ops.attention(x, kv, heads, key_mask, causal), lambda: scaled_dot_product(q, k, v, heads, key_mask, causal)):
+    for attend in (
+        lambda: ops.attention(x, kv, heads, key_mask, causal),
+        lambda: scaled_dot_product(q, k, v, heads, key_mask, causal),
+    ):
         out = attend()
         (out * grad).sum().backward()
         leaves = [t for t in (x, kv) if t is not None]
@@ -321,7 +367,9 @@ def test_the_attention_kernel_computes_torchs_batched_products(heads, d, causal,
         assert out[2].abs().max() == 0 and all(grad[2].abs().max() == 0 for grad in grads)
 
 
-@pytest.mark.parametrize("overrides", [SMALL, [*SMALL, "model.positions=learned", "model.max_length=30"], ["model=transformer"]])
+@pytest.mark.parametrize(
+    "overrides", [SMALL, [*SMALL, "model.positions=learned", "model.max_length=30"], ["model=transformer"]]
+)
 def test_parameter_counts(make_config, overrides):  # the GRU models': tests/test_limits.py
     cfg = make_config(*overrides)
     assert count_parameters(build_model(cfg)) == parameter_count(cfg)
@@ -348,7 +396,10 @@ def test_a_learned_table_covers_max_length_and_no_more(make_config):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model=transformer", "attention=bahdanau"], "attention=bahdanau (and every attention.* key) is model=gru's decoder"),
+        (
+            ["model=transformer", "attention=bahdanau"],
+            "attention=bahdanau (and every attention.* key) is model=gru's decoder",
+        ),
         (["model=transformer", "attention.size=3"], "the attention group must stay at its default"),
         (["model=transformer", "model.heads=3"], "must be divisible by model.heads"),
         (["model=transformer", "model.positions=rotary"], "model.positions must be one of sinusoidal, learned"),
@@ -369,16 +420,26 @@ def test_refusals_are_one_line(make_config, overrides, message):
 def test_run_names_keep_the_gru_runs_and_name_the_new_ones(make_config):
     # the names these runs have had since the validation set (commit d3a649a; before it, since commit 289b03a,
     # d488c388 and efc64378): the model group and architecture presets rename no GRU run
-    assert store.run_name(make_config("model=gru")) == store.run_name(make_config()) == "luong_general-copy20-seed0-49c90a6e"
+    assert (
+        store.run_name(make_config("model=gru"))
+        == store.run_name(make_config())
+        == "luong_general-copy20-seed0-49c90a6e"
+    )
     bahdanau = store.run_name(make_config("attention=bahdanau"))
     assert store.run_name(make_config("architecture=bahdanau")) == bahdanau == "bahdanau-copy20-seed0-5fa3dde3"
     assert store.run_name(make_config("model=transformer")).startswith("transformer-copy20-seed0-")
-    assert store.run_name(make_config("architecture=transformer_learned")).startswith("transformer_learned-copy20-seed0-")
+    assert store.run_name(make_config("architecture=transformer_learned")).startswith(
+        "transformer_learned-copy20-seed0-"
+    )
     assert store.run_name(make_config("attention=rnnencdec")).startswith("rnnencdec-copy20-seed0-")
     # the other model's keys are not read, so not part of the run
-    assert store.run_name(make_config("model=transformer", "model.hidden_size=8")) == store.run_name(make_config("model=transformer"))
+    assert store.run_name(make_config("model=transformer", "model.hidden_size=8")) == store.run_name(
+        make_config("model=transformer")
+    )
     assert store.run_name(make_config("model.d_model=8")) == store.run_name(make_config())
-    assert store.run_name(make_config("model=transformer", "model.d_model=16")) != store.run_name(make_config("model=transformer"))
+    assert store.run_name(make_config("model=transformer", "model.d_model=16")) != store.run_name(
+        make_config("model=transformer")
+    )
 
 
 def test_maps_heads_and_counterfactuals_go_through_the_cross_attention(make_config):
@@ -430,11 +491,15 @@ def parameter_count_of(folder) -> int:
     return parameter_count(OmegaConf.load(folder / store.CONFIG))
 
 
-
 def test_a_sweep_mixing_gru_and_transformer_models_is_analysed_at_the_lengths_asked(tmp_path):
     runs_dir = tmp_path / "runs"
-    grid = ["architecture=transformer,rnnencdec,luong_general", "~hydra.sweeper.params.attention", "task.length=3", "seed=0",
-            "analysis.lengths=[3,5]"]
+    grid = [
+        "architecture=transformer,rnnencdec,luong_general",
+        "~hydra.sweeper.params.attention",
+        "task.length=3",
+        "seed=0",
+        "analysis.lengths=[3,5]",
+    ]
     small = ["model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=16"]
     swept = run_cli("sweep", *TINY, *small, *grid, f"runs_dir={runs_dir}")
     assert swept.returncode == 0, swept.stderr
@@ -473,7 +538,9 @@ def test_greedy_is_the_teacher_forced_argmax_also_for_a_model_that_emits_pad(mak
     cfg = make_config("task.length=8", *SMALL, f"model.positions={positions}")
     torch.manual_seed(0)
     model = build_model(cfg).eval()
-    batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 8, cfg.task.vocab_size, torch.Generator().manual_seed(3))
+    batch = (
+        mixed_batch(cfg) if mixed else make_batch("copy", 6, 8, cfg.task.vocab_size, torch.Generator().manual_seed(3))
+    )
     with torch.no_grad():
         logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
         others = logits.clone()
@@ -511,7 +578,9 @@ def test_the_tutorials_transformer_computes_the_same_numbers(make_config, mixed,
     project = trained_a_little(build_model(cfg), cfg).train()
     reference = build_model(cfg, transformer_class=ReferenceTransformer)
     reference.load_state_dict(project.state_dict())  # strict: every name translated, none left over
-    batch = mixed_batch(cfg) if mixed else make_batch("copy", 6, 7, cfg.task.vocab_size, torch.Generator().manual_seed(4))
+    batch = (
+        mixed_batch(cfg) if mixed else make_batch("copy", 6, 7, cfg.task.vocab_size, torch.Generator().manual_seed(4))
+    )
     logits = project(batch.src, batch.src_lengths, batch.tgt_in)[0]
     want = reference(batch.src, batch.src_lengths, batch.tgt_in)[0]
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)

@@ -22,7 +22,9 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it
 _PUBLIC = {
-    **dict.fromkeys(("compose", "train", "sweep", "results", "compare", "report", "load_run", "decode", "SweepError"), "api"),
+    **dict.fromkeys(
+        ("compose", "train", "sweep", "results", "compare", "report", "load_run", "decode", "SweepError"), "api"
+    ),
     "ConfigError": "config.schema",
     "RunInProgress": "training.loop",
     "NonFiniteLoss": "training.loop",
@@ -32,8 +34,8 @@ __all__ = list(_PUBLIC)
 
 if TYPE_CHECKING:
     from .api import SweepError, compare, compose, decode, load_run, report, results, sweep, train
-    from .config.schema import ConfigError
     from .config.messages import CopytaskWarning
+    from .config.schema import ConfigError
     from .training.loop import NonFiniteLoss, RunInProgress
 
 

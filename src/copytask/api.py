@@ -28,6 +28,7 @@ from .store.grid import Selection, check_grid, nothing_done, select_runs
 
 if TYPE_CHECKING:  # heavy imports happen where they are needed: `import copytask` stays fast
     import pandas as pd
+
     from .evaluation.decode import Decoded
     from .models.build import Model
     from .reporting.tables import Loaded
@@ -71,14 +72,18 @@ def sweep(overrides: Sequence[str] = (), runs_dir: str | Path | None = None) -> 
 
     overrides = [*overrides, *([runs_dir_override(runs_dir)] if runs_dir is not None else [])]
     try:
-        run_hydra(overrides, multirun=True, quiet=True)  # the jobs' and the summary's lines go to the caller's logging only
+        run_hydra(
+            overrides, multirun=True, quiet=True
+        )  # the jobs' and the summary's lines go to the caller's logging only
         failed_jobs = False
     except SweepFailed:
         failed_jobs = True
     loaded = load(select_runs(overrides).runs)
     if failed_jobs:  # a run another process is still training has not failed (the sweep's summary counts it apart)
         failed = [run.folder.name for run, _ in loaded.missing if run.status() != "running"]
-        raise SweepError(f"{len(failed)} of {len(loaded.runs) + len(loaded.missing)} runs failed: {', '.join(failed)}", loaded.table)
+        raise SweepError(
+            f"{len(failed)} of {len(loaded.runs) + len(loaded.missing)} runs failed: {', '.join(failed)}", loaded.table
+        )
     return loaded.table
 
 
@@ -133,7 +138,9 @@ def comparison(selection: Selection, loaded: Loaded) -> pd.DataFrame:
     return summary(loaded)
 
 
-def report(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False, x: str | None = None) -> list[Path]:
+def report(
+    runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False, x: str | None = None
+) -> list[Path]:
     """Write results.csv and runs_dir/report/ (report.md and its figures) for the selection
     (`select`), with `x` (default: the config's report.x) on the accuracy figure's x axis (for a
     search: trials.csv too, and the search's report); -> the paths written, results.csv and
@@ -163,7 +170,9 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Model, DictConfi
     return load(Path(run_dir), device)
 
 
-def decode(run_dir: str | Path, symbols: str | None = None, random: int | None = None, length: int | None = None, seed: int = 0) -> Decoded:
+def decode(
+    run_dir: str | Path, symbols: str | None = None, random: int | None = None, length: int | None = None, seed: int = 0
+) -> Decoded:
     """Greedy-decode `symbols` (`"g d d c"` or `gddc`), or `random` sequences of `length` symbols,
     with a finished run's model: token ids, scores and attention weights as arrays (`decoding.Decoded`)."""
     from .evaluation.decode import decode as decode_run

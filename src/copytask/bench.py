@@ -48,19 +48,18 @@ from omegaconf import DictConfig
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from .kernels import build, ops
 from . import store
 from .config.schema import config_dir
 from .data.batches import Batch
+from .kernels import build, ops
+from .models.build import build_model
 from .models.recurrent import Seq2Seq
 from .models.reference import ReferenceSeq2Seq, ReferenceTransformer
 from .models.transformer import TransformerSeq2Seq
-from .training.devices import fused_adam, resolve_device, run_settings
-from .models.build import build_model
-from .training.splits import sample_batch
-from .training.devices import cpu_model
-from .training.optimizer import adam
+from .training.devices import cpu_model, fused_adam, resolve_device, run_settings
 from .training.loop import train, train_step
+from .training.optimizer import adam
+from .training.splits import sample_batch
 
 CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # the reference's GRU models
 ATTENTIONS = (  # every option of configs/attention/, the classical ones first, and model=transformer
@@ -78,6 +77,8 @@ IMPLEMENTATIONS = {"project": (Seq2Seq, TransformerSeq2Seq), "reference": (Refer
 def implementations(attention: str) -> list[str]:
     """The implementations of an attention type: the project's, and the reference's for REFERENCED ones."""
     return list(IMPLEMENTATIONS) if attention in REFERENCED else ["project"]
+
+
 TARGET_ATTENTIONS = ("bahdanau", "luong_general")
 # Time to target, each implementation with its usual optimiser settings (config overrides). The
 # reference's are those of the classical tutorials (e.g. bentrevett/pytorch-seq2seq, PyTorch's
@@ -118,9 +119,12 @@ def setups(cfg: DictConfig, device: torch.device) -> dict[str, Setup]:
     Adam over its parameters, as the tutorials train it."""
     batch = sample_batch(cfg, cfg.train.batch_size, torch.Generator().manual_seed(cfg.seed)).to(device)
     torch.manual_seed(cfg.seed)
-    models = {name: build_model(cfg, *IMPLEMENTATIONS[name]).to(device) for name in implementations(store.architecture(cfg))}
+    models = {
+        name: build_model(cfg, *IMPLEMENTATIONS[name]).to(device) for name in implementations(store.architecture(cfg))
+    }
     if "reference" in models:
         models["reference"].load_state_dict(models["project"].state_dict())
+
     def optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
         if name == "project":
             return adam(model, cfg.train.lr, device)
@@ -167,8 +171,14 @@ def matmul_rate(device: torch.device, size: int, repeats: int = 5) -> float:
     return 2 * size**3 / best
 
 
-def speed(lengths: list[int], overrides: list[str], repeats: int, warmup: int, device: torch.device,
-          attentions: Sequence[str] = ATTENTIONS) -> pd.DataFrame:
+def speed(
+    lengths: list[int],
+    overrides: list[str],
+    repeats: int,
+    warmup: int,
+    device: torch.device,
+    attentions: Sequence[str] = ATTENTIONS,
+) -> pd.DataFrame:
     """ms/step, tokens/s and FLOPs for every (attention, length, implementation), of `attentions`
     and Luong general (what vs_luong_general divides by)."""
     rows = []
@@ -177,7 +187,9 @@ def speed(lengths: list[int], overrides: list[str], repeats: int, warmup: int, d
     bar = tqdm(total=len(lengths) * setups_per_length * (warmup + repeats), desc="step times", unit="step")
     for length in lengths:
         cfgs = {attention: bench_config(attention, length, overrides) for attention in chosen}
-        runs = {(attention, name): setup for attention, cfg in cfgs.items() for name, setup in setups(cfg, device).items()}
+        runs = {
+            (attention, name): setup for attention, cfg in cfgs.items() for name, setup in setups(cfg, device).items()
+        }
         seconds: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
         for round_ in range(warmup + repeats):  # interleaved: drift on a shared machine hits all alike
             for key, setup in runs.items():
@@ -241,8 +253,15 @@ def memory(attentions: list[str], length: int, overrides: list[str], steps: int)
 
     def measure(key: tuple[str, str]) -> dict:
         args = json.dumps([*key, length, overrides, steps])
-        out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, args], env=env, capture_output=True, text=True, check=True)
-        return {"attention": key[0], "implementation": key[1], "length": length, **json.loads(out.stdout.strip().splitlines()[-1])}
+        out = subprocess.run(
+            [sys.executable, "-c", MEMORY_CHILD, args], env=env, capture_output=True, text=True, check=True
+        )
+        return {
+            "attention": key[0],
+            "implementation": key[1],
+            "length": length,
+            **json.loads(out.stdout.strip().splitlines()[-1]),
+        }
 
     # two at a time: the processes' memory does not interfere, and the wait halves
     with ThreadPoolExecutor(2) as pool:
@@ -250,7 +269,9 @@ def memory(attentions: list[str], length: int, overrides: list[str], steps: int)
     return pd.DataFrame(rows)
 
 
-def time_to_target(attentions: list[str], length: int, overrides: list[str], settings: str, runs_dir: Path) -> pd.DataFrame:
+def time_to_target(
+    attentions: list[str], length: int, overrides: list[str], settings: str, runs_dir: Path
+) -> pd.DataFrame:
     """Train each attention type with each implementation, with TARGET_SETTINGS[settings], until
     the target accuracy is first reached on the validation set. -> seconds and steps to it (NaN if
     never reached within the budget) and the seconds trained in all."""
@@ -288,7 +309,9 @@ def machine(device: torch.device) -> str:
 def wide(long: pd.DataFrame) -> pd.DataFrame:
     """One row per (attention, length): each measure for project and reference, the speedup, and the
     project's step time against Luong general's at the same length."""
-    table = long.pivot_table(index=["attention", "length", "batch_size"], columns="implementation", aggfunc="first", sort=False, dropna=False)
+    table = long.pivot_table(
+        index=["attention", "length", "batch_size"], columns="implementation", aggfunc="first", sort=False, dropna=False
+    )
     table.columns = [f"{measure}_{name}" for measure, name in table.columns]
     table = table.reset_index()
     table.insert(3, "speedup", table.ms_per_step_reference / table.ms_per_step_project)
@@ -302,20 +325,33 @@ def wide(long: pd.DataFrame) -> pd.DataFrame:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """`python -m copytask bench`'s options and overrides (`--quick` filled in)."""
-    parser = argparse.ArgumentParser(prog="python -m copytask bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m copytask bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.threads=1 train.device=cuda")
     parser.add_argument("--lengths", type=int, nargs="+", default=[20, 80])
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per configuration (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--memory-steps", type=int, default=3, help="training steps of the peak-memory run")
-    parser.add_argument("--attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS,
-                        help="the step-time table's attention types (Luong general is always timed too: vs_luong_general)")
-    parser.add_argument("--memory-attentions", nargs="+", choices=ATTENTIONS, help="the peak-memory runs' (default: --attentions)")
+    parser.add_argument(
+        "--attentions",
+        nargs="+",
+        default=list(ATTENTIONS),
+        choices=ATTENTIONS,
+        help="the step-time table's attention types (Luong general is always timed too: vs_luong_general)",
+    )
+    parser.add_argument(
+        "--memory-attentions", nargs="+", choices=ATTENTIONS, help="the peak-memory runs' (default: --attentions)"
+    )
     parser.add_argument("--gemm-size", type=int, default=2048, help="matrix size of the matmul-rate measurement")
     parser.add_argument("--time-to-target", action="store_true", help="also train to the target accuracy (minutes)")
     parser.add_argument("--target-attentions", nargs="+", default=list(TARGET_ATTENTIONS), choices=ATTENTIONS)
-    parser.add_argument("--target-settings", choices=list(TARGET_SETTINGS), default="own",
-                        help="own: each implementation its usual optimiser settings; same: both the project's")
+    parser.add_argument(
+        "--target-settings",
+        choices=list(TARGET_SETTINGS),
+        default="own",
+        help="own: each implementation its usual optimiser settings; same: both the project's",
+    )
     parser.add_argument("--csv", type=Path, default=Path("runs/bench/bench.csv"))
     parser.add_argument("--quick", action="store_true", help=f"a smoke run of seconds: {QUICK}")
     # Overrides first: argparse would take one after a list option (--memory-attentions a b key=value) as one of its values.
@@ -323,7 +359,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args([*overrides, *(arg for arg in argv if arg not in overrides)])
     args.memory_attentions = args.memory_attentions or args.attentions
     if args.quick:
-        args.lengths, args.repeats, args.warmup, args.gemm_size = QUICK["lengths"], QUICK["repeats"], QUICK["warmup"], QUICK["gemm_size"]
+        args.lengths, args.repeats, args.warmup, args.gemm_size = (
+            QUICK["lengths"],
+            QUICK["repeats"],
+            QUICK["warmup"],
+            QUICK["gemm_size"],
+        )
         args.memory_steps, args.memory_attentions = 1, QUICK["memory_attentions"]
         args.overrides = [*QUICK["overrides"], *args.overrides]
     return args
@@ -342,28 +383,64 @@ def main(argv: list[str] | None = None) -> int:
 
     longest = max(args.lengths)
     with run_settings(device):  # the steps a run computes: on CUDA full float32 (no TF32), deterministic algorithms
-        parts = [speed(args.lengths, args.overrides, args.repeats, args.warmup, device, args.attentions), memory(args.memory_attentions, longest, args.overrides, args.memory_steps)]
+        parts = [
+            speed(args.lengths, args.overrides, args.repeats, args.warmup, device, args.attentions),
+            memory(args.memory_attentions, longest, args.overrides, args.memory_steps),
+        ]
         if args.time_to_target:
-            parts.append(time_to_target(args.target_attentions, longest, args.overrides, args.target_settings, args.csv.parent / "time_to_target"))
+            parts.append(
+                time_to_target(
+                    args.target_attentions,
+                    longest,
+                    args.overrides,
+                    args.target_settings,
+                    args.csv.parent / "time_to_target",
+                )
+            )
         rate = matmul_rate(device, args.gemm_size)
     long = parts[0]
     for part in parts[1:]:
         long = long.merge(part, on=["attention", "length", "implementation"], how="left")
     table = wide(long)
     for name in IMPLEMENTATIONS:
-        table[f"matmul_peak_fraction_{name}"] = table[f"gflop_per_step_{name}"] * 1e9 / (table[f"ms_per_step_{name}"] / 1e3) / rate
+        table[f"matmul_peak_fraction_{name}"] = (
+            table[f"gflop_per_step_{name}"] * 1e9 / (table[f"ms_per_step_{name}"] / 1e3) / rate
+        )
     table["matmul_gflops"] = rate / 1e9
     table["machine"] = description
 
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     store.atomic_write(args.csv, table.to_csv(index=False))
-    shown = ["attention", "length", "speedup", "vs_luong_general", "ms_per_step_project", "ms_per_step_reference", "tokens_per_s_project", "tokens_per_s_reference",
-             "peak_mb_project", "peak_mb_reference", "train_mb_project", "train_mb_reference", "matmul_peak_fraction_project", "matmul_peak_fraction_reference"]
+    shown = [
+        "attention",
+        "length",
+        "speedup",
+        "vs_luong_general",
+        "ms_per_step_project",
+        "ms_per_step_reference",
+        "tokens_per_s_project",
+        "tokens_per_s_reference",
+        "peak_mb_project",
+        "peak_mb_reference",
+        "train_mb_project",
+        "train_mb_reference",
+        "matmul_peak_fraction_project",
+        "matmul_peak_fraction_reference",
+    ]
     if args.time_to_target:
-        shown += ["target_speedup", "target_s_project", "target_s_reference", "target_steps_project", "target_steps_reference"]
+        shown += [
+            "target_speedup",
+            "target_s_project",
+            "target_s_reference",
+            "target_steps_project",
+            "target_steps_reference",
+        ]
         trained = table.dropna(subset=["target_settings_project"]).iloc[0]
-        print(f"time to target with {args.target_settings} settings: project {trained.target_settings_project}; "
-              f"reference {trained.target_settings_reference}", file=sys.stderr)
+        print(
+            f"time to target with {args.target_settings} settings: project {trained.target_settings_project}; "
+            f"reference {trained.target_settings_reference}",
+            file=sys.stderr,
+        )
     print(f"\n{description}; matmul rate {rate / 1e9:.1f} GFLOP/s ({args.gemm_size}^3 float32)")
     print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.3g}", na_rep="-"))
     print(f"\nwritten to {args.csv}")

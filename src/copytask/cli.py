@@ -13,15 +13,15 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from . import api, store
 from .config import messages
+from .config.model_keys import Refused, check_lengths
 from .config.schema import DETERMINISTIC_CUBLAS, ConfigError, config_help, refuse
 from .store.grid import Selection, compose_grid, folder_runs, nothing_done, select_runs
-from .config.model_keys import Refused, check_lengths
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
 
@@ -131,7 +131,9 @@ def run_command(args: list[str]) -> int:
         if unknown:
             return refuse(f"{command} has no option {unknown[0]}; its options: {', '.join(flags)}")
         try:
-            return (compare if command == "compare" else report)([arg for arg in rest if arg not in flags], set(rest) & set(flags))
+            return (compare if command == "compare" else report)(
+                [arg for arg in rest if arg not in flags], set(rest) & set(flags)
+            )
         except ConfigError as error:
             return refuse(error)
     if command == "decode":
@@ -144,7 +146,10 @@ def run_command(args: list[str]) -> int:
         build.retry_build()  # asked to build: try again, whatever failed before
         built = build.kernel()
         if built is None:
-            print("copytask: error: the fused CPU kernels could not be built (the warning above says why)", file=sys.stderr)
+            print(
+                "copytask: error: the fused CPU kernels could not be built (the warning above says why)",
+                file=sys.stderr,
+            )
             return 1
         print(f"copytask: the fused CPU kernels are built: {built.__file__}")
         return 0
@@ -152,7 +157,9 @@ def run_command(args: list[str]) -> int:
         from .bench import main as bench  # imported here: it loads the reference and profiler
 
         return bench(rest)
-    print(f"copytask: error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
+    print(
+        f"copytask: error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr
+    )
     return 2
 
 
@@ -173,8 +180,14 @@ def analyze(overrides: list[str]) -> int:
     folders = store.complete_runs(runs_dir)
     try:
         lengths = list(master.analysis.lengths) if master.analysis.lengths else None  # null: the trained lengths
-        analyze(folders, lengths, eval_size=master.analysis.eval_size, threads=master.analysis.threads, progress=master.train.progress,
-                device=master.train.device)
+        analyze(
+            folders,
+            lengths,
+            eval_size=master.analysis.eval_size,
+            threads=master.analysis.threads,
+            progress=master.train.progress,
+            device=master.train.device,
+        )
     except ConfigError as error:  # a device this machine does not have
         return refuse(error)
     loaded = load(folder_runs(folders))  # each run's settings: the keys that vary between the runs
@@ -191,7 +204,11 @@ def selection_for(command: str, overrides: list[str], flags: set[str]) -> Select
     master, _ = compose_grid(overrides, expand_grid=False)
     if not listing and not Path(master.runs_dir).is_dir():  # before any grid is composed
         raise ConfigError(f"nothing to {command}: {master.runs_dir} does not exist")
-    selection = select_runs(overrides, every_run="--all" in flags) if listing else api.select(overrides=overrides, all_runs="--all" in flags)
+    selection = (
+        select_runs(overrides, every_run="--all" in flags)
+        if listing
+        else api.select(overrides=overrides, all_runs="--all" in flags)
+    )
     print(f"{command}: {selection.source}")
     if not listing and not any(run.status() == "complete" for run in selection.runs):
         raise ConfigError(nothing_done(command, selection))
@@ -203,13 +220,17 @@ def compare(overrides: list[str], flags: set[str]) -> int:
     and length, the baseline and each attention type side by side. Missing runs are listed with
     the command that trains them; --train-missing trains them first (the same resumable sweep);
     --missing lists them and prints no table."""
-    from .store.grid import sweep_command
     from .reporting.tables import comparison_table, describe_missing, table_note
+    from .store.grid import sweep_command
 
     selection = selection_for("compare", overrides, flags)
     unfinished = [(run, run.failure()) for run in selection.runs if run.status() != "complete"]
     if "--missing" in flags:
-        print(describe_missing(unfinished, len(selection.runs)) if unfinished else f"all {len(selection.runs)} runs complete in {selection.master.runs_dir}")
+        print(
+            describe_missing(unfinished, len(selection.runs))
+            if unfinished
+            else f"all {len(selection.runs)} runs complete in {selection.master.runs_dir}"
+        )
         return 0
     status = 0
     if unfinished and "--train-missing" in flags:
@@ -229,7 +250,9 @@ def compare(overrides: list[str], flags: set[str]) -> int:
     if selection.is_search:
         from .reporting.search import best, best_table
 
-        print(f"the best {len(best(table))} of {len(table)} trials by validation greedy token accuracy (the objective), in %; every trial: report's trials.csv")
+        print(
+            f"the best {len(best(table))} of {len(table)} trials by validation greedy token accuracy (the objective), in %; every trial: report's trials.csv"
+        )
         print(best_table(table, loaded.settings).to_string(index=False))
         return status
     print(table_note(list(dict.fromkeys(loaded.table["task"]))))

@@ -15,19 +15,32 @@ import os
 import shutil
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import model_keys
-from .schema import (
-    DECODERS, DEVICES, LOCAL, LOGGERS, MAXIMUM, MINIMUM, REMOTE_LAUNCHERS, SCHEDULES, SCHEMA_KEYS, VARIANTS,
-    AttentionConfig, ConfigError, config_dir, dotted_keys, unknown_key,
-)
 from ..data.tasks import TASKS
-from .model_keys import FLOAT, LONG, MAX_HEADS
 from ..data.vocab import total_vocab
+from . import model_keys
+from .model_keys import FLOAT, LONG, MAX_HEADS
+from .schema import (
+    DECODERS,
+    DEVICES,
+    LOCAL,
+    LOGGERS,
+    MAXIMUM,
+    MINIMUM,
+    REMOTE_LAUNCHERS,
+    SCHEDULES,
+    SCHEMA_KEYS,
+    VARIANTS,
+    AttentionConfig,
+    ConfigError,
+    config_dir,
+    dotted_keys,
+    unknown_key,
+)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -48,7 +61,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"task.name must be one of {', '.join(TASKS)}, got {task.name!r}")
     if task.variable_length and task.min_length > task.length:
         raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")
-    check_heldout(task.length, task.vocab_size, train.eval_size, train.val_size, task.min_length if task.variable_length else None)
+    check_heldout(
+        task.length, task.vocab_size, train.eval_size, train.val_size, task.min_length if task.variable_length else None
+    )
     try:
         model_keys.check_model(cfg, default_attention())
         model_keys.check_lengths(cfg.analysis.get("lengths"))
@@ -57,7 +72,10 @@ def validate(cfg: DictConfig) -> None:
     if attention.decoder not in DECODERS:
         raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
     if attention.variant != VARIANTS.get(attention.decoder):  # the one set of equations each decoder computes
-        expected, got = VARIANTS.get(attention.decoder) or "null", "null" if attention.variant is None else repr(attention.variant)
+        expected, got = (
+            VARIANTS.get(attention.decoder) or "null",
+            "null" if attention.variant is None else repr(attention.variant),
+        )
         raise ConfigError(f"attention.variant must be {expected} with attention.decoder={attention.decoder}, got {got}")
     if model.bidirectional and model.hidden_size % 2:
         raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
@@ -77,9 +95,13 @@ def validate(cfg: DictConfig) -> None:
                 f"got attention={attention.name} with {attention.heads} heads"
             )
         if attention.window is None:
-            raise ConfigError(f"attention.window must be an integer >= 1 with attention.local={attention.local}, got null")
+            raise ConfigError(
+                f"attention.window must be an integer >= 1 with attention.local={attention.local}, got null"
+            )
     if not model_keys.is_transformer(cfg) and model.hidden_size % attention.heads:
-        raise ConfigError(f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})")
+        raise ConfigError(
+            f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})"
+        )
     if not 0 < train.lr < math.inf:  # also refuses nan
         raise ConfigError(f"train.lr must be a positive finite number, got {train.lr!r}")
     if train.schedule not in SCHEDULES:
@@ -171,7 +193,9 @@ def parameter_count(cfg: DictConfig) -> int:
     vocab, embedding, hidden = total_vocab(cfg.task.vocab_size), cfg.model.embedding_size, cfg.model.hidden_size
     attention = cfg.attention
 
-    def gru(inputs: int, size: int, directions: int = 1) -> int:  # nn.GRU / nn.GRUCell: W_ih, W_hh, b_ih, b_hh per direction
+    def gru(
+        inputs: int, size: int, directions: int = 1
+    ) -> int:  # nn.GRU / nn.GRUCell: W_ih, W_hh, b_ih, b_hh per direction
         return directions * (3 * size * (inputs + size) + 6 * size)
 
     per_direction, directions = (hidden // 2, 2) if cfg.model.bidirectional else (hidden, 1)
@@ -180,10 +204,22 @@ def parameter_count(cfg: DictConfig) -> int:
     if attention.decoder == "plain":
         return count + gru(embedding, hidden) + hidden * vocab + vocab
     if attention.decoder == "bahdanau":
-        return count + gru(embedding + hidden, hidden) + 2 * hidden * vocab + vocab  # context into the cell; readout from [s_t; c_t]
-    if attention.decoder == "rnnencdec":  # V and V' (c and s_0); the GRU's W, U and C (as a cell on [e; c]); readout from [s_t; e(y_{t-1}); c]
-        return count + 2 * (hidden * hidden + hidden) + gru(embedding + hidden, hidden) + (2 * hidden + embedding) * vocab + vocab
-    return count + gru(embedding, hidden) + 2 * hidden * hidden + hidden + hidden * vocab + vocab  # Luong: W_c, then the readout
+        return (
+            count + gru(embedding + hidden, hidden) + 2 * hidden * vocab + vocab
+        )  # context into the cell; readout from [s_t; c_t]
+    if (
+        attention.decoder == "rnnencdec"
+    ):  # V and V' (c and s_0); the GRU's W, U and C (as a cell on [e; c]); readout from [s_t; e(y_{t-1}); c]
+        return (
+            count
+            + 2 * (hidden * hidden + hidden)
+            + gru(embedding + hidden, hidden)
+            + (2 * hidden + embedding) * vocab
+            + vocab
+        )
+    return (
+        count + gru(embedding, hidden) + 2 * hidden * hidden + hidden + hidden * vocab + vocab
+    )  # Luong: W_c, then the readout
 
 
 # Floats a training step keeps per (row, position, hidden unit) of the GRUs: the input's share of
@@ -210,8 +246,16 @@ def memory_estimate(
         # scores, masked scores, weights and a gradient per head; local attention adds its distances, window and Gaussian
         weight_floats = 4 * attention.get("heads", 1) + (3 if attention.get("local") else 0)
         activations = {
-            "the embeddings (B x (T_enc + T_dec) x model.embedding_size)": 2 * batch * (t_enc + t_dec) * model.embedding_size * FLOAT,
-            "the GRU states (B x (T_enc + T_dec) x model.hidden_size)": GRU_FLOATS * batch * (t_enc + t_dec) * model.hidden_size * FLOAT,
+            "the embeddings (B x (T_enc + T_dec) x model.embedding_size)": 2
+            * batch
+            * (t_enc + t_dec)
+            * model.embedding_size
+            * FLOAT,
+            "the GRU states (B x (T_enc + T_dec) x model.hidden_size)": GRU_FLOATS
+            * batch
+            * (t_enc + t_dec)
+            * model.hidden_size
+            * FLOAT,
             "the attention weights (B x T_dec x T_enc)": attends * weight_floats * batch * t_dec * t_enc * FLOAT,
             **{part: floats * batch * t_dec * t_enc * FLOAT for part, floats in (attention_floats or {}).items()},
         }
@@ -222,7 +266,8 @@ def memory_estimate(
         **activations,
         "the logits (B x T_dec x vocabulary)": 3 * batch * t_dec * total_vocab(task.vocab_size) * FLOAT,
         # its token ids (source, decoder input, target, decoded output) and, with attention, the weights kept
-        "the test and validation sets and their attention weights ((train.eval_size + train.val_size) x T_dec x T_enc)": heldout * (4 * t_dec * LONG + attends * t_dec * t_enc * FLOAT),
+        "the test and validation sets and their attention weights ((train.eval_size + train.val_size) x T_dec x T_enc)": heldout
+        * (4 * t_dec * LONG + attends * t_dec * t_enc * FLOAT),
     }
 
 
@@ -287,8 +332,12 @@ def check_device(name: str, here: bool = True) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            build = f"torch {torch.__version__}, " + ("a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}")
-            raise ConfigError(f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device ({build}); use auto or cpu")
+            build = f"torch {torch.__version__}, " + (
+                "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            )
+            raise ConfigError(
+                f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device ({build}); use auto or cpu"
+            )
 
 
 def remote_launcher(target: str | None) -> bool:
@@ -319,8 +368,10 @@ def check_launcher(target: str | None, choice: str | None, partition: str | None
     partitions = sorted(set(listed.stdout.split()))
     unknown = [name for name in str(partition).split(",") if name not in partitions]
     if listed.returncode == 0 and unknown:
-        raise ConfigError(f"hydra.launcher.partition={partition}: this cluster has no partition {', '.join(unknown)} "
-                          f"(sinfo lists {', '.join(partitions) or 'none'})")
+        raise ConfigError(
+            f"hydra.launcher.partition={partition}: this cluster has no partition {', '.join(unknown)} "
+            f"(sinfo lists {', '.join(partitions) or 'none'})"
+        )
 
 
 def check_slurm_commands(choice: str | None) -> None:

@@ -20,8 +20,8 @@ changes them fails there, loudly, before anything else does.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
@@ -99,12 +99,21 @@ def search_samples(master: DictConfig) -> list[str]:
         for override in searched.values():
             try:
                 create_params_from_overrides([override.input_line])
-            except (ValueError, TypeError, AssertionError, NotImplementedError) as error:  # what the plugin would raise in the sweep
+            except (
+                ValueError,
+                TypeError,
+                AssertionError,
+                NotImplementedError,
+            ) as error:  # what the plugin would raise in the sweep
                 raise ConfigError(
                     f"{override.input_line}: the Optuna sweeper searches choice(a,b), range(start,stop,step), "
-                    f"interval(low,high) and tag(log,interval(low,high))" + (f", and says: {error}" if str(error) else "")
+                    f"interval(low,high) and tag(log,interval(low,high))"
+                    + (f", and says: {error}" if str(error) else "")
                 ) from None
-    return [f"{key}={next(o.sweep_string_iterator()) if o.is_discrete_sweep() else o.value().start}" for key, o in searched.items()]
+    return [
+        f"{key}={next(o.sweep_string_iterator()) if o.is_discrete_sweep() else o.value().start}"
+        for key, o in searched.items()
+    ]
 
 
 def compose_job(master: DictConfig, overrides: list[str]) -> DictConfig:
@@ -119,7 +128,9 @@ def sweep_jobs(master: DictConfig) -> tuple[Iterator[tuple[list[str], DictConfig
     replace a swept key's list."""
     parsed = sweep_overrides(master)
     for override in parsed:
-        if override.is_sweep_override() and not override.is_discrete_sweep():  # the basic sweeper would raise with a traceback
+        if (
+            override.is_sweep_override() and not override.is_discrete_sweep()
+        ):  # the basic sweeper would raise with a traceback
             raise ConfigError(
                 f"{override.input_line}: the basic sweeper takes lists (a,b,c), range(start,stop,step) and choice(a,b), "
                 f"not {override.value_type.name.lower().removesuffix('_sweep')}(...), which is for an optimising sweeper"

@@ -7,8 +7,10 @@ import io
 import logging
 import sys
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, TextIO
+from typing import TextIO
+
 
 class CopytaskWarning(UserWarning):
     """A run or file that copytask skipped or could not read; the message names its folder."""
@@ -22,7 +24,11 @@ def warn(message: str) -> None:
 
 def format_warning(message, category, *args, **kwargs) -> str:
     """A warning as one line: `copytask: warning: ...` for copytask's own, `Category: ...` for others'."""
-    return f"copytask: warning: {message}\n" if issubclass(category, CopytaskWarning) else f"{category.__name__}: {message}\n"
+    return (
+        f"copytask: warning: {message}\n"
+        if issubclass(category, CopytaskWarning)
+        else f"{category.__name__}: {message}\n"
+    )
 
 
 @contextmanager

@@ -56,7 +56,9 @@ def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
     `default_attention` (the attention group's default, composed)."""
     model, name = cfg.model, model_name(cfg)
     if name not in MODELS:
-        raise Refused(f"model.name must be one of {', '.join(MODELS)}, got {name!r} (choose a model with model={'|'.join(MODELS)})")
+        raise Refused(
+            f"model.name must be one of {', '.join(MODELS)}, got {name!r} (choose a model with model={'|'.join(MODELS)})"
+        )
     for key in MODEL_KEYS[name]:
         if model.get(key) is None and f"model.{key}" not in NULLABLE:
             raise Refused(f"model.{key} must not be null with model={name}")
@@ -78,13 +80,17 @@ def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
     if not 0 <= model.dropout < 1:  # also refuses nan
         raise Refused(f"model.dropout must be a number in [0, 1), got {model.dropout!r}")
     if model.positions == "learned" and model.max_length is not None and model.max_length < cfg.task.length:
-        raise Refused(f"model.max_length ({model.max_length}) must be at least task.length ({cfg.task.length}): the learned table covers every trained position")
+        raise Refused(
+            f"model.max_length ({model.max_length}) must be at least task.length ({cfg.task.length}): the learned table covers every trained position"
+        )
 
 
 def check_lengths(lengths: list[int] | None) -> None:
     """Refused unless `analysis.lengths` (integers: the schema's type) is null or a non-empty list of lengths >= 1."""
     if lengths is not None and (len(lengths) == 0 or min(lengths) < 1):
-        raise Refused(f"analysis.lengths must be null or a list of integers >= 1, e.g. [5,10,20,40,80], got {list(lengths)}")
+        raise Refused(
+            f"analysis.lengths must be null or a list of integers >= 1, e.g. [5,10,20,40,80], got {list(lengths)}"
+        )
 
 
 def transformer_parameter_count(cfg: DictConfig) -> int:

@@ -15,10 +15,10 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
@@ -51,7 +51,11 @@ DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 REMOTE_LAUNCHERS = (".SlurmLauncher",)
 SCHEDULES = ("onecycle", "constant")
 # logger=<name> -> (the tracker, the modules its extra `copytask[<name>]` installs); looked for, not imported, here
-LOGGERS = {"none": None, "tensorboard": ("TensorBoard", ("tensorboard",)), "mlflow": ("MLflow", ("mlflow", "sqlalchemy", "alembic"))}
+LOGGERS = {
+    "none": None,
+    "tensorboard": ("TensorBoard", ("tensorboard",)),
+    "mlflow": ("MLflow", ("mlflow", "sqlalchemy", "alembic")),
+}
 
 
 # The schema: every key's type, which Hydra checks as it composes (configs/config.yaml names it
@@ -70,28 +74,28 @@ class TaskConfig:
 @dataclass
 class ModelConfig:  # each model=... option sets its own keys (model_keys.MODEL_KEYS) and leaves the other's null
     name: str = MISSING
-    embedding_size: Optional[int] = None
-    hidden_size: Optional[int] = None
-    bidirectional: Optional[bool] = None
-    layers: Optional[int] = None
-    heads: Optional[int] = None
-    d_model: Optional[int] = None
-    ff_size: Optional[int] = None
-    positions: Optional[str] = None
-    max_length: Optional[int] = None
-    dropout: Optional[float] = None
+    embedding_size: int | None = None
+    hidden_size: int | None = None
+    bidirectional: bool | None = None
+    layers: int | None = None
+    heads: int | None = None
+    d_model: int | None = None
+    ff_size: int | None = None
+    positions: str | None = None
+    max_length: int | None = None
+    dropout: float | None = None
 
 
 @dataclass
 class AttentionConfig:
     name: str = MISSING
     decoder: str = MISSING
-    score: Optional[str] = MISSING
-    size: Optional[int] = MISSING
+    score: str | None = MISSING
+    size: int | None = MISSING
     heads: int = 1
-    local: Optional[str] = None
-    window: Optional[int] = None
-    variant: Optional[str] = None
+    local: str | None = None
+    window: int | None = None
+    variant: str | None = None
 
 
 @dataclass
@@ -108,9 +112,9 @@ class TrainConfig:
     val_size: int = MISSING
     val_seed: int = MISSING
     target_acc: float = MISSING
-    patience: Optional[int] = MISSING
+    patience: int | None = MISSING
     device: str = MISSING
-    threads: Optional[int] = MISSING
+    threads: int | None = MISSING
     fused: bool = MISSING
     progress: bool = MISSING
     attention_samples: int = MISSING
@@ -118,9 +122,9 @@ class TrainConfig:
 
 @dataclass
 class AnalysisConfig:
-    eval_size: Optional[int] = MISSING
-    threads: Optional[int] = MISSING
-    lengths: Optional[list[int]] = None
+    eval_size: int | None = MISSING
+    threads: int | None = MISSING
+    lengths: list[int] | None = None
 
 
 @dataclass
@@ -131,9 +135,9 @@ class ReportConfig:
 @dataclass
 class LoggerConfig:
     name: str = "none"
-    tracking_uri: Optional[str] = None  # mlflow
-    experiment: Optional[str] = None  # mlflow
-    log_dir: Optional[str] = None  # tensorboard
+    tracking_uri: str | None = None  # mlflow
+    experiment: str | None = None  # mlflow
+    log_dir: str | None = None  # tensorboard
 
 
 @dataclass
@@ -155,16 +159,38 @@ ConfigStore.instance().store(name=SCHEMA, node=Config)
 
 # The smallest value of each integer key (a key left null where the schema allows it is not checked).
 MINIMUM = {
-    "seed": 0, "task.length": 1, "task.vocab_size": 2,  # one symbol would make copying trivial
-    "task.min_length": 1, "model.embedding_size": 1, "model.hidden_size": 1, "attention.size": 1,
-    "attention.heads": 1, "attention.window": 1, "train.steps": 1, "train.batch_size": 1,
-    "train.eval_every": 1, "train.eval_size": 1, "train.eval_seed": 0, "train.val_size": 1, "train.val_seed": 0, "train.patience": 1,
-    "train.threads": 1, "train.attention_samples": 0, "analysis.eval_size": 1, "analysis.threads": 1,
+    "seed": 0,
+    "task.length": 1,
+    "task.vocab_size": 2,  # one symbol would make copying trivial
+    "task.min_length": 1,
+    "model.embedding_size": 1,
+    "model.hidden_size": 1,
+    "attention.size": 1,
+    "attention.heads": 1,
+    "attention.window": 1,
+    "train.steps": 1,
+    "train.batch_size": 1,
+    "train.eval_every": 1,
+    "train.eval_size": 1,
+    "train.eval_seed": 0,
+    "train.val_size": 1,
+    "train.val_seed": 0,
+    "train.patience": 1,
+    "train.threads": 1,
+    "train.attention_samples": 0,
+    "analysis.eval_size": 1,
+    "analysis.threads": 1,
     **model_keys.MINIMUM,
 }
 # The largest value of an integer key where there is one: torch's generators take 64-bit seeds,
 # and OpenMP would start every thread asked for.
-MAXIMUM = {"seed": 2**64 - 1, "train.eval_seed": 2**64 - 1, "train.val_seed": 2**64 - 1, "train.threads": 1024, "analysis.threads": 1024}
+MAXIMUM = {
+    "seed": 2**64 - 1,
+    "train.eval_seed": 2**64 - 1,
+    "train.val_seed": 2**64 - 1,
+    "train.threads": 1024,
+    "analysis.threads": 1024,
+}
 TYPES = {"Integer": "an integer", "Float": "a number", "bool": "true or false"}  # as OmegaConf names them
 
 
@@ -217,7 +243,10 @@ def hydra_errors(known_keys: list[str]) -> Iterator[None]:
         if unknown is None:
             raise ConfigError(str(error).strip().splitlines()[0]) from None
         raise ConfigError(unknown_key(unknown[1], known_keys)) from None
-    except (ValueError, TypeError) as error:  # Hydra's defaults list on a group given no option name (`=3`, `attention=[1,2]`)
+    except (
+        ValueError,
+        TypeError,
+    ) as error:  # Hydra's defaults list on a group given no option name (`=3`, `attention=[1,2]`)
         if f"{os.sep}hydra{os.sep}" not in traceback.extract_tb(error.__traceback__)[-1].filename:
             raise  # not Hydra's: a bug to see whole
         raise ConfigError(
@@ -246,7 +275,17 @@ def unknown_key(key: str, known_keys: list[str]) -> str:
 
 # `key: value  # comment` in the simple YAML of configs/ (two-space indents)
 YAML_LINE = re.compile(r"^(?P<indent> *)(?P<key>[\w.]+):(?P<value>[^#]*?)\s*(?:#\s*(?P<comment>.*))?$")
-GROUPS = ("task", "model", "attention", "train", "logger", "architecture", "experiment", "hparams_search", "hydra/launcher")
+GROUPS = (
+    "task",
+    "model",
+    "attention",
+    "train",
+    "logger",
+    "architecture",
+    "experiment",
+    "hparams_search",
+    "hydra/launcher",
+)
 PLUGIN_OPTIONS = {"hydra/sweeper=optuna": "Hydra's Optuna sweeper: pip install 'copytask[optuna]'"}
 
 
@@ -270,7 +309,9 @@ def option_summary(path: Path) -> str:
     if named := re.search(r"^name: [^#]*#\s*(.*)$", text, re.M):
         return named[1]
     lines = [line for line in text.splitlines() if "@package" not in line]
-    leading = " ".join(line.lstrip("# ").strip() for line in itertools.takewhile(lambda line: line.startswith("#"), lines))
+    leading = " ".join(
+        line.lstrip("# ").strip() for line in itertools.takewhile(lambda line: line.startswith("#"), lines)
+    )
     sentence = re.match(r".+?[.?!](?=\s|$)", leading)
     return sentence[0] if sentence else leading
 
@@ -283,12 +324,18 @@ def config_help(command: str, cfg: DictConfig, choices: dict[str, str]) -> str:
         f"usage: python -m copytask {command} [key=value ...] [group=option ...]",
         "",
         "Hydra overrides of the configs in configs/"
-        + (": a comma-separated list sweeps a key ('task.length=5,10'); the grid is hydra.sweeper.params." if command == "sweep" else "."),
+        + (
+            ": a comma-separated list sweeps a key ('task.length=5,10'); the grid is hydra.sweeper.params."
+            if command == "sweep"
+            else "."
+        ),
         "`--cfg job` prints the composed config; `--hydra-help` Hydra's own flags.",
         "",
         "config groups (group=option; * the default):",
     ]
-    options = [(group, path) for group in GROUPS if (root / group).is_dir() for path in sorted((root / group).glob("*.yaml"))]
+    options = [
+        (group, path) for group in GROUPS if (root / group).is_dir() for path in sorted((root / group).glob("*.yaml"))
+    ]
     width = max(len(f"{group}={path.stem}") for group, path in options)
     for group, path in options:
         mark = "*" if choices.get(group) == path.stem else " "

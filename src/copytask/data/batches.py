@@ -81,7 +81,9 @@ class Batch:
         """A sub-batch (rows `index`), trimmed to its own longest source."""
         lengths = self.src_lengths[index]
         t_enc = int(lengths.max())
-        return Batch(self.src[index, :t_enc], lengths, self.tgt_in[index, : t_enc + 1], self.tgt_out[index, : t_enc + 1])
+        return Batch(
+            self.src[index, :t_enc], lengths, self.tgt_in[index, : t_enc + 1], self.tgt_out[index, : t_enc + 1]
+        )
 
 
 def make_batch(
@@ -103,7 +105,9 @@ def make_batch(
         lengths = torch.full((batch_size,), length, dtype=torch.long, device=device)
     else:
         lengths = torch.randint(min_length, length + 1, (batch_size,), generator=generator, device=device)
-    symbols = torch.randint(NUM_SPECIAL, total_vocab(vocab_size), (batch_size, length), generator=generator, device=device)
+    symbols = torch.randint(
+        NUM_SPECIAL, total_vocab(vocab_size), (batch_size, length), generator=generator, device=device
+    )
     return task_batch(task, symbols, lengths)
 
 

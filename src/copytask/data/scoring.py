@@ -4,9 +4,12 @@ first EOS, and a content position after it is wrong whatever the decoder emits t
 from __future__ import annotations
 
 from typing import NamedTuple
+
 import torch
-from .vocab import EOS
+
 from .batches import Batch
+from .vocab import EOS
+
 
 class Scores(NamedTuple):
     """Per sequence (B,): content symbols right, content symbols, whether the whole target is right

@@ -9,7 +9,8 @@ with `@task("name")` and a `configs/task/<name>.yaml` whose `name:` is it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import Tensor

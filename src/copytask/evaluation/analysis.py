@@ -30,9 +30,9 @@ functions turn the loaded files into tables for printing and for the report.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import pandas as pd
 import torch
@@ -42,16 +42,15 @@ from tqdm.auto import tqdm
 
 from .. import store
 from ..config import messages
-from ..models.attention import Attention, Intervention
 from ..data.batches import Batch, copied_positions
+from ..data.scoring import output_mask, sequence_scores
+from ..models.attention import Attention, Intervention
 from ..models.build import Model
 from ..models.greedy import evaluate, rounded
-from .load import load_run
-from ..data.scoring import output_mask, sequence_scores
-from ..training.splits import heldout_at_length, test_batch, training_length_mix, unscorable
-from ..training.devices import resolve_device, run_settings
-from ..training.devices import torch_threads
 from ..reporting.analysis_tables import COUNTERFACTUALS
+from ..training.devices import resolve_device, run_settings, torch_threads
+from ..training.splits import heldout_at_length, test_batch, training_length_mix, unscorable
+from .load import load_run
 
 FIXED_POSITION = 0  # the `fixed` counterfactual puts all weight here (always a valid position)
 PER_LENGTH_SIZE = 64  # held-out sequences per length in the per-length evaluation
@@ -192,8 +191,10 @@ def length_generalisation(
 def held_out_note(length: int, available: int, size: int, vocab_size: int) -> str:
     """Why a length is scored on fewer than `size` sequences (or not at all)."""
     scored = f"scored on {available} sequences" if available else "not scored"
-    return (f"{scored}: only {available} of the {vocab_size ** length:,} sequences of length {length} are neither "
-            f"trained on nor in the validation set (asked for {size})")
+    return (
+        f"{scored}: only {available} of the {vocab_size**length:,} sequences of length {length} are neither "
+        f"trained on nor in the validation set (asked for {size})"
+    )
 
 
 def accuracy_by_length(batch: Batch, tokens: Tensor) -> pd.DataFrame:
@@ -205,7 +206,9 @@ def accuracy_by_length(batch: Batch, tokens: Tensor) -> pd.DataFrame:
          "exact": scores.exact.tolist()}
     )  # fmt: skip
     grouped = per_sequence.groupby("length")
-    table = grouped.agg(count=("exact", "size"), hits=("hits", "sum"), symbols=("symbols", "sum"), seq_acc=("exact", "mean"))
+    table = grouped.agg(
+        count=("exact", "size"), hits=("hits", "sum"), symbols=("symbols", "sum"), seq_acc=("exact", "mean")
+    )
     table["token_acc"] = table.hits / table.symbols
     return table.reset_index()[["length", "count", "token_acc", "seq_acc"]]
 
@@ -323,7 +326,9 @@ def analyze(
     device = resolve_device(device)
     analysed = 0
     with torch_threads(threads):
-        for folder in tqdm(folders, desc="analyze", unit="run", disable=not progress, file=messages.bar_stream(), dynamic_ncols=True):
+        for folder in tqdm(
+            folders, desc="analyze", unit="run", disable=not progress, file=messages.bar_stream(), dynamic_ncols=True
+        ):
             if is_analysed(folder, lengths, eval_size, device.type):
                 continue
             try:
@@ -334,5 +339,3 @@ def analyze(
             except Exception as error:  # noqa: BLE001 - one run's failure must not stop the others
                 messages.warn(f"analysis of {folder} failed: {type(error).__name__}: {error}")
     return analysed
-
-

@@ -47,11 +47,17 @@ def parser() -> argparse.ArgumentParser:
         description="Greedy-decode sequences with a trained run's model and show its attention.",
     )
     parser.add_argument("run_dir", type=Path, help="a run folder written by train or sweep (runs/<name>)")
-    parser.add_argument("symbols", nargs="*", help="the source: symbols separated by spaces ('g d d c') or letters together (gddc)")
+    parser.add_argument(
+        "symbols", nargs="*", help="the source: symbols separated by spaces ('g d d c') or letters together (gddc)"
+    )
     parser.add_argument("--random", type=int, metavar="N", help="decode N random sequences instead")
-    parser.add_argument("--length", type=int, metavar="L", help="with --random: their length, any length (default: the trained one)")
+    parser.add_argument(
+        "--length", type=int, metavar="L", help="with --random: their length, any length (default: the trained one)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="with --random: the seed they are drawn from (default 0)")
-    parser.add_argument("--png", type=Path, metavar="FILE", help="also draw the (first) sequence's attention as the report does")
+    parser.add_argument(
+        "--png", type=Path, metavar="FILE", help="also draw the (first) sequence's attention as the report does"
+    )
     return parser
 
 
@@ -60,7 +66,9 @@ def read_run(folder: Path) -> DictConfig:
     if not folder.is_dir():
         raise DecodeError(f"{str(folder)!r} is not a run folder: it does not exist")
     if not (folder / store.CONFIG).is_file():
-        raise DecodeError(f"{str(folder)!r} is not a run folder (no {store.CONFIG}); give one that train or sweep wrote, runs/<name>")
+        raise DecodeError(
+            f"{str(folder)!r} is not a run folder (no {store.CONFIG}); give one that train or sweep wrote, runs/<name>"
+        )
     if not (folder / store.CHECKPOINT).is_file():
         raise DecodeError(f"{str(folder)!r} has no {store.CHECKPOINT}: its training has not finished, or it failed")
     return OmegaConf.load(folder / store.CONFIG)
@@ -152,13 +160,15 @@ def decode(
     return _decode(run_dir, cfg, sequences, random, length or cfg.task.length, seed)
 
 
-def _decode(run_dir: Path, cfg: DictConfig, sequences: list[list[int]] | None, count: int, length: int, seed: int) -> Decoded:
+def _decode(
+    run_dir: Path, cfg: DictConfig, sequences: list[list[int]] | None, count: int, length: int, seed: int
+) -> Decoded:
     import torch  # here, not at import: the checks above answer without it
 
-    from .analysis import head_weights
     from ..data.batches import make_batch, task_batch
-    from .load import load_run
     from ..data.scoring import sequence_scores
+    from .analysis import head_weights
+    from .load import load_run
 
     try:
         model, _ = load_run(run_dir, device="cpu")  # a few sequences: the CPU is quick enough
@@ -169,18 +179,30 @@ def _decode(run_dir: Path, cfg: DictConfig, sequences: list[list[int]] | None, c
     longest = model.longest_source
     asked = length if sequences is None else len(sequences[0])
     if longest is not None and asked > longest:
-        raise DecodeError(f"{run_dir.name} has learned positions up to length {longest} (model.max_length): it is not defined at length {asked}")
+        raise DecodeError(
+            f"{run_dir.name} has learned positions up to length {longest} (model.max_length): it is not defined at length {asked}"
+        )
     if sequences is None:
         batch = make_batch(task, count, length, vocab_size, torch.Generator().manual_seed(seed))
     else:
         batch = task_batch(task, torch.tensor(sequences), torch.tensor([len(sequences[0])]))
-    tokens, weights = model.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))  # weights: mean over heads
+    tokens, weights = model.greedy(
+        batch.src, batch.src_lengths, steps=batch.tgt_out.size(1)
+    )  # weights: mean over heads
     heads = model.attention.heads if model.attention is not None else 1
     maps = head_weights(model, batch) if heads > 1 else (weights[:, None] if weights is not None else None)
     scores = sequence_scores(tokens, batch)
     return Decoded(
-        run_dir.name, cfg, batch.src.numpy(), batch.src_lengths.numpy(), tokens.numpy(), batch.tgt_out.numpy(),
-        scores.hits.numpy(), scores.symbols.numpy(), scores.exact.numpy(), None if maps is None else maps.numpy(),
+        run_dir.name,
+        cfg,
+        batch.src.numpy(),
+        batch.src_lengths.numpy(),
+        tokens.numpy(),
+        batch.tgt_out.numpy(),
+        scores.hits.numpy(),
+        scores.symbols.numpy(),
+        scores.exact.numpy(),
+        None if maps is None else maps.numpy(),
     )
 
 
@@ -211,8 +233,10 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
         print(f"no attention (attention={cfg.attention.name}): no heatmap")
     else:
         which = f"one map per head ({heads} heads)" if heads > 1 else "the model's attention"
-        print(f"attention: {which}; rows output steps, columns source positions; shade = weight "
-              f"('{SHADES[0]}' 0, {SHADES[1]} 0.25, {SHADES[2]} 0.5, {SHADES[3]} 0.75, {SHADES[4]} 1); {COPIED} the copied position")
+        print(
+            f"attention: {which}; rows output steps, columns source positions; shade = weight "
+            f"('{SHADES[0]}' 0, {SHADES[1]} 0.25, {SHADES[2]} 0.5, {SHADES[3]} 0.75, {SHADES[4]} 1); {COPIED} the copied position"
+        )
     from ..data.batches import copied_source_positions
 
     for i in range(len(decoded.source)):
@@ -220,7 +244,9 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
         print()
         print("\n".join(alignment_lines(text["input"], text["output"], text["target"])))
         hits, symbols = int(decoded.hits[i]), int(decoded.symbols[i])
-        print(f"token accuracy {hits}/{symbols} ({100 * hits / symbols:.1f}%), sequence {'right' if decoded.exact[i] else 'wrong'}")
+        print(
+            f"token accuracy {hits}/{symbols} ({100 * hits / symbols:.1f}%), sequence {'right' if decoded.exact[i] else 'wrong'}"
+        )
         if weights is None:
             continue
         copied = copied_source_positions(task, len(text["input"]))
@@ -230,8 +256,10 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
             rows = weights[i, head, : len(text["output"]), : len(text["input"])]
             print("\n".join(text_heatmap(rows.tolist(), text["input"], text["output"], copied)))
     if len(decoded.source) > 1:
-        print(f"\nover the {len(decoded.source)} sequences: token accuracy {100 * decoded.token_acc:.1f}%, "
-              f"{int(decoded.exact.sum())} of {len(decoded.source)} sequences right")
+        print(
+            f"\nover the {len(decoded.source)} sequences: token accuracy {100 * decoded.token_acc:.1f}%, "
+            f"{int(decoded.exact.sum())} of {len(decoded.source)} sequences right"
+        )
     if png is not None and weights is not None:
         from ..reporting.figures import plot_attention
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-
 from pathlib import Path
+
 import torch
 from omegaconf import DictConfig, OmegaConf
+
 from .. import store
 from ..models.build import Model, build_model
 from ..training.devices import resolve_device
+
 
 def load_run(folder: Path, device: str = "cpu") -> tuple[Model, DictConfig]:
     """A finished run's trained model on `device` (auto: a GPU where there is one), in eval mode,

@@ -22,16 +22,18 @@ import platform
 import shutil
 import sys
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
 
 import filelock
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "bahdanau.cpp", "attention.cpp", "layers.cpp")]
+SOURCES = [
+    CSRC / name for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "bahdanau.cpp", "attention.cpp", "layers.cpp")
+]
 # -ffast-math lets the compiler vectorise the sums over a row; it is a compile flag only, so
 # the library is not linked with the start-up code that would set flush-to-zero for the process.
 # -fno-finite-math-only keeps NaN and inf meaning what they mean, so that they propagate as in torch.
@@ -43,7 +45,7 @@ AVX2 = ("AVX2", "AVX512")
 # How long to wait for another process's build (one takes 30-60 s) before going on without the
 # kernels: a process holding the lock that long is stuck, and training must not hang on it.
 BUILD_WAIT_S = 600.0
-RETRY = 'retry with `python -m copytask build`'
+RETRY = "retry with `python -m copytask build`"
 
 
 def build_name_and_flags() -> tuple[str, list[str]]:
@@ -53,7 +55,13 @@ def build_name_and_flags() -> tuple[str, list[str]]:
     avx2 = torch.backends.cpu.get_cpu_capability() in AVX2
     flags = [*CFLAGS, "-mavx2", "-mfma"] if avx2 else CFLAGS
     key = hashlib.sha256()
-    for part in (torch.__version__, str(torch.version.git_version), sys.implementation.cache_tag, platform.machine(), *flags):
+    for part in (
+        torch.__version__,
+        str(torch.version.git_version),
+        sys.implementation.cache_tag,
+        platform.machine(),
+        *flags,
+    ):
         key.update(part.encode() + b"\0")
     for path in sorted(CSRC.iterdir()):
         key.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -101,8 +109,10 @@ def kernel() -> ModuleType | None:
     try:
         remembered = json.loads(failed.read_text())
         if remembered["toolchain"] == toolchain():
-            warnings.warn(f"copytask: the fused CPU kernels did not build on this machine ({remembered['reason']}); "
-                          f"using torch's ops, slower on CPU; {RETRY}")
+            warnings.warn(
+                f"copytask: the fused CPU kernels did not build on this machine ({remembered['reason']}); "
+                f"using torch's ops, slower on CPU; {RETRY}"
+            )
             return None
     except (OSError, ValueError, KeyError, TypeError):  # no failure remembered (or an unreadable note): build
         pass
@@ -112,15 +122,19 @@ def kernel() -> ModuleType | None:
         with filelock.FileLock(lock, timeout=BUILD_WAIT_S):
             return _load(name, flags, directory)
     except filelock.Timeout:
-        warnings.warn(f"copytask: another process has held {lock} for {BUILD_WAIT_S:.0f} s, building the fused CPU "
-                      "kernels; using torch's ops, slower on CPU")
+        warnings.warn(
+            f"copytask: another process has held {lock} for {BUILD_WAIT_S:.0f} s, building the fused CPU "
+            "kernels; using torch's ops, slower on CPU"
+        )
     except Exception as error:  # no compiler, no ninja, unsupported platform: the torch code still works
         compiler = os.environ.get("CXX", "c++")
         reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
         if shutil.which(compiler) is None:
             reason = f"no C++ compiler: {compiler!r} is not on PATH"
         failed.write_text(json.dumps({"toolchain": toolchain(), "reason": reason}))
-        warnings.warn(f"copytask: could not build the fused CPU kernels ({reason}); using torch's ops, slower on CPU; {RETRY}")
+        warnings.warn(
+            f"copytask: could not build the fused CPU kernels ({reason}); using torch's ops, slower on CPU; {RETRY}"
+        )
     return None
 
 
@@ -130,12 +144,17 @@ def _load(name: str, flags: list[str], directory: Path) -> ModuleType:
         shutil.rmtree(directory)
     library = directory / f"{name}.so"
     if not library.exists():
-        print(f"copytask: compiling the fused CPU kernels into {directory} (once, about a minute)", file=sys.stderr, flush=True)
+        print(
+            f"copytask: compiling the fused CPU kernels into {directory} (once, about a minute)",
+            file=sys.stderr,
+            flush=True,
+        )
         directory.mkdir(exist_ok=True)  # a failed build leaves its folder
         with _quiet_torch_builder(), warnings.catch_warnings():  # a failure is reported by kernel(), once, in one line
             warnings.simplefilter("ignore")
-            return _cpp_extension().load(name, [str(path) for path in SOURCES], extra_cflags=flags,
-                                         build_directory=str(directory), verbose=False)
+            return _cpp_extension().load(
+                name, [str(path) for path in SOURCES], extra_cflags=flags, build_directory=str(directory), verbose=False
+            )
     # Imported as it is, without asking ninja whether it is up to date: its name says what it was built from, and
     # another checkout's identical sources (other paths) would make ninja rebuild a library someone has loaded.
     spec = importlib.util.spec_from_file_location(name, library)

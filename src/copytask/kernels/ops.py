@@ -75,23 +75,36 @@ def _library() -> ModuleType:
 
 
 def _no_double_backward(ctx, *grads):
-    raise RuntimeError("copytask's fused CPU kernels have no second derivative (double backward); "
-                       "build the model with fused=False (train.fused=false) for one")
+    raise RuntimeError(
+        "copytask's fused CPU kernels have no second derivative (double backward); "
+        "build the model with fused=False (train.fused=false) for one"
+    )
 
 
 @torch.library.custom_op("copytask::gru_forward", mutates_args=())
-def gru_forward(gi: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor, mask: Tensor, reverse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def gru_forward(
+    gi: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor, mask: Tensor, reverse: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One direction of one layer, time first: gi = W_ih x + b_ih (T, B, 3H), h0 (B, H), w_hh (3H, H),
     b_hh (3H), mask (T, B) float (1 real, 0 padding) or empty -> states (T, B, H), final (B, H),
     and, saved for the backward pass (no gradient flows back through them), gates (T, B, 4H) and
     the state before each step (T, B, H)."""
-    return tuple(_library().gru_forward(gi.contiguous(), h0.contiguous(), w_hh.contiguous(), b_hh.contiguous(), mask.contiguous(), reverse))
+    return tuple(
+        _library().gru_forward(
+            gi.contiguous(), h0.contiguous(), w_hh.contiguous(), b_hh.contiguous(), mask.contiguous(), reverse
+        )
+    )
 
 
 @gru_forward.register_fake
 def _(gi, h0, w_hh, b_hh, mask, reverse):
     (steps, batch, _), hidden = gi.shape, h0.size(1)
-    return gi.new_empty(steps, batch, hidden), h0.new_empty(batch, hidden), gi.new_empty(steps, batch, 4 * hidden), gi.new_empty(steps, batch, hidden)
+    return (
+        gi.new_empty(steps, batch, hidden),
+        h0.new_empty(batch, hidden),
+        gi.new_empty(steps, batch, 4 * hidden),
+        gi.new_empty(steps, batch, hidden),
+    )
 
 
 @torch.library.custom_op("copytask::gru_backward", mutates_args=())
@@ -106,7 +119,12 @@ def gru_backward(
 @gru_backward.register_fake
 def _(grad_states, grad_final, gates, before, w_hh, mask, reverse):
     (steps, batch, hidden) = before.shape
-    return before.new_empty(steps, batch, 3 * hidden), before.new_empty(batch, hidden), w_hh.new_empty(w_hh.shape), w_hh.new_empty(w_hh.size(0))
+    return (
+        before.new_empty(steps, batch, 3 * hidden),
+        before.new_empty(batch, hidden),
+        w_hh.new_empty(w_hh.shape),
+        w_hh.new_empty(w_hh.size(0)),
+    )
 
 
 def _gru_setup(ctx, inputs, output):
@@ -166,13 +184,17 @@ class GRU(nn.GRU):
             final = states.gather(1, last.expand(-1, -1, self.hidden_size)).transpose(0, 1)  # (1, B, H)
             return states.masked_fill(~real, 0.0), final
         pad = steps - lengths[:, None]  # (B, 1)
-        rolled = x.gather(1, ((time[None, :] - pad) % steps)[..., None].expand_as(x))  # (B, T, I): symbols at T - L .. T - 1
+        rolled = x.gather(
+            1, ((time[None, :] - pad) % steps)[..., None].expand_as(x)
+        )  # (B, T, I): symbols at T - L .. T - 1
         both, _ = super().forward(torch.cat([x, rolled]), None if hx is None else hx.repeat(1, 2, 1))  # (2B, T, 2H)
         size = self.hidden_size
         forward_states = both[:batch, :, :size]
         unrolled = ((time[None, :] + pad) % steps)[..., None].expand(-1, -1, size)  # position t of a sequence, rolled
         backward_states = both[batch:, :, size:].gather(1, unrolled)  # (B, T, H), back at positions 0 .. L - 1
-        final = torch.stack([forward_states.gather(1, last.expand(-1, -1, size))[:, 0], backward_states[:, 0]])  # (2, B, H)
+        final = torch.stack(
+            [forward_states.gather(1, last.expand(-1, -1, size))[:, 0], backward_states[:, 0]]
+        )  # (2, B, H)
         return torch.cat([forward_states, backward_states], dim=-1).masked_fill(~real, 0.0), final
 
     def _fused(self, x: Tensor, hx: Tensor | None, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -182,7 +204,9 @@ class GRU(nn.GRU):
         x = x.transpose(0, 1)  # (T, B, I): the kernel works time first
         states, finals = [], []
         for direction, suffix in enumerate(("_l0", "_l0_reverse")[:directions]):
-            w_ih, w_hh, b_ih, b_hh = (getattr(self, name + suffix) for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+            w_ih, w_hh, b_ih, b_hh = (
+                getattr(self, name + suffix) for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+            )
             gi = F.linear(x, w_ih, b_ih)  # (T, B, 3H): the input's share of the gates, all steps at once
             direction_states, final, _, _ = gru_forward(gi, hx[direction], w_hh, b_hh, mask, direction == 1)
             states.append(direction_states)
@@ -213,7 +237,11 @@ def additive_backward(grad_scores: Tensor, u: Tensor, v: Tensor) -> tuple[Tensor
 
 @additive_backward.register_fake
 def _(grad_scores, u, v):
-    return u.new_empty(u.size(0), u.size(1), u.size(3)), u.new_empty(u.size(0), u.size(2), u.size(3)), v.new_empty(v.shape)
+    return (
+        u.new_empty(u.size(0), u.size(1), u.size(3)),
+        u.new_empty(u.size(0), u.size(2), u.size(3)),
+        v.new_empty(v.shape),
+    )
 
 
 def _additive_setup(ctx, inputs, output):
@@ -235,8 +263,17 @@ def additive_scores(queries: Tensor, keys: Tensor, v: Tensor) -> Tensor:
 
 @torch.library.custom_op("copytask::bahdanau_forward", mutates_args=())
 def bahdanau_forward(
-    embedded: Tensor, s0: Tensor, keys: Tensor, values: Tensor, mask: Tensor, w_q: Tensor, v: Tensor,
-    w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Tensor,
+    embedded: Tensor,
+    s0: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    w_q: Tensor,
+    v: Tensor,
+    w_ih: Tensor,
+    b_ih: Tensor,
+    w_hh: Tensor,
+    b_hh: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Time first: embedded (T_dec, B, E), s0 (B, H), keys (B, T_enc, A), values (B, T_enc, H),
     mask (B, T_enc) float or empty, then the attention's w_q (A, H) and v (A) and the GRU cell's
@@ -252,14 +289,32 @@ def bahdanau_forward(
 def _(embedded, s0, keys, values, mask, w_q, v, w_ih, b_ih, w_hh, b_hh):
     (steps, batch, embedding), (_, source, attention), hidden = embedded.shape, keys.shape, s0.size(1)
     new = embedded.new_empty
-    return (new(steps, batch, hidden), new(steps, batch, hidden), new(steps, batch, source), new(steps, batch, source, attention),
-            new(steps, batch, embedding + hidden), new(steps, batch, 4 * hidden), new(steps, batch, hidden))
+    return (
+        new(steps, batch, hidden),
+        new(steps, batch, hidden),
+        new(steps, batch, source),
+        new(steps, batch, source, attention),
+        new(steps, batch, embedding + hidden),
+        new(steps, batch, 4 * hidden),
+        new(steps, batch, hidden),
+    )
 
 
 @torch.library.custom_op("copytask::bahdanau_backward", mutates_args=())
 def bahdanau_backward(
-    grad_states: Tensor, grad_contexts: Tensor, grad_weights: Tensor, weights: Tensor, u: Tensor,
-    inputs: Tensor, gates: Tensor, before: Tensor, values: Tensor, w_q: Tensor, v: Tensor, w_ih: Tensor, w_hh: Tensor,
+    grad_states: Tensor,
+    grad_contexts: Tensor,
+    grad_weights: Tensor,
+    weights: Tensor,
+    u: Tensor,
+    inputs: Tensor,
+    gates: Tensor,
+    before: Tensor,
+    values: Tensor,
+    w_q: Tensor,
+    v: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """grad_weights may be empty (no gradient reaches the weights) -> gradients of embedded, s0,
     keys, values, w_q, v, w_ih, b_ih, w_hh, b_hh."""
@@ -287,12 +342,15 @@ def _bahdanau_backward(ctx, grad_states, grad_contexts, grad_weights, *_grad_sav
     grad_states = torch.zeros_like(before) if grad_states is None else grad_states
     grad_contexts = torch.zeros_like(before) if grad_contexts is None else grad_contexts
     grad_weights = weights.new_empty(0) if grad_weights is None else grad_weights
-    grads = bahdanau_backward(grad_states, grad_contexts, grad_weights, weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh)
+    grads = bahdanau_backward(
+        grad_states, grad_contexts, grad_weights, weights, u, inputs, gates, before, values, w_q, v, w_ih, w_hh
+    )
     grad_embedded, grad_s0, grad_keys, grad_values, *grad_parameters = grads
     return grad_embedded, grad_s0, grad_keys, grad_values, None, *grad_parameters
 
 
 bahdanau_forward.register_autograd(_bahdanau_backward, setup_context=_bahdanau_setup)
+
 
 @torch.library.custom_op("copytask::attention_forward", mutates_args=())
 def attention_forward(x: Tensor, kv: Tensor, mask: Tensor, heads: int, causal: bool) -> tuple[Tensor, Tensor]:
@@ -375,18 +433,25 @@ def layer_parameters(layer: nn.TransformerEncoderLayer | nn.TransformerDecoderLa
     norms = [layer.norm1, layer.norm2, layer.norm3] if decoder else [layer.norm1, layer.norm2]
     return [
         *(t for a in attentions for t in (a.in_proj_weight, a.in_proj_bias, a.out_proj.weight, a.out_proj.bias)),
-        layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias,
+        layer.linear1.weight,
+        layer.linear1.bias,
+        layer.linear2.weight,
+        layer.linear2.bias,
         *(t for norm in norms for t in (norm.weight, norm.bias)),
     ]
 
 
-def transformer_layer(layer: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer, x: Tensor, memory: Tensor | None, mask: Tensor) -> Tensor:
+def transformer_layer(
+    layer: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer, x: Tensor, memory: Tensor | None, mask: Tensor
+) -> Tensor:
     """`layer`'s forward (post-norm, ReLU, no dropout) in one call of the kernel, the same numbers
     as its ops in Python to the bit: x (B, T, d); memory (B, S, d) for a decoder layer, None for an
     encoder layer; mask from `padding` of the keys (B, S) an encoder layer's self-attention or a
     decoder layer's cross-attention sees -> (B, T, d)."""
     memory = x.new_empty(0) if memory is None else memory
-    return _library().transformer_layer(x, memory, mask, layer_parameters(layer), layer.self_attn.num_heads, layer.norm1.eps)
+    return _library().transformer_layer(
+        x, memory, mask, layer_parameters(layer), layer.self_attn.num_heads, layer.norm1.eps
+    )
 
 
 for _op in (gru_backward, additive_backward, bahdanau_backward, attention_backward):
@@ -402,7 +467,17 @@ def bahdanau_decode(
     s0 (B, H), keys U h + b (B, T_enc, A), values (B, T_enc, H), mask (B, T_enc) bool, w_q (A, H),
     v (A,) -> states s_1..s_T (B, T_dec, H), contexts (B, T_dec, H), weights (B, T_dec, T_enc)."""
     states, contexts, weights, *_ = bahdanau_forward(
-        embedded.transpose(0, 1), s0, keys, values, padding(mask), w_q, v, cell.weight_ih, cell.bias_ih, cell.weight_hh, cell.bias_hh
+        embedded.transpose(0, 1),
+        s0,
+        keys,
+        values,
+        padding(mask),
+        w_q,
+        v,
+        cell.weight_ih,
+        cell.bias_ih,
+        cell.weight_hh,
+        cell.bias_hh,
     )
     return states.transpose(0, 1), contexts.transpose(0, 1), weights.transpose(0, 1)
 

@@ -25,14 +25,15 @@ positions (T_dec,) the query's output steps (local-m only) -> context (B, T_dec,
 from __future__ import annotations
 
 import math
-from typing import Callable, ClassVar, TypeVar
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..kernels import ops
 from ..config.schema import LOCAL
+from ..kernels import ops
 
 ADDITIVE_CHUNK = 2**19  # elements of the additive score's tanh tensor computed at once on CPU (2 MB)
 

@@ -3,10 +3,10 @@ training's evaluations, the analysis and the benchmark measure."""
 
 from __future__ import annotations
 
-
 import torch
-from ..data.scoring import sequence_scores
+
 from ..data.batches import Batch
+from ..data.scoring import sequence_scores
 from .build import Model
 
 # Sequences greedily decoded at once on CPU: smaller pieces keep a decoder step's tensors in cache

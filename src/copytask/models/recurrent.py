@@ -12,12 +12,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..config.schema import DECODERS
+from ..data.batches import length_mask
+from ..data.vocab import BOS, PAD
 from ..kernels import ops
 from .attention import AdditiveAttention, Attention, make_attention
-from ..config.schema import DECODERS
-from ..data.vocab import BOS, PAD
-from ..data.batches import length_mask
-
 
 Memory = tuple[Tensor, Tensor] | None  # (keys, values) the attention reads at every step
 
@@ -108,7 +107,9 @@ class RNNEncDecDecoder(Decoder):
         """embedded e(y_{t-1}) (B, T, E), hidden [s_0; c] (B, 2H) -> logits (B, T, V), [s_T; c] (B, 2H)."""
         state, summary = hidden.chunk(2, dim=-1)
         input_r, input_z, input_n = self.input_gates(embedded).chunk(3, dim=-1)  # (B, T, H) each, all steps at once
-        summary_r, summary_z, summary_n = self.summary_gates(summary)[:, None].chunk(3, dim=-1)  # (B, 1, H): the same at every step
+        summary_r, summary_z, summary_n = self.summary_gates(summary)[:, None].chunk(
+            3, dim=-1
+        )  # (B, 1, H): the same at every step
         input_r, input_z = input_r + summary_r, input_z + summary_z
         states = []
         for t in range(embedded.size(1)):
@@ -243,7 +244,9 @@ class Seq2Seq(nn.Module):
         elif decoder == "bahdanau":
             self.decoder = BahdanauDecoder(vocab, embedding_size, hidden_size, attention_size, fused)
         elif decoder == "luong":
-            self.decoder = LuongDecoder(vocab, embedding_size, hidden_size, score, attention_size, heads, fused, local, window)
+            self.decoder = LuongDecoder(
+                vocab, embedding_size, hidden_size, score, attention_size, heads, fused, local, window
+            )
         elif decoder == "rnnencdec":
             self.decoder = RNNEncDecDecoder(vocab, embedding_size, hidden_size)
         else:
@@ -278,7 +281,9 @@ class Seq2Seq(nn.Module):
         src_mask = length_mask(src_lengths, src.size(1))
         memory = self.decoder.memory(encoder_states)
         tokens = torch.full((src.size(0),), BOS, dtype=torch.long, device=src.device)
-        positions = torch.arange(steps, device=src.device)  # made once: a tensor per step would be a copy to the GPU per step
+        positions = torch.arange(
+            steps, device=src.device
+        )  # made once: a tensor per step would be a copy to the GPU per step
         outputs, weights = [], []
         for t in range(steps):
             logits, step_weights, hidden = self.decoder.step(tokens, hidden, memory, src_mask, positions[t : t + 1])

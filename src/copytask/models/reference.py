@@ -20,12 +20,11 @@ import re
 import torch
 from torch import Tensor, nn
 
-from ..data.vocab import BOS, PAD
-from ..data.batches import length_mask
 from ..config.schema import DECODERS
+from ..data.batches import length_mask
+from ..data.vocab import BOS, PAD
 from .recurrent import Encoder
 from .transformer import LearnedPositions, SinusoidalPositions
-
 
 REFERENCE_SCORES = (None, "additive", "dot", "general")  # the classical ones (None: a decoder without attention)
 
@@ -61,7 +60,15 @@ class ReferenceAttention(nn.Module):
 class ReferenceDecoder(nn.Module):
     """plain, bahdanau or luong, one step at a time; module names as in model.py's decoders."""
 
-    def __init__(self, kind: str, vocab: int, embedding_size: int, hidden_size: int, score: str | None, attention_size: int | None):
+    def __init__(
+        self,
+        kind: str,
+        vocab: int,
+        embedding_size: int,
+        hidden_size: int,
+        score: str | None,
+        attention_size: int | None,
+    ):
         super().__init__()
         if kind not in DECODERS:
             raise ValueError(f"unknown decoder {kind!r}; choose one of {', '.join(DECODERS)}")
@@ -156,7 +163,9 @@ class ReferenceSeq2Seq(nn.Module):
         if heads != 1:
             raise ValueError(f"the reference implementation is single-head, got heads={heads}")
         if local is not None or score not in REFERENCE_SCORES:
-            raise ValueError(f"the reference implementation has global additive, dot and general scores only, got {score!r} local={local!r}")
+            raise ValueError(
+                f"the reference implementation has global additive, dot and general scores only, got {score!r} local={local!r}"
+            )
         self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused=False)
         if decoder == "rnnencdec":
             self.decoder = ReferenceRNNEncDecDecoder(vocab, embedding_size, hidden_size)
@@ -220,7 +229,9 @@ class ReferenceMultiHeadAttention(nn.Module):
         """query (B, T_q, d), key and value (B, T_k, d), mask (B or 1, T_q or 1, T_k) True where a query
         may attend -> (B, T_q, d), weights (B, heads, T_q, T_k)."""
         batch = query.size(0)
-        q = self.fc_q(query).view(batch, -1, self.heads, self.head_size).permute(0, 2, 1, 3)  # (B, heads, T_q, d / heads)
+        q = (
+            self.fc_q(query).view(batch, -1, self.heads, self.head_size).permute(0, 2, 1, 3)
+        )  # (B, heads, T_q, d / heads)
         k = self.fc_k(key).view(batch, -1, self.heads, self.head_size).permute(0, 2, 1, 3)
         v = self.fc_v(value).view(batch, -1, self.heads, self.head_size).permute(0, 2, 1, 3)
         energy = torch.matmul(q, k.permute(0, 1, 3, 2)) / math.sqrt(self.head_size)
@@ -331,10 +342,16 @@ class ReferenceTransformer(nn.Module):
         self.scale = math.sqrt(d_model)
         self.src_embedding = nn.Embedding(vocab, d_model, padding_idx=PAD)
         self.tgt_embedding = nn.Embedding(vocab, d_model, padding_idx=PAD)
-        self.positions = SinusoidalPositions(d_model) if positions == "sinusoidal" else LearnedPositions(position_rows, d_model)
-        self.encoder_layers = nn.ModuleList(ReferenceEncoderLayer(d_model, heads, ff_size, dropout) for _ in range(layers))
+        self.positions = (
+            SinusoidalPositions(d_model) if positions == "sinusoidal" else LearnedPositions(position_rows, d_model)
+        )
+        self.encoder_layers = nn.ModuleList(
+            ReferenceEncoderLayer(d_model, heads, ff_size, dropout) for _ in range(layers)
+        )
         self.encoder_norm = nn.LayerNorm(d_model)
-        self.decoder_layers = nn.ModuleList(ReferenceDecoderLayer(d_model, heads, ff_size, dropout) for _ in range(layers))
+        self.decoder_layers = nn.ModuleList(
+            ReferenceDecoderLayer(d_model, heads, ff_size, dropout) for _ in range(layers)
+        )
         self.decoder_norm = nn.LayerNorm(d_model)
         self.out = nn.Linear(d_model, vocab)
 

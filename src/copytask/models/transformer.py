@@ -38,20 +38,22 @@ docs/bench.md has the caches' costs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..data.batches import length_mask
+from ..data.vocab import BOS, PAD
 from ..kernels import ops
 from .attention import MultiHeadAttention, masked_softmax
-from ..data.vocab import BOS, PAD
-from ..data.batches import length_mask
 
 
-def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, heads: int, key_mask: Tensor | None, causal: bool, dropout: float = 0.0) -> Tensor:
+def scaled_dot_product(
+    q: Tensor, k: Tensor, v: Tensor, heads: int, key_mask: Tensor | None, causal: bool, dropout: float = 0.0
+) -> Tensor:
     """softmax(q_h k_h^T / sqrt(d / heads) + masks) v_h for each head h, in torch's batched products
     (what `ops.attention` computes, with dropout on the weights as nn.MultiheadAttention's):
     q (B, T, d), k and v (B, S, d), key_mask (B, S) True on real keys or None, causal: query t sees
@@ -78,7 +80,9 @@ class SinusoidalPositions(nn.Module):
 
     def forward(self, positions: Tensor) -> Tensor:
         """positions (T,) -> (T, d)."""
-        frequencies = torch.exp(torch.arange(0, self.d_model, 2, device=positions.device) * (-math.log(10000.0) / self.d_model))
+        frequencies = torch.exp(
+            torch.arange(0, self.d_model, 2, device=positions.device) * (-math.log(10000.0) / self.d_model)
+        )
         angles = positions.float()[:, None] * frequencies[None, :]  # (T, ceil(d / 2))
         table = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # sin, cos interleaved
         return table[:, : self.d_model]
@@ -134,9 +138,13 @@ class TransformerSeq2Seq(nn.Module):
         # torch's encoder as nn.Transformer builds it, but off the prototype nested-tensor path (which warns)
         encoder_layer = nn.TransformerEncoderLayer(d_model, heads, ff_size, dropout, batch_first=True)
         encoder = nn.TransformerEncoder(encoder_layer, layers, nn.LayerNorm(d_model), enable_nested_tensor=False)
-        self.transformer = nn.Transformer(d_model, heads, layers, layers, ff_size, dropout, custom_encoder=encoder, batch_first=True)
+        self.transformer = nn.Transformer(
+            d_model, heads, layers, layers, ff_size, dropout, custom_encoder=encoder, batch_first=True
+        )
         layers = self.transformer.decoder.layers
-        assert not any(layer.norm_first or layer.activation is not F.relu for layer in [*layers, *encoder.layers]), "the layers here are post-norm, ReLU"
+        assert not any(layer.norm_first or layer.activation is not F.relu for layer in [*layers, *encoder.layers]), (
+            "the layers here are post-norm, ReLU"
+        )
         # each layer's own nn.MultiheadAttention, read through MultiHeadAttention (the same parameters, not a copy)
         self.cross_attentions = nn.ModuleList(
             MultiHeadAttention(d_model, d_model, heads=heads, fused=fused, mha=layer.multihead_attn) for layer in layers
@@ -181,9 +189,21 @@ class TransformerSeq2Seq(nn.Module):
     def _layer_fused(self, x: Tensor) -> bool:
         """Whether a layer runs in one call of `ops.transformer_layer`: fused, float32 on CPU, no
         dropout, and no autocast (whose lower precision is its ops' own: torch's ops run it)."""
-        return self.fused and not (self.training and self.dropout) and ops.usable(x) and not torch.is_autocast_enabled(x.device.type)
+        return (
+            self.fused
+            and not (self.training and self.dropout)
+            and ops.usable(x)
+            and not torch.is_autocast_enabled(x.device.type)
+        )
 
-    def _attend(self, attention: nn.MultiheadAttention, x: Tensor, memory: Tensor | None, key_mask: Tensor | None, causal: bool = False) -> Tensor:
+    def _attend(
+        self,
+        attention: nn.MultiheadAttention,
+        x: Tensor,
+        memory: Tensor | None,
+        key_mask: Tensor | None,
+        causal: bool = False,
+    ) -> Tensor:
         """nn.MultiheadAttention's output, without its weights, for the queries `x` (B, T, d) over
         `memory` (B, S, d), or over `x` itself (None: self-attention, one product for the query, key
         and value projections); key_mask (B, S) True on real keys, or None -> (B, T, d)."""
@@ -191,7 +211,10 @@ class TransformerSeq2Seq(nn.Module):
         if memory is None:  # q | k | v (B, T, 3d)
             queries, keys_values = F.linear(x, attention.in_proj_weight, attention.in_proj_bias), None
         else:  # q (B, T, d), and k | v (B, S, 2d)
-            (w_q, w_kv), (b_q, b_kv) = attention.in_proj_weight.split([d, 2 * d]), attention.in_proj_bias.split([d, 2 * d])
+            (w_q, w_kv), (b_q, b_kv) = (
+                attention.in_proj_weight.split([d, 2 * d]),
+                attention.in_proj_bias.split([d, 2 * d]),
+            )
             queries, keys_values = F.linear(x, w_q, b_q), F.linear(memory, w_kv, b_kv)
         dropout = attention.dropout if self.training else 0.0
         if self.fused and not dropout and ops.usable(queries):
@@ -206,7 +229,11 @@ class TransformerSeq2Seq(nn.Module):
         return layer.linear2(layer.dropout(layer.activation(layer.linear1(x))))
 
     def _decoder_layer(
-        self, layer: nn.TransformerDecoderLayer, x: Tensor, attended: Tensor, cross_attend: Callable[[Tensor], tuple[Tensor, Tensor | None]]
+        self,
+        layer: nn.TransformerDecoderLayer,
+        x: Tensor,
+        attended: Tensor,
+        cross_attend: Callable[[Tensor], tuple[Tensor, Tensor | None]],
     ) -> tuple[Tensor, Tensor | None]:
         """nn.TransformerDecoderLayer's forward (post-norm) for the layer inputs `x` (B, T, d), given
         `attended` (B, T, d), its self-attention's output there: then the cross-attention
@@ -222,7 +249,9 @@ class TransformerSeq2Seq(nn.Module):
         (B, T_dec, T_enc) where they are wanted: outside autograd (evaluation, analysis) or with a
         counterfactual set. A training step (autograd on) gets None and skips computing them."""
         memory, src_mask = self.encode(src, src_lengths)
-        weighted = not torch.is_grad_enabled() or any(attention.intervention is not None for attention in self.cross_attentions)
+        weighted = not torch.is_grad_enabled() or any(
+            attention.intervention is not None for attention in self.cross_attentions
+        )
         x = self._embed(self.tgt_embedding, tgt_in)
         if not weighted and self._layer_fused(x):
             mask = ops.padding(src_mask)
@@ -246,10 +275,15 @@ class TransformerSeq2Seq(nn.Module):
         written there first. -> (B, 1, d)."""
         batch, _, d = x.shape
         heads = attention.num_heads
-        query, key, value = (part.view(batch, heads, 1, d // heads) for part in F.linear(x, attention.in_proj_weight, attention.in_proj_bias).chunk(3, -1))
+        query, key, value = (
+            part.view(batch, heads, 1, d // heads)
+            for part in F.linear(x, attention.in_proj_weight, attention.in_proj_bias).chunk(3, -1)
+        )
         keys, values = cache
         keys[:, :, t : t + 1], values[:, :, t : t + 1] = key, value
-        context = F.scaled_dot_product_attention(query, keys[:, :, : t + 1], values[:, :, : t + 1])  # (B, heads, 1, d / heads)
+        context = F.scaled_dot_product_attention(
+            query, keys[:, :, : t + 1], values[:, :, : t + 1]
+        )  # (B, heads, 1, d / heads)
         return attention.out_proj(context.reshape(batch, 1, d))
 
     @staticmethod
@@ -257,8 +291,13 @@ class TransformerSeq2Seq(nn.Module):
         """`_cached_self_attention` in ops.attention_step, the same numbers to float rounding:
         `cache` (2, B, heads, d / heads, C) holds the keys and values transposed. -> (B, 1, d)."""
         batch, _, d = x.shape
-        query, key, value = F.linear(x[:, 0], attention.in_proj_weight, attention.in_proj_bias).chunk(3, -1)  # each (B, d)
-        cache[0, ..., t], cache[1, ..., t] = key.view(batch, attention.num_heads, -1), value.view(batch, attention.num_heads, -1)
+        query, key, value = F.linear(x[:, 0], attention.in_proj_weight, attention.in_proj_bias).chunk(
+            3, -1
+        )  # each (B, d)
+        cache[0, ..., t], cache[1, ..., t] = (
+            key.view(batch, attention.num_heads, -1),
+            value.view(batch, attention.num_heads, -1),
+        )
         context, _ = ops.attention_step(query, cache[0], cache[1], query.new_empty(0), t + 1)  # (B, d)
         return attention.out_proj(context)[:, None]
 
@@ -269,12 +308,16 @@ class TransformerSeq2Seq(nn.Module):
         nn.MultiheadAttention (sequence first, one product for both, the same layout), so that
         `_cached_cross_attention` computes the module's numbers to the bit."""
         d, heads = attention.embed_dim, attention.num_heads
-        projected = F.linear(memory.transpose(0, 1), attention.in_proj_weight[d:], attention.in_proj_bias[d:])  # (T_enc, B, 2d)
+        projected = F.linear(
+            memory.transpose(0, 1), attention.in_proj_weight[d:], attention.in_proj_bias[d:]
+        )  # (T_enc, B, 2d)
         keys, values = projected.unflatten(-1, (2, d)).permute(2, 0, 1, 3).contiguous()  # each (T_enc, B, d)
         return tuple(part.view(part.size(0), -1, d // heads).transpose(0, 1) for part in (keys, values))
 
     @staticmethod
-    def _cached_cross_attention(attention: nn.MultiheadAttention, keys: Tensor, values: Tensor, mask_bias: Tensor, empty: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    def _cached_cross_attention(
+        attention: nn.MultiheadAttention, keys: Tensor, values: Tensor, mask_bias: Tensor, empty: Tensor, x: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """What the layer's cross-attention as MultiHeadAttention (no counterfactual) computes for step t's
         queries `x` (B, 1, d), op for op (nn.MultiheadAttention's weighted path, an empty source's
         zero weights), given the memory's keys and values from `_project_memory`, `mask_bias`
@@ -284,7 +327,9 @@ class TransformerSeq2Seq(nn.Module):
         heads = attention.num_heads
         query = F.linear(x.transpose(0, 1), attention.in_proj_weight[:d], attention.in_proj_bias[:d])  # (1, B, d)
         query = query.view(1, batch * heads, d // heads).transpose(0, 1)  # (B * heads, 1, d / heads)
-        weights = F.softmax(torch.baddbmm(mask_bias, query * math.sqrt(1.0 / (d // heads)), keys.transpose(-2, -1)), dim=-1)
+        weights = F.softmax(
+            torch.baddbmm(mask_bias, query * math.sqrt(1.0 / (d // heads)), keys.transpose(-2, -1)), dim=-1
+        )
         context = attention.out_proj(torch.bmm(weights, values).transpose(0, 1).reshape(batch, d))[:, None]  # (B, 1, d)
         # an empty source: Attention's zero weights and the output projection's bias, where torch gives NaN
         weights = weights.view(batch, heads, 1, -1).masked_fill(empty[:, None, None, None], 0.0)
@@ -302,7 +347,9 @@ class TransformerSeq2Seq(nn.Module):
         return cache
 
     @staticmethod
-    def _step_cross_attention(attention: nn.MultiheadAttention, cache: Tensor, mask: Tensor, source: int, x: Tensor) -> tuple[Tensor, Tensor]:
+    def _step_cross_attention(
+        attention: nn.MultiheadAttention, cache: Tensor, mask: Tensor, source: int, x: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """`_cached_cross_attention` in ops.attention_step, the same numbers to float rounding (an
         empty source: zero weights, and the projection of a zero context, its bias), on the memory's
         keys and values from `_transposed_memory`, `mask` (ops.padding of the source's (B, T_enc))
@@ -329,23 +376,50 @@ class TransformerSeq2Seq(nn.Module):
         head_size = self.d_model // heads
         fused = self.fused and ops.usable(memory)
         if fused:  # per layer: keys and values transposed (B, heads, d / heads, C), filled one step at a time
-            self_attends = [partial(self._step_self_attention, layer.self_attn, memory.new_zeros(2, batch, heads, head_size, ops.cache_length(steps)))
-                            for layer, _ in layers]
+            self_attends = [
+                partial(
+                    self._step_self_attention,
+                    layer.self_attn,
+                    memory.new_zeros(2, batch, heads, head_size, ops.cache_length(steps)),
+                )
+                for layer, _ in layers
+            ]
         else:  # per layer: keys and values (B, heads, steps, d / heads), filled one step at a time
-            self_attends = [partial(self._cached_self_attention, layer.self_attn, memory.new_zeros(2, batch, heads, steps, head_size)) for layer, _ in layers]
+            self_attends = [
+                partial(
+                    self._cached_self_attention, layer.self_attn, memory.new_zeros(2, batch, heads, steps, head_size)
+                )
+                for layer, _ in layers
+            ]
         if any(cross_attention.intervention is not None for _, cross_attention in layers):
-            cross_attends = [partial(cross_attention, keys=memory, values=memory, mask=src_mask) for _, cross_attention in layers]
+            cross_attends = [
+                partial(cross_attention, keys=memory, values=memory, mask=src_mask) for _, cross_attention in layers
+            ]
         elif fused:
             mask = ops.padding(src_mask)
-            cross_attends = [partial(self._step_cross_attention, layer.multihead_attn, self._transposed_memory(layer.multihead_attn, memory), mask, src.size(1))
-                             for layer, _ in layers]
+            cross_attends = [
+                partial(
+                    self._step_cross_attention,
+                    layer.multihead_attn,
+                    self._transposed_memory(layer.multihead_attn, memory),
+                    mask,
+                    src.size(1),
+                )
+                for layer, _ in layers
+            ]
         else:
             # nn.MultiheadAttention's mask as it builds it: 0 or -inf per key, one row per sequence and head
             mask_bias = memory.new_zeros(src_mask.shape).masked_fill_(~src_mask, float("-inf"))
             mask_bias = mask_bias[:, None, None, :].expand(-1, heads, -1, -1).reshape(-1, 1, src_mask.size(1))
             empty = ~src_mask.any(-1)  # (B,)
             cross_attends = [
-                partial(self._cached_cross_attention, layer.multihead_attn, *self._project_memory(layer.multihead_attn, memory), mask_bias, empty)
+                partial(
+                    self._cached_cross_attention,
+                    layer.multihead_attn,
+                    *self._project_memory(layer.multihead_attn, memory),
+                    mask_bias,
+                    empty,
+                )
                 for layer, _ in layers
             ]
         outputs, weights = [], []

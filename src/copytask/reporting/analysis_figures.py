@@ -27,7 +27,7 @@ def _title(keys: list[str], values: tuple, width: float) -> str:
     panel `width` inches wide."""
     attention, task, *setting = values
     title = f"{attention} ({task})"
-    setting_line = ", ".join(f"{key}={value}" for key, value in zip(keys[len(GROUP):], setting))
+    setting_line = ", ".join(f"{key}={value}" for key, value in zip(keys[len(GROUP) :], setting))
     return fitted(f"{title}\n{setting_line}" if setting else title, 0.75 * width)  # the axes: the panel less its labels
 
 
@@ -46,7 +46,12 @@ def plot_counterfactual(table: pd.DataFrame, path: Path, settings: list[str] = (
             ax.plot(means.index, 100 * means[name], marker="o", label=name)
         for chance in runs["chance"].unique():
             draw_chance(ax, chance)
-        ax.set(title=_title(keys, values, PANEL_WIDTH), xlabel="sequence length", ylabel="greedy token accuracy %", ylim=(-2, 102))
+        ax.set(
+            title=_title(keys, values, PANEL_WIDTH),
+            xlabel="sequence length",
+            ylabel="greedy token accuracy %",
+            ylim=(-2, 102),
+        )
         ax.set_xscale("log", base=2)
         ax.set_xticks(means.index, [str(n) for n in means.index])
     axes[0].legend(title="attention weights", fontsize="small")
@@ -89,19 +94,30 @@ def plot_extrapolation(table: pd.DataFrame, path: Path, settings: list[str] = ()
         bounds = [int(n) for n in train_length.split("-")]  # "40" or "5-40"
         ax.axvspan(bounds[0], bounds[-1], color="0.9", label=f"trained lengths {train_length}")
         for attention, rows in runs.groupby("attention", sort=False):
-            accuracy = 100 * rows.dropna(subset=["token_acc"]).groupby("test_length")["token_acc"].agg(["mean", "min", "max"])
+            accuracy = 100 * rows.dropna(subset=["token_acc"]).groupby("test_length")["token_acc"].agg(
+                ["mean", "min", "max"]
+            )
             line = ax.plot(accuracy.index, accuracy["mean"], marker="o", markersize=3, label=attention)[0]
-            ax.fill_between(accuracy.index, accuracy["min"], accuracy["max"], color=line.get_color(), alpha=0.15, linewidth=0)
+            ax.fill_between(
+                accuracy.index, accuracy["min"], accuracy["max"], color=line.get_color(), alpha=0.15, linewidth=0
+            )
         for chance in runs["chance"].dropna().unique() if "chance" in runs else []:
             draw_chance(ax, chance)
         setting_line = ", ".join(f"{key}={value}" for key, value in zip(settings, setting))
         title = f"{task}, trained on lengths {train_length}" + (f"\n{setting_line}" if setting else "")
-        ax.set(title=fitted(title, 1.1 * PANEL_WIDTH), xlabel="test length", ylabel="greedy token accuracy %", ylim=(-2, 102))
+        ax.set(
+            title=fitted(title, 1.1 * PANEL_WIDTH),
+            xlabel="test length",
+            ylabel="greedy token accuracy %",
+            ylim=(-2, 102),
+        )
     axes[0].legend(fontsize="small")
     return save(figure, path)
 
 
-def plot_per_length(ax: Axes, table: pd.DataFrame, metric: str = "token_acc", colours: dict[str, str] | None = None) -> Axes:
+def plot_per_length(
+    ax: Axes, table: pd.DataFrame, metric: str = "token_acc", colours: dict[str, str] | None = None
+) -> Axes:
     """Draw each variable-length model's `metric` (in %) at every length in its range (mean over
     seeds) onto `ax`, an accuracy-vs-length axis in % that may already hold the per-length models'
     points; dashed, in the colour `colours` gives its attention type (if any). No rows: nothing drawn."""
@@ -110,7 +126,13 @@ def plot_per_length(ax: Axes, table: pd.DataFrame, metric: str = "token_acc", co
     for (attention, task, lengths), runs in table.groupby([*GROUP, "train_length"]):
         curve = runs.groupby("test_length")[metric].mean()
         colour = (colours or {}).get(attention)
-        ax.plot(curve.index, 100 * curve.to_numpy(), linestyle="--", color=colour, label=f"{attention} ({task}) trained on {lengths}")
+        ax.plot(
+            curve.index,
+            100 * curve.to_numpy(),
+            linestyle="--",
+            color=colour,
+            label=f"{attention} ({task}) trained on {lengths}",
+        )
     return ax
 
 

@@ -4,7 +4,8 @@ variable-length runs, and the held-out notes. Pandas over dicts: no model is loa
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
+
 import pandas as pd
 
 COUNTERFACTUALS = ("uniform", "permuted", "fixed")  # what the analysis replaces the weights by
@@ -49,7 +50,11 @@ def heldout_notes(analyses: Iterable[dict]) -> dict[str, list[str]]:
     runs it is about (`length_generalisation` and `per_length_notes`)."""
     fewer = {}
     for a in analyses:
-        notes = [row["note"] for row in a["length_generalisation"] if "note" in row and not row["note"].startswith("not defined")]
+        notes = [
+            row["note"]
+            for row in a["length_generalisation"]
+            if "note" in row and not row["note"].startswith("not defined")
+        ]
         for note in [*notes, *a.get("per_length_notes", [])]:
             fewer.setdefault(note, []).append(a["run"])
     return fewer
@@ -74,7 +79,12 @@ def summary(analyses: list[dict], settings: pd.DataFrame | None = None) -> str:
         table = table.merge(settings, on="run", how="left") if not table.empty else table
     parts = []
     if not table.empty:
-        columns = ["own", *COUNTERFACTUALS, *(f"drop_{n}" for n in COUNTERFACTUALS), *(f"align_{key}" for key in ALIGNMENT)]
+        columns = [
+            "own",
+            *COUNTERFACTUALS,
+            *(f"drop_{n}" for n in COUNTERFACTUALS),
+            *(f"align_{key}" for key in ALIGNMENT),
+        ]
         grouped = table.groupby(keys, dropna=False)  # a setting a run does not use (NaN) is a value of its own
         counterfactual = grouped[columns].mean().join(grouped.size().rename("seeds"))
         counterfactual = counterfactual.sort_index(key=_by_length)
@@ -89,5 +99,8 @@ def summary(analyses: list[dict], settings: pd.DataFrame | None = None) -> str:
         + matrix.to_string(float_format=number)
     )
     if fewer := heldout_notes(analyses):
-        parts.append("held-out sets at short lengths:\n" + "\n".join(f"{note} ({len(runs)} runs)" for note, runs in fewer.items()))
+        parts.append(
+            "held-out sets at short lengths:\n"
+            + "\n".join(f"{note} ({len(runs)} runs)" for note, runs in fewer.items())
+        )
     return "\n\n".join(parts)

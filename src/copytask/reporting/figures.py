@@ -62,7 +62,15 @@ def draw_matrix(ax: Axes, matrix: pd.DataFrame, scale: float, number: str, fonts
     values = scale * matrix.to_numpy()
     image = ax.imshow(values, vmin=0, vmax=scale, cmap="viridis", **imshow)
     for (i, j), value in np.ndenumerate(values):
-        ax.text(j, i, number.format(value), ha="center", va="center", fontsize=fontsize, color="white" if value < 0.6 * scale else "black")
+        ax.text(
+            j,
+            i,
+            number.format(value),
+            ha="center",
+            va="center",
+            fontsize=fontsize,
+            color="white" if value < 0.6 * scale else "black",
+        )
     ax.set_xticks(range(matrix.shape[1]), matrix.columns)
     ax.set_yticks(range(matrix.shape[0]), matrix.index)
     return image
@@ -85,7 +93,9 @@ def draw_attention(ax: Axes, weights: np.ndarray, sample: dict, vocab_size: int,
             label.set_color("red")
     for step, position in enumerate(copied_source_positions(task, columns)):
         ax.add_patch(Rectangle((position - 0.5, step - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=0.8))
-    ax.set(xlabel="source symbol", ylabel="output symbol (greedy; red: wrong)" if "output" in sample else "target symbol")
+    ax.set(
+        xlabel="source symbol", ylabel="output symbol (greedy; red: wrong)" if "output" in sample else "target symbol"
+    )
     return image
 
 
@@ -100,6 +110,8 @@ def plot_attention(sample: dict, vocab_size: int, task: str, title: str, path: P
         image = draw_attention(ax, head_weights, sample, vocab_size, task)
         if len(maps) > 1:
             ax.set_title(f"head {head}")
-    figure.suptitle(fitted(title, figure.get_figwidth()))  # over the whole figure: a small map's axes are narrower than the title
+    figure.suptitle(
+        fitted(title, figure.get_figwidth())
+    )  # over the whole figure: a small map's axes are narrower than the title
     figure.colorbar(image, ax=axes, fraction=0.04, label="attention weight")
     return save(figure, path, dpi=100)

@@ -18,21 +18,32 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from . import analysis_tables
 from .. import store
 from ..config import messages
-from . import tables
-from .analysis_figures import (
-    extrapolates, plot_counterfactual, plot_extrapolation, plot_head_weights, plot_length_generalisation,
-)
 from ..config.schema import ConfigError
-from .figures import plot_attention
 from ..store.grid import GridRun, variable_length_runs
-from .setup import setup_section
-from .result_figures import (
-    LONGEST_FIGURE, SETTING_GRID_FIGURE, groups, label, longest_lengths, plot_accuracy, plot_curves, plot_setting_grid,
-    setting_suffix, setting_title,
+from . import analysis_tables, tables
+from .analysis_figures import (
+    extrapolates,
+    plot_counterfactual,
+    plot_extrapolation,
+    plot_head_weights,
+    plot_length_generalisation,
 )
+from .figures import plot_attention
+from .result_figures import (
+    LONGEST_FIGURE,
+    SETTING_GRID_FIGURE,
+    groups,
+    label,
+    longest_lengths,
+    plot_accuracy,
+    plot_curves,
+    plot_setting_grid,
+    setting_suffix,
+    setting_title,
+)
+from .setup import setup_section
 
 REPORT_DIR = "report"
 CURVES_FIGURE = "training_curves"
@@ -374,8 +385,9 @@ def heldout_lines(analyses: list[dict]) -> list[str]:
             f"{100 * row['train_share']:.1f}% of rows instead of {100 * row['uniform_share']:.1f}%"
             for row in mix
         )
-        lines.append(f"- `{run}`: holding the test and validation sets out of training changes its length mix: "
-                     f"{shares}.")
+        lines.append(
+            f"- `{run}`: holding the test and validation sets out of training changes its length mix: {shares}."
+        )
     return [*lines, ""]
 
 

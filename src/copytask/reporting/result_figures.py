@@ -21,12 +21,18 @@ from .tables import setting_value
 SETTING_GRID_FIGURE = "accuracy_grid.png"
 LONGEST_FIGURE = "longest_length.png"
 LONGEST_THRESHOLDS = (0.99, 0.5)
-LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]  # one per value of a styled setting
+LINE_STYLES = [
+    ("-", "o"),
+    ("--", "s"),
+    (":", "^"),
+    ("-.", "D"),
+    ((0, (5, 1, 1, 1)), "v"),
+]  # one per value of a styled setting
+
 
 def colours(attentions: list[str]) -> dict[str, str]:
     """One colour per attention type, the same in every figure."""
     return {attention: f"C{i}" for i, attention in enumerate(attentions)}
-
 
 
 def label(column: str) -> str:
@@ -47,7 +53,9 @@ def groups(table: pd.DataFrame, keys: list[str]) -> list[tuple[tuple, pd.DataFra
     """(values, rows) per combination of `keys`, in sorted order; one group of everything without keys."""
     if not keys:
         return [((), table)]
-    return [(values if isinstance(values, tuple) else (values,), rows) for values, rows in table.groupby(keys, dropna=False)]
+    return [
+        (values if isinstance(values, tuple) else (values,), rows) for values, rows in table.groupby(keys, dropna=False)
+    ]
 
 
 def set_numeric_axis(axis: Axes, values: list[float]) -> None:
@@ -60,7 +68,9 @@ def set_numeric_axis(axis: Axes, values: list[float]) -> None:
     axis.minorticks_off()
 
 
-def plot_accuracy(summary: pd.DataFrame, settings: list[str], x: str, stem: Path, per_length: pd.DataFrame) -> list[Path]:
+def plot_accuracy(
+    summary: pd.DataFrame, settings: list[str], x: str, stem: Path, per_length: pd.DataFrame
+) -> list[Path]:
     """Token and sequence accuracy against `x` (a column of `summary`), mean and 95% band over
     seeds, one colour per attention type. The other keys that vary are shown, not pooled: the last
     one as a line style when there are two or more, the rest as one row of panels per value. The
@@ -77,25 +87,41 @@ def plot_accuracy(summary: pd.DataFrame, settings: list[str], x: str, stem: Path
     colour = colours(list(dict.fromkeys(summary["attention"])))
     for (values, rows), row_axes in zip(facets, axes):
         facet = setting_title(facet_keys, values)
-        for axis, metric, title in zip(row_axes, ("token_acc", "seq_acc"), ("greedy token accuracy", "exact-sequence accuracy")):
-            for (attention, *style_value), series in rows.groupby(["attention", *([style_key] if style_key else [])], sort=False):
+        for axis, metric, title in zip(
+            row_axes, ("token_acc", "seq_acc"), ("greedy token accuracy", "exact-sequence accuracy")
+        ):
+            for (attention, *style_value), series in rows.groupby(
+                ["attention", *([style_key] if style_key else [])], sort=False
+            ):
                 series = series.sort_values(x)
                 linestyle, marker = style[style_value[0] if style_key else None]
                 name = f"{attention}, {style_key}={setting_value(style_value[0])}" if style_key else attention
-                mean, low, high = 100 * series[metric], 100 * series[f"{metric}_lo"].clip(lower=0), 100 * series[f"{metric}_hi"].clip(upper=1)
+                mean, low, high = (
+                    100 * series[metric],
+                    100 * series[f"{metric}_lo"].clip(lower=0),
+                    100 * series[f"{metric}_hi"].clip(upper=1),
+                )
                 if len(series) > 1:
                     axis.plot(series[x], mean, linestyle=linestyle, marker=marker, color=colour[attention], label=name)
                     axis.fill_between(series[x], low, high, color=colour[attention], alpha=0.2, linewidth=0)
                 else:  # a band over one point is not drawn at all: an error bar is
-                    spread = None if low.isna().all() else [(mean - low).to_numpy(), (high - mean).to_numpy()]  # arrays: pandas 2.x warns at matplotlib's float() of a Series
-                    axis.errorbar(series[x], mean, yerr=spread, marker=marker, capsize=4, color=colour[attention], label=name)
+                    spread = (
+                        None if low.isna().all() else [(mean - low).to_numpy(), (high - mean).to_numpy()]
+                    )  # arrays: pandas 2.x warns at matplotlib's float() of a Series
+                    axis.errorbar(
+                        series[x], mean, yerr=spread, marker=marker, capsize=4, color=colour[attention], label=name
+                    )
             if x == "length" and not others:
                 plot_per_length(axis, per_length, metric, colour)
             if metric == "token_acc":
                 for chance in rows["chance"].unique():
                     draw_chance(axis, chance)
             set_numeric_axis(axis, list(summary[x].unique()))
-            axis.set(title=f"{title}, {facet}" if facet else title, ylabel="% (held-out set, greedy decoding)", ylim=(-2, 102))
+            axis.set(
+                title=f"{title}, {facet}" if facet else title,
+                ylabel="% (held-out set, greedy decoding)",
+                ylim=(-2, 102),
+            )
             axis.grid(alpha=0.3)
     for axis in axes[-1]:
         axis.set_xlabel(label(x))
@@ -103,9 +129,13 @@ def plot_accuracy(summary: pd.DataFrame, settings: list[str], x: str, stem: Path
     unique = dict(zip(names, handles))
     axes[0][0].legend(unique.values(), unique.keys(), loc="lower left", fontsize="small")
     interval = "band" if summary[x].nunique() > 1 else "bar"
-    figure.suptitle(f"Copy accuracy against {label(x)}: mean over seeds, {interval} = 95% interval (t over seeds, at least the held-out set's Wilson)")
+    figure.suptitle(
+        f"Copy accuracy against {label(x)}: mean over seeds, {interval} = 95% interval (t over seeds, at least the held-out set's Wilson)"
+    )
     figure.tight_layout()
-    paths = [stem.parent / f"{stem.name}.{suffix}" for suffix in ("png", "svg")]  # not with_suffix: a stem may hold a dotted key
+    paths = [
+        stem.parent / f"{stem.name}.{suffix}" for suffix in ("png", "svg")
+    ]  # not with_suffix: a stem may hold a dotted key
     for path in paths:
         save(figure, path)
     return paths
@@ -146,22 +176,31 @@ def plot_setting_grid(summary: pd.DataFrame, key: str, out: Path) -> list[Path]:
     colour = colours(attentions)
     figure = Figure(figsize=(6.5, 4.2))
     axis = figure.subplots()
-    for (attention, rows), threshold in ((group, threshold) for group in longest.groupby("attention", sort=False) for threshold in LONGEST_THRESHOLDS):
+    for (attention, rows), threshold in (
+        (group, threshold) for group in longest.groupby("attention", sort=False) for threshold in LONGEST_THRESHOLDS
+    ):
         linestyle, marker = LINE_STYLES[LONGEST_THRESHOLDS.index(threshold)]
-        axis.plot(rows[key], rows[f"longest at {threshold:.0%}"], linestyle=linestyle, marker=marker, color=colour[attention],
-                  label=f"{attention}, >= {threshold:.0%}")
+        axis.plot(
+            rows[key],
+            rows[f"longest at {threshold:.0%}"],
+            linestyle=linestyle,
+            marker=marker,
+            color=colour[attention],
+            label=f"{attention}, >= {threshold:.0%}",
+        )
     set_numeric_axis(axis, list(summary[key].unique()))
     lengths = sorted(summary["length"].unique())
     axis.set_yscale("log")
     axis.set_yticks(lengths, [str(length) for length in lengths])
     axis.minorticks_off()
-    axis.set(xlabel=key, ylabel="longest length reached (grid lengths)", title="Longest length copied at a token accuracy")
+    axis.set(
+        xlabel=key, ylabel="longest length reached (grid lengths)", title="Longest length copied at a token accuracy"
+    )
     axis.grid(alpha=0.3)
     axis.legend(fontsize="small")
     figure.tight_layout()
     longest_path = save(figure, out / LONGEST_FIGURE)
     return [grid_path, longest_path]
-
 
 
 def plot_curves(histories: list[tuple[int, str, pd.DataFrame]], attentions: list[str], title: str, path: Path) -> Path:
@@ -175,7 +214,9 @@ def plot_curves(histories: list[tuple[int, str, pd.DataFrame]], attentions: list
     for length, attention, history in histories:
         loss_axis, acc_axis = axes[lengths.index(length)]
         loss_axis.plot(history["step"], history["loss"], color=colour[attention], alpha=0.7, label=attention)
-        acc_axis.plot(history["step"], 100 * history["val_token_acc"], color=colour[attention], alpha=0.7, label=attention)
+        acc_axis.plot(
+            history["step"], 100 * history["val_token_acc"], color=colour[attention], alpha=0.7, label=attention
+        )
     for (loss_axis, acc_axis), length in zip(axes, lengths):
         loss_axis.set(yscale="log", ylabel=f"length {length}\ntraining loss")
         acc_axis.set(ylabel="validation token acc %", ylim=(-2, 102))

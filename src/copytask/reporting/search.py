@@ -19,9 +19,9 @@ from matplotlib.ticker import MaxNLocator
 from omegaconf import OmegaConf
 
 from .. import store
+from ..store.grid import OBJECTIVE, SWEEP_RECORD, GridRun
 from . import tables
 from .figures import draw_chance, panels, save
-from ..store.grid import OBJECTIVE, SWEEP_RECORD, GridRun
 from .report import REPORT_DIR, markdown_table
 
 TRIALS_CSV = "trials.csv"
@@ -50,7 +50,9 @@ def trial_table(trials: list[dict], loaded: tables.Loaded) -> pd.DataFrame:
         for column in RUN_COLUMNS:
             row[column] = results.at[run, column] if run in results.index else math.nan
         rows.append(row | {"run": run})
-    table = pd.DataFrame(rows, columns=["trial", "objective", "best_so_far", "status", *loaded.settings, *RUN_COLUMNS, "run"])
+    table = pd.DataFrame(
+        rows, columns=["trial", "objective", "best_so_far", "status", *loaded.settings, *RUN_COLUMNS, "run"]
+    )
     table["best_so_far"] = table["objective"].cummax().ffill()  # a failed trial keeps the best before it
     return table
 
@@ -89,8 +91,9 @@ def best_line(table: pd.DataFrame, settings: list[str]) -> str:
         return f"best: none, no trial of {len(table)} has an objective"
     row = top.iloc[0]
     values = ", ".join(f"{key}={tables.setting_value(row[key])}" for key in settings)
-    return f"best validation greedy token accuracy {tables.percent(row['objective'])}% at trial {row['trial']} of {len(table)}" + (
-        f" ({values})" if values else ""
+    return (
+        f"best validation greedy token accuracy {tables.percent(row['objective'])}% at trial {row['trial']} of {len(table)}"
+        + (f" ({values})" if values else "")
     )
 
 
@@ -105,7 +108,12 @@ def plot_objective_by_trial(table: pd.DataFrame, chance: float, path: Path) -> P
     if len(failed):
         axis.plot(failed["trial"], np.zeros(len(failed)), "x", color="red", clip_on=False, label="failed trial")
     draw_chance(axis, chance)
-    axis.set(xlabel="trial", ylabel="validation greedy token accuracy (%)", ylim=(0, 102), title="The search: objective by trial")
+    axis.set(
+        xlabel="trial",
+        ylabel="validation greedy token accuracy (%)",
+        ylim=(0, 102),
+        title="The search: objective by trial",
+    )
     axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.grid(alpha=0.3)
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4, fontsize="small")  # below: never over a trial
@@ -129,14 +137,18 @@ def plot_objective_by_key(table: pd.DataFrame, settings: list[str], chance: floa
             if positive and x.max() / x.min() >= 10:
                 axis.set_xscale("log")
             else:
-                axis.xaxis.set_major_locator(MaxNLocator(4))  # a learning rate's long tick labels would run into each other
+                axis.xaxis.set_major_locator(
+                    MaxNLocator(4)
+                )  # a learning rate's long tick labels would run into each other
         else:  # bool or text: one position per value
             order = sorted(values.map(tables.setting_value).unique())
             position = {value: i for i, value in enumerate(order)}
             x, best_x = values.map(tables.setting_value).map(position), top[key].map(tables.setting_value).map(position)
             axis.set_xticks(range(len(order)), order)
             axis.set_xlim(-0.5, len(order) - 0.5)
-        image = axis.scatter(x, 100 * done["objective"], c=done["trial"], cmap="viridis", vmin=0, vmax=max(table["trial"].max(), 1), s=18)
+        image = axis.scatter(
+            x, 100 * done["objective"], c=done["trial"], cmap="viridis", vmin=0, vmax=max(table["trial"].max(), 1), s=18
+        )
         axis.plot(best_x, 100 * top["objective"], "*", color="C3", markersize=13, label="best trial")
         draw_chance(axis, chance)
         axis.set(xlabel=key, ylabel="objective (%)", ylim=(0, 102))
@@ -202,7 +214,10 @@ def write_report(trials: list[dict], loaded: tables.Loaded, runs_dir: Path) -> l
     table = trial_table(trials, loaded)
     store.atomic_write(runs_dir / TRIALS_CSV, table.to_csv(index=False))
     chance = float(loaded.table["chance"].iloc[0])
-    figures = [plot_objective_by_trial(table, chance, out / BY_TRIAL_FIGURE), plot_objective_by_key(table, loaded.settings, chance, out / BY_KEY_FIGURE)]
+    figures = [
+        plot_objective_by_trial(table, chance, out / BY_TRIAL_FIGURE),
+        plot_objective_by_key(table, loaded.settings, chance, out / BY_KEY_FIGURE),
+    ]
     failed = table[table["status"] != "complete"]
     lines = [
         "# copytask search report",

@@ -8,9 +8,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from .. import store
-from . import tables
-from ..store.grid import SWEEP_RECORD
 from ..config.model_keys import is_transformer
+from ..store.grid import SWEEP_RECORD
+from . import tables
 
 
 def setup_section(loaded: tables.Loaded, runs_dir: Path) -> list[str]:
@@ -78,8 +78,10 @@ def training_line(configs: list[DictConfig]) -> str:
         early_stop = "no early stop"
     else:
         target = values(configs, "train.target_acc", lambda accuracy: f"{accuracy:.0%}")
-        early_stop = (f"stops early once held-out token accuracy is >= {target} "
-                      f"at {values(configs, 'train.patience')} evaluations in a row")
+        early_stop = (
+            f"stops early once held-out token accuracy is >= {target} "
+            f"at {values(configs, 'train.patience')} evaluations in a row"
+        )
     return (
         f"- Training: budget {values(configs, 'train.steps')} steps of batch {values(configs, 'train.batch_size')}, "
         f"Adam, {values(configs, 'train.schedule')} schedule peaking at lr {values(configs, 'train.lr')}, gradient "

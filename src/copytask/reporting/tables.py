@@ -27,7 +27,11 @@ from ..store.grid import GridRun
 
 RESULTS_CSV = "results.csv"
 COLUMNS = ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "run")
-ALIGNMENT_COLUMNS = ("align_hit", "align_mass", "align_adjacent")  # from analysis.json, empty for runs without attention or analysis
+ALIGNMENT_COLUMNS = (
+    "align_hit",
+    "align_mass",
+    "align_adjacent",
+)  # from analysis.json, empty for runs without attention or analysis
 TARGET_STEP = "target_step"  # from history.csv: the first evaluation step at train.target_acc, empty if never reached
 BASELINE = "none"
 CONFIDENCE = 0.95
@@ -79,7 +83,10 @@ def setting_keys(configs: pd.DataFrame, attention: pd.Series) -> list[str]:
         values = configs[key]
         if key in OWN_COLUMNS or values.nunique(dropna=False) < 2:
             continue
-        if key.startswith(("attention.", "model.")) and values.groupby(attention.to_numpy()).nunique(dropna=False).max() < 2:
+        if (
+            key.startswith(("attention.", "model."))
+            and values.groupby(attention.to_numpy()).nunique(dropna=False).max() < 2
+        ):
             continue
         keys.append(key)
     return keys
@@ -161,7 +168,9 @@ def scored(group: pd.DataFrame) -> dict[str, int | None]:
     if "eval_size" not in group or group["eval_size"].isna().any():
         return {"token_acc": None, "seq_acc": None}
     sequences = int(group["eval_size"].min())
-    shortest = group["min_length"].fillna(group["length"]) if "min_length" in group else group["length"]  # older runs have none
+    shortest = (
+        group["min_length"].fillna(group["length"]) if "min_length" in group else group["length"]
+    )  # older runs have none
     return {"token_acc": round(sequences * float((shortest + group["length"]).min()) / 2), "seq_acc": sequences}
 
 
@@ -244,7 +253,9 @@ def comparison_table(summary: pd.DataFrame, settings: list[str] = ()) -> pd.Data
             "length": summary["length"],
             "attention": summary["attention"],
             "seeds": summary["seeds"],
-            "token acc % [95% CI]": [with_interval(r.token_acc, r.token_acc_lo, r.token_acc_hi) for r in summary.itertuples()],
+            "token acc % [95% CI]": [
+                with_interval(r.token_acc, r.token_acc_lo, r.token_acc_hi) for r in summary.itertuples()
+            ],
             "seq acc % [95% CI]": [with_interval(r.seq_acc, r.seq_acc_lo, r.seq_acc_hi) for r in summary.itertuples()],
             "steps to target [95% CI]": [steps(r) for r in summary.itertuples()],
             "chance %": summary["chance"].map(percent),

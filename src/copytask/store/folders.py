@@ -13,7 +13,6 @@ from typing import Any
 
 from filelock import AcquireReturnProxy, FileLock, Timeout
 
-
 METRICS = "metrics.json"
 CONFIG = "config.yaml"
 HISTORY = "history.csv"
@@ -22,7 +21,9 @@ ATTENTION = "attention_samples.json"
 FAILED = "failed.json"
 ANALYSIS = "analysis.json"  # derived by `copytask analyze`, the one file added after training
 RESUME = "resume.pt"  # while a run trains: all it needs to continue from its last evaluation (checkpoints.py); gone once complete
-UNREADABLE_RESUME = "resume.unreadable.pt"  # a checkpoint that could not be read, set aside (kept for a look, never read)
+UNREADABLE_RESUME = (
+    "resume.unreadable.pt"  # a checkpoint that could not be read, set aside (kept for a look, never read)
+)
 PROGRESS = "progress.json"  # while a run trains: its last evaluated step, for a sweep's bar; gone once it is complete
 
 

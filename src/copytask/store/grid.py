@@ -12,27 +12,39 @@ it was.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .. import store
 from ..config import messages
-from ..config.schema import ConfigError, config_dir, dotted_keys, hydra_errors
-from ..config.hydra_internals import compose, compose_job, own_global_hydra, proposes_jobs, search_samples, search_space, sweep_jobs
 from ..config.checks import check_launcher, remote_job_check, remote_launcher, validate
+from ..config.hydra_internals import (
+    compose,
+    compose_job,
+    own_global_hydra,
+    proposes_jobs,
+    search_samples,
+    search_space,
+    sweep_jobs,
+)
+from ..config.schema import ConfigError, config_dir, dotted_keys, hydra_errors
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
-OBJECTIVE = "val_token_acc"  # what a job returns to an optimising sweeper: validation greedy token accuracy, from metrics.json
+OBJECTIVE = (
+    "val_token_acc"  # what a job returns to an optimising sweeper: validation greedy token accuracy, from metrics.json
+)
 # <hydra.sweep.dir>/<job number>/trial.json: what each trial of a search ran and returned, written by its job
 # (one file per job: jobs in other processes never append to one shared file)
 TRIAL_RECORD = "trial.json"
 # What `copytask.sweep` adds to its Hydra command line so that Hydra configures no logging (jobs.run_hydra);
 # not part of the command that starts the sweep (`sweep_command`)
 QUIET_HYDRA = ("hydra/hydra_logging=none", "hydra/job_logging=none")
+
 
 @dataclass(frozen=True)
 class GridRun:
@@ -69,7 +81,9 @@ class GridRun:
                 return f"failed (unreadable {store.FAILED}: {error})"
         if status == "incomplete":
             if (self.folder / store.METRICS).exists():
-                return f"corrupt {store.METRICS} in {self.folder} (cut short by a crash; the next sweep trains it again)"
+                return (
+                    f"corrupt {store.METRICS} in {self.folder} (cut short by a crash; the next sweep trains it again)"
+                )
             return f"incomplete: {self.folder} has no {store.METRICS} (still running, or killed)"
         if status == "running":
             return f"being trained by another process (it holds {store.lock_path(self.folder)})"
@@ -141,7 +155,9 @@ def trial_runs(master: DictConfig, trials: list[dict]) -> list[GridRun]:
         with open_dict(config):
             del config["hydra"]
         label = " ".join(o for o in trial["overrides"] if o.split("=", 1)[0] in searched)
-        runs[trial["run"]] = GridRun(tuple(trial["overrides"]), f"trial {trial['trial']}: {label}", config, store.run_dir(config))
+        runs[trial["run"]] = GridRun(
+            tuple(trial["overrides"]), f"trial {trial['trial']}: {label}", config, store.run_dir(config)
+        )
     return list(runs.values())
 
 
@@ -171,7 +187,10 @@ def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
 
 
 def compose_grid(
-    overrides: list[str], expand_grid: bool = True, multirun: bool = True, check: Callable[[DictConfig], None] | None = None
+    overrides: list[str],
+    expand_grid: bool = True,
+    multirun: bool = True,
+    check: Callable[[DictConfig], None] | None = None,
 ) -> tuple[DictConfig, list[GridRun]]:
     """The master config and grid (empty unless `expand_grid`) of `python -m copytask sweep
     <overrides>`, or with `multirun=False` the config of `python -m copytask train <overrides>` and
@@ -210,7 +229,9 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
     if multirun:  # jobs that run on other machines (SLURM) check the device there; submitting needs SLURM here
         master, _ = compose_grid(overrides, expand_grid=False)
         launcher = master.hydra.launcher.get("_target_")
-        check_launcher(launcher, master.hydra.runtime.choices.get("hydra/launcher"), master.hydra.launcher.get("partition"))
+        check_launcher(
+            launcher, master.hydra.runtime.choices.get("hydra/launcher"), master.hydra.launcher.get("partition")
+        )
         torch_free_check = remote_job_check if remote_launcher(launcher) else validate
         searching = proposes_jobs(master.hydra)
     checked: list[DictConfig] = []  # each job's config (a search's: what its trials share), torch-free checks passed
@@ -228,14 +249,18 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
     except ConfigError as error:
         if not multirun:
             raise
-        entries = [f"{key}={value}" for key, value in (master.hydra.sweeper.get("params") or {}).items()] + list(overrides)
+        entries = [f"{key}={value}" for key, value in (master.hydra.sweeper.get("params") or {}).items()] + list(
+            overrides
+        )
         key = str(error).split()[0]
         given = [entry for entry in entries if entry.lstrip("+~").split("=", 1)[0] == key]
         raise ConfigError(f"{error} (in the grid: {given[-1]})" if given else str(error)) from None
     swept = {override.split("=", 1)[0] for run in grid for override in run.label.split()}
     if multirun and not searching and master.report.x != "task.length" and master.report.x not in swept:
         choices = ", ".join(["task.length", *sorted(swept - {"attention", "seed", "task.length"})])
-        raise ConfigError(f"report.x must be task.length or a numeric key this sweep varies ({choices}), got {master.report.x!r}")
+        raise ConfigError(
+            f"report.x must be task.length or a numeric key this sweep varies ({choices}), got {master.report.x!r}"
+        )
     return grid
 
 
@@ -296,7 +321,9 @@ def select_runs(overrides: list[str], every_run: bool = False, every_run_unless_
     every complete run in runs_dir, whatever grid it came from."""
     grid_given = [override for override in overrides if is_grid_override(override)]
     if every_run and grid_given:
-        raise ConfigError(f"--all takes every complete run in runs_dir; give it no grid overrides (got {' '.join(grid_given)})")
+        raise ConfigError(
+            f"--all takes every complete run in runs_dir; give it no grid overrides (got {' '.join(grid_given)})"
+        )
     if not grid_given:  # runs_dir first (cheap: no job composed), then the grid recorded there, expanded once
         master, _ = compose_grid(overrides, expand_grid=False)
         recorded = None if every_run else recorded_overrides(Path(master.runs_dir))
@@ -311,7 +338,9 @@ def select_runs(overrides: list[str], every_run: bool = False, every_run_unless_
     return selection(master, grid, overrides, sweep_command(master))
 
 
-def selection(master: DictConfig, runs: list[GridRun], overrides: list[str], command: str, recorded_in: str | None = None) -> Selection:
+def selection(
+    master: DictConfig, runs: list[GridRun], overrides: list[str], command: str, recorded_in: str | None = None
+) -> Selection:
     """The Selection of the grid, or of the search's trials, that `command` sweeps, with its line
     for the user (which says so when the sweep was the last one recorded in a runs_dir)."""
     if not proposes_jobs(master.hydra):

@@ -8,15 +8,27 @@ import hashlib
 import json
 from pathlib import Path
 from typing import Any
+
 from omegaconf import DictConfig, OmegaConf
-from ..config.schema import flatten
+
 from ..config.model_keys import MODEL_KEYS, is_transformer, model_name
+from ..config.schema import flatten
 
 # Keys that change where or how fast a run computes, or what it saves, not what it computes (results
 # agree to float rounding); `analysis` and `report` only set how finished runs are analysed and drawn,
 # `logger` which experiment tracker also sees them.
-NOT_IDENTITY = ("runs_dir", "retrain", "train.device", "train.threads", "train.fused", "train.progress",
-                "train.attention_samples", "analysis", "report", "logger")
+NOT_IDENTITY = (
+    "runs_dir",
+    "retrain",
+    "train.device",
+    "train.threads",
+    "train.fused",
+    "train.progress",
+    "train.attention_samples",
+    "analysis",
+    "report",
+    "logger",
+)
 
 
 # Keys whose value here is what the code computed before the key existed: at that value a key is left
@@ -33,7 +45,11 @@ UNUSED_UNLESS = {
     "attention.window": lambda config: config["attention"].get("local") is not None,
     "attention": lambda config: model_name(config) == "gru",
     "model.max_length": lambda config: config["model"].get("positions") == "learned",
-    **{f"model.{key}": (lambda config, name=name: model_name(config) == name) for name, keys in MODEL_KEYS.items() for key in keys},
+    **{
+        f"model.{key}": (lambda config, name=name: model_name(config) == name)
+        for name, keys in MODEL_KEYS.items()
+        for key in keys
+    },
 }
 
 
@@ -66,7 +82,9 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
     """What a run computes: its resolved config without the keys in NOT_IDENTITY, those at their
     NEUTRAL value and those UNUSED_UNLESS another key says so, with numbers in one spelling."""
     config = OmegaConf.to_container(cfg, resolve=True)
-    for dotted in [dotted for dotted, condition in UNUSED_UNLESS.items() if not condition(config)]:  # all read before any goes
+    for dotted in [
+        dotted for dotted, condition in UNUSED_UNLESS.items() if not condition(config)
+    ]:  # all read before any goes
         _pop(config, dotted)
     for dotted, value in NEUTRAL.items():
         if _get(config, dotted) == value:

@@ -32,13 +32,24 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
-from ..training import trackers
 from .. import store
 from ..config import messages
-from ..config.schema import ConfigError, config_dir
-from ..store.grid import OBJECTIVE, QUIET_HYDRA, SWEEP_RECORD, TRIAL_RECORD, GridRun, check_grid, expand, search_trials, sweep_command, trial_runs
-from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
 from ..config.checks import analysis_device, remote_launcher
+from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
+from ..config.schema import ConfigError, config_dir
+from ..store.grid import (
+    OBJECTIVE,
+    QUIET_HYDRA,
+    SWEEP_RECORD,
+    TRIAL_RECORD,
+    GridRun,
+    check_grid,
+    expand,
+    search_trials,
+    sweep_command,
+    trial_runs,
+)
+from ..training import trackers
 from ..training.devices import cpu_model, gpu_name
 
 
@@ -65,7 +76,12 @@ def hydra_job(cfg: DictConfig) -> float | None:
     with messages.one_line_warnings():  # a launcher's worker has none of the command's settings
         objective = run_job(cfg, multirun=hydra.mode == RunMode.MULTIRUN)
     if hydra.mode == RunMode.MULTIRUN and proposes_jobs(hydra):
-        trial = {"trial": hydra.job.num, "run": store.run_dir(cfg).name, "overrides": list(hydra.overrides.task), "objective": objective}
+        trial = {
+            "trial": hydra.job.num,
+            "run": store.run_dir(cfg).name,
+            "overrides": list(hydra.overrides.task),
+            "objective": objective,
+        }
         store.write_json(Path(hydra.runtime.output_dir) / TRIAL_RECORD, trial)
     return objective
 
@@ -73,7 +89,12 @@ def hydra_job(cfg: DictConfig) -> float | None:
 def run_job(cfg: DictConfig, multirun: bool) -> float | None:
     """`hydra_job`'s training: its objective, None for a job of a sweep that failed or that
     another process is training."""
-    from ..training.loop import NonFiniteLoss, RunInProgress, summary_line, train  # torch and the model: only when something is trained
+    from ..training.loop import (  # torch and the model: only when something is trained
+        NonFiniteLoss,
+        RunInProgress,
+        summary_line,
+        train,
+    )
 
     folder = store.run_dir(cfg)
     if multirun:
@@ -87,14 +108,21 @@ def run_job(cfg: DictConfig, multirun: bool) -> float | None:
         return None
     except Exception as error:
         if multirun:  # recorded for the sweep summary, not swallowed
-            store.write_json(folder / store.FAILED, {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})
+            store.write_json(
+                folder / store.FAILED,
+                {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()},
+            )
             messages.log.error(f"copytask: job failed: {folder.name}: {error}")
             return None
         if not isinstance(error, (ConfigError, NonFiniteLoss)):
             raise
         messages.log.error(f"copytask: error: {error}")
         sys.exit(2 if isinstance(error, ConfigError) else 1)
-    messages.log.info(f"{folder.name}: already complete, skipped (retrain=true trains it again)" if skipped else summary_line(metrics, folder))
+    messages.log.info(
+        f"{folder.name}: already complete, skipped (retrain=true trains it again)"
+        if skipped
+        else summary_line(metrics, folder)
+    )
     return metrics[OBJECTIVE]
 
 
@@ -163,11 +191,21 @@ class SweepProgress:
         from tqdm.auto import tqdm
 
         self.done, cost = self.finished()
-        clock = "[{elapsed}<{remaining}]" if total is not None else "[{elapsed}]"  # no total (a sweeper that does not say): no ETA
+        clock = (
+            "[{elapsed}<{remaining}]" if total is not None else "[{elapsed}]"
+        )  # no total (a sweeper that does not say): no ETA
         # smoothing=0: the rate since the start, not tqdm's moving average, which a few large steps (one per run) throw about
-        self.bar = tqdm(total=total, initial=cost, desc=self.runs_done(self.done), disable=not enabled, file=messages.bar_stream(), dynamic_ncols=True,
-                        mininterval=interval, smoothing=0,
-                        bar_format=("{desc}: {percentage:3.0f}%|{bar}| " if total is not None else "{desc} ") + clock)
+        self.bar = tqdm(
+            total=total,
+            initial=cost,
+            desc=self.runs_done(self.done),
+            disable=not enabled,
+            file=messages.bar_stream(),
+            dynamic_ncols=True,
+            mininterval=interval,
+            smoothing=0,
+            bar_format=("{desc}: {percentage:3.0f}%|{bar}| " if total is not None else "{desc} ") + clock,
+        )
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.poll, args=(interval,), daemon=True)
         self.thread.start()
@@ -182,7 +220,11 @@ class SweepProgress:
         done, work = 0, 0.0
         for run, cost in zip(self.runs, self.costs):
             status = run.status()
-            if status == "complete" or status == "failed" and (run.folder / store.FAILED).stat().st_mtime >= self.started_at:
+            if (
+                status == "complete"
+                or status == "failed"
+                and (run.folder / store.FAILED).stat().st_mtime >= self.started_at
+            ):
                 done, work = done + 1, work + cost
             elif status == "running":
                 work += cost * store.read_progress(run.folder)
@@ -256,7 +298,9 @@ class SweepSummary(Callback):
 
             build.kernel()  # a fresh machine's one-time compile (30-80 s), before the bar starts, so its ETA measures training
         if proposes_jobs(config.hydra):
-            self.progress = TrialProgress(Path(config.hydra.sweep.dir), config.hydra.sweeper.get("n_trials"), enabled=config.train.progress)
+            self.progress = TrialProgress(
+                Path(config.hydra.sweep.dir), config.hydra.sweeper.get("n_trials"), enabled=config.train.progress
+            )
         else:
             self.progress = SweepProgress(expand(config), enabled=config.train.progress)
 
@@ -269,7 +313,10 @@ class SweepSummary(Callback):
     def record(config: DictConfig) -> dict[str, Any]:
         record = {"command": sweep_command(config), "overrides": list(config.hydra.overrides.task)}
         if proposes_jobs(config.hydra):  # `search_trials` reads the trial records since `started_at`, then `trials`
-            record["search"] = {"sweeper": config.hydra.runtime.choices.get("hydra/sweeper"), "n_trials": config.hydra.sweeper.get("n_trials")}
+            record["search"] = {
+                "sweeper": config.hydra.runtime.choices.get("hydra/sweeper"),
+                "n_trials": config.hydra.sweeper.get("n_trials"),
+            }
         return record
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -284,8 +331,8 @@ class SweepSummary(Callback):
 
     def summarise(self, config: DictConfig) -> None:
         from ..evaluation import analysis  # pandas, matplotlib, the model: only once the jobs are done
-        from ..training import devices
         from ..reporting import report, search, tables
+        from ..training import devices
 
         self.progress.close()
 
@@ -299,8 +346,14 @@ class SweepSummary(Callback):
         for run in unfinished:  # first: nothing after this may hide which jobs failed
             messages.log.error(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}")
         for run in elsewhere:
-            messages.warn(f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)")
-        trained_on = [store.read_json(run.folder / store.METRICS).get("device") for run, status in zip(runs, statuses) if status == "complete"]
+            messages.warn(
+                f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)"
+            )
+        trained_on = [
+            store.read_json(run.folder / store.METRICS).get("device")
+            for run, status in zip(runs, statuses)
+            if status == "complete"
+        ]
         if warning := devices.cpu_despite_gpus(config.hydra.launcher.get("gpus_per_node"), trained_on):
             messages.warn(warning)
         trained = sum(
@@ -317,7 +370,9 @@ class SweepSummary(Callback):
             device=analysis_device(config.train.device, config.hydra.launcher.get("_target_")),
         )
         analysis_seconds = time.perf_counter() - analysis_started
-        messages.log.info(f"analysis: {analysed} runs analysed in {analysis_seconds:.1f} s (eval_size {config.analysis.eval_size})")
+        messages.log.info(
+            f"analysis: {analysed} runs analysed in {analysis_seconds:.1f} s (eval_size {config.analysis.eval_size})"
+        )
         wall_seconds = time.perf_counter() - self.started
         store.write_json(
             runs_dir / SWEEP_RECORD,
@@ -359,7 +414,8 @@ class SweepSummary(Callback):
             messages.log.info(f"search: {search.best_line(search.trial_table(trials, loaded), loaded.settings)}")
         messages.log.info(
             f"sweep: {len(runs) - len(unfinished) - len(elsewhere)}/{len(runs)} runs complete ({trained} trained now), "
-            f"{len(unfinished)} failed" + (f", {len(elsewhere)} being trained by another process" if elsewhere else "")
+            f"{len(unfinished)} failed"
+            + (f", {len(elsewhere)} being trained by another process" if elsewhere else "")
             + f"; {wall_seconds:.1f} s wall time"
             + (f"; results in {runs_dir / tables.RESULTS_CSV}" if not loaded.table.empty else "")
         )

@@ -26,21 +26,36 @@ import logging
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, Iterator, Sequence
+from typing import IO, Any
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
-from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
 from .. import store
-from ..store.grid import OBJECTIVE
 from ..config.hydra_internals import compose_job
+from ..store.grid import OBJECTIVE
 
 LOG = "slurm.log"  # in hydra.sweep.dir: each job's id, run and end, and submitit's messages
 # squeue's states of a job that may still give a result (requeued jobs go back to PENDING)
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
-          "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESV_DEL_HOLD", "PREEMPTED"}
+ACTIVE = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "SUSPENDED",
+    "STAGE_OUT",
+    "SIGNALING",
+    "RESV_DEL_HOLD",
+    "PREEMPTED",
+}
 # a job missing from squeue this long after submission has left the queue (squeue forgets ended jobs after MinJobAge)
 QUEUE_GRACE_SECONDS = 30.0
 # after a job ends, how long its result file may take to appear on a shared filesystem (submitit waits as
@@ -65,15 +80,22 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         say = SweepLog(log, echo=bool(config.hydra.verbose))
         say(f"Submitit 'slurm' sweep output dir: {sweep_dir}")
         if not has_accounting():
-            terminal("copytask: note: this SLURM keeps no accounting (sacct fails): job states come from squeue and the jobs' result files")
+            terminal(
+                "copytask: note: this SLURM keeps no accounting (sacct fails): job states come from squeue and the jobs' result files"
+            )
         returns: list[JobReturn | None] = []
         submit = []  # (job number, overrides, run folder)
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             folder, retrain = run_folder(config, overrides)
             if store.is_complete(folder) and not retrain:
                 say(f"#{idx}: {folder.name} complete, not submitted")
-                returns.append(JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED,
-                                         _return_value=store.read_json(folder / store.METRICS)[OBJECTIVE]))
+                returns.append(
+                    JobReturn(
+                        overrides=list(overrides),
+                        status=JobStatus.COMPLETED,
+                        _return_value=store.read_json(folder / store.METRICS)[OBJECTIVE],
+                    )
+                )
             elif store.is_locked(folder):
                 say(f"#{idx}: {folder.name} being trained by another process, not submitted")
                 returns.append(JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED))
@@ -87,8 +109,10 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
             say(f"#{idx}: SLURM job {job.job_id}: {folder.name} ({' '.join(filter_overrides(overrides))})")
         values = wait(jobs, folder_of={job.job_id: folder for (_, _, folder), job in zip(submit, jobs)}, say=say)
         value_of = {idx: value for (idx, _, _), value in zip(submit, values)}
-        return [given or value_of[idx] or JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED)
-                for idx, (given, overrides) in enumerate(zip(returns, job_overrides), start=initial_job_idx)]
+        return [
+            given or value_of[idx] or JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED)
+            for idx, (given, overrides) in enumerate(zip(returns, job_overrides), start=initial_job_idx)
+        ]
 
 
 def run_folder(config: DictConfig, overrides: Sequence[str]) -> tuple[Path, bool]:
@@ -106,17 +130,22 @@ def submit_jobs(submitit: Any, launcher: Any, jobs: list[tuple[int, list[str], P
     from hydra.core.singleton import Singleton
 
     params = dict(launcher.params)
-    executor = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
-                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
+    executor = submitit.AutoExecutor(
+        cluster="slurm", folder=params.pop("submitit_folder"), slurm_max_num_timeout=params.pop("max_num_timeout")
+    )
     shared = set(OmegaConf.structured(BaseQueueConf).keys())
     executor.update_parameters(**{key if key in shared else f"slurm_{key}": value for key, value in params.items()})
-    arguments = [(overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()) for idx, overrides, _ in jobs]
+    arguments = [
+        (overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()) for idx, overrides, _ in jobs
+    ]
     try:
         with contextlib.redirect_stderr(log):  # submitit prints sbatch's whole error output there
             return executor.map_array(launcher, *zip(*arguments))
     except submitit.core.utils.FailedJobError as error:
         reason = [line for line in str(error).splitlines() if line.strip()]
-        terminal(f"copytask: error: SLURM refused the sweep's {len(jobs)} jobs, nothing was submitted: {reason[-1] if reason else error}")
+        terminal(
+            f"copytask: error: SLURM refused the sweep's {len(jobs)} jobs, nothing was submitted: {reason[-1] if reason else error}"
+        )
         raise SystemExit(1) from None
 
 
@@ -171,8 +200,19 @@ def queue_states(array_ids: set[str]) -> dict[str, str] | None:
     """Each job (array element, `123_4`) of the job arrays `array_ids` that squeue still lists, with
     its state; None if squeue could not be asked (the caller asks again later)."""
     try:
-        listed = subprocess.run(["squeue", "--noheader", "--array", "--states=all", "--format=%i|%T", f"--jobs={','.join(sorted(array_ids))}"],
-                                capture_output=True, text=True, timeout=60)
+        listed = subprocess.run(
+            [
+                "squeue",
+                "--noheader",
+                "--array",
+                "--states=all",
+                "--format=%i|%T",
+                f"--jobs={','.join(sorted(array_ids))}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if listed.returncode:
@@ -189,7 +229,9 @@ def queue_states(array_ids: set[str]) -> dict[str, str] | None:
     return dict(line.split("|", 1) for line in listed.stdout.split() if "|" in line)
 
 
-def wait(jobs: list[Any], folder_of: dict[str, Path], say: SweepLog, interval: float = 2.0, max_interval: float = 30.0) -> list[JobReturn | None]:
+def wait(
+    jobs: list[Any], folder_of: dict[str, Path], say: SweepLog, interval: float = 2.0, max_interval: float = 30.0
+) -> list[JobReturn | None]:
     """Each job's JobReturn once all have ended, in order, or None for a job that failed without
     one. The result files are looked at every `interval` seconds, squeue less often as the sweep
     goes on (at most every `max_interval`), so a big sweep does not load the controller. A job that
@@ -212,8 +254,15 @@ def wait(jobs: list[Any], folder_of: dict[str, Path], say: SweepLog, interval: f
             if state in ACTIVE or state is None and now - submitted < QUEUE_GRACE_SECONDS:
                 ended_at.pop(job.job_id, None)  # (again) in the queue: a requeued job
                 continue
-            if now - ended_at.setdefault(job.job_id, now) >= (DIED_GRACE_SECONDS if state in DIED else RESULT_GRACE_SECONDS):
-                record_failure(folder_of[job.job_id], f"SLURM job {job.job_id} ended {state or 'and left the queue'} without a result", job, say)
+            if now - ended_at.setdefault(job.job_id, now) >= (
+                DIED_GRACE_SECONDS if state in DIED else RESULT_GRACE_SECONDS
+            ):
+                record_failure(
+                    folder_of[job.job_id],
+                    f"SLURM job {job.job_id} ended {state or 'and left the queue'} without a result",
+                    job,
+                    say,
+                )
                 values[job.job_id] = None
         time.sleep(interval)
     return [values[job.job_id] for job in jobs]
@@ -227,7 +276,9 @@ def job_value(job: Any, folder: Path, say: SweepLog) -> JobReturn | None:
     except Exception as error:  # noqa: BLE001 - submitit's FailedJobError carries the job's traceback between two rules
         parts = str(error).split("-" * 22)
         trace = [line for line in (parts[1] if len(parts) > 2 else str(error)).splitlines() if line.strip()]
-        record_failure(folder, f"SLURM job {job.job_id} raised {trace[-1] if trace else type(error).__name__}", job, say)
+        record_failure(
+            folder, f"SLURM job {job.job_id} raised {trace[-1] if trace else type(error).__name__}", job, say
+        )
         return None
     say(f"SLURM job {job.job_id} ended: {folder.name} returned {value.status.name} {value._return_value}")
     return value

@@ -25,11 +25,24 @@ from .. import store
 from ..config import messages
 
 FORMAT = 1  # what a checkpoint holds; one of another format is not read
-PROGRESS = {"step", "history", "hits", "seconds"}  # where the run stood: the step, what history.csv will hold, the stopping count, training seconds
+PROGRESS = {
+    "step",
+    "history",
+    "hits",
+    "seconds",
+}  # where the run stood: the step, what history.csv will hold, the stopping count, training seconds
 
 
-def save(folder: Path, cfg: DictConfig, progress: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         schedule: torch.optim.lr_scheduler.LRScheduler, generator: torch.Generator, device: torch.device) -> None:
+def save(
+    folder: Path,
+    cfg: DictConfig,
+    progress: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    generator: torch.Generator,
+    device: torch.device,
+) -> None:
     """Write the run's checkpoint atomically: a kill leaves the previous one or this one. Not
     flushed to disk (fsync): a crash of the machine that loses it costs the run a restart from step
     0 (the unreadable file is set aside), never wrong numbers, and a run saves one every evaluation."""
@@ -74,8 +87,15 @@ class UnusableCheckpoint(Exception):
     been set aside, and the run is to start again from step 0 with objects built afresh."""
 
 
-def restore(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            schedule: torch.optim.lr_scheduler.LRScheduler, generator: torch.Generator, device: torch.device, folder: Path) -> dict[str, Any]:
+def restore(
+    state: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    generator: torch.Generator,
+    device: torch.device,
+    folder: Path,
+) -> dict[str, Any]:
     """Put the checkpoint's state into the run's freshly built objects; -> its progress (step,
     history, ...). UnusableCheckpoint, once it is set aside, if it does not fit them: some of the
     objects may then hold part of it."""
@@ -100,4 +120,6 @@ def set_aside(path: Path, error: Exception) -> None:
     reason = f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
     aside = path.with_name(store.UNREADABLE_RESUME)
     path.replace(aside)
-    messages.warn(f"{path.parent.name}: its checkpoint {path.name} is unreadable ({reason}); set aside as {aside.name}, training from step 0")
+    messages.warn(
+        f"{path.parent.name}: its checkpoint {path.name} is unreadable ({reason}); set aside as {aside.name}, training from step 0"
+    )

@@ -20,14 +20,14 @@ import os
 import platform
 import socket
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-from ..config.schema import DETERMINISTIC_CUBLAS
 from ..config.checks import check_device
+from ..config.schema import DETERMINISTIC_CUBLAS
 
 
 def resolve_device(name: str) -> torch.device:
@@ -55,8 +55,11 @@ def _precision_flags() -> list[tuple[object, str, object]]:
     torch >= 2.9 has per-backend `fp32_precision`, and refuses to mix it with the older `allow_tf32`."""
     backends = torch.backends
     if hasattr(backends.cuda.matmul, "fp32_precision"):
-        return [(backends.cuda.matmul, "fp32_precision", "ieee"), (backends.cudnn.conv, "fp32_precision", "ieee"),
-                (backends.cudnn.rnn, "fp32_precision", "ieee")]
+        return [
+            (backends.cuda.matmul, "fp32_precision", "ieee"),
+            (backends.cudnn.conv, "fp32_precision", "ieee"),
+            (backends.cudnn.rnn, "fp32_precision", "ieee"),
+        ]
     return [(backends.cuda.matmul, "allow_tf32", False), (backends.cudnn, "allow_tf32", False)]
 
 
@@ -73,10 +76,16 @@ def run_settings(device: torch.device | str) -> Iterator[None]:
         yield
         return
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in DETERMINISTIC_CUBLAS:
-        warnings.warn("copytask: CUBLAS_WORKSPACE_CONFIG is not set, so cuBLAS may make this CUDA run irreproducible; "
-                      f"set CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS[0]} in the environment before the process "
-                      "first uses CUDA (`python -m copytask` does)")
-    flags = [*_precision_flags(), (torch.backends.cudnn, "deterministic", True), (torch.backends.cudnn, "benchmark", False)]
+        warnings.warn(
+            "copytask: CUBLAS_WORKSPACE_CONFIG is not set, so cuBLAS may make this CUDA run irreproducible; "
+            f"set CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS[0]} in the environment before the process "
+            "first uses CUDA (`python -m copytask` does)"
+        )
+    flags = [
+        *_precision_flags(),
+        (torch.backends.cudnn, "deterministic", True),
+        (torch.backends.cudnn, "benchmark", False),
+    ]
     previous = [getattr(owner, name) for owner, name, _ in flags]
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
@@ -98,9 +107,11 @@ def cpu_despite_gpus(gpus_per_node: int | None, trained_on: list[str | None]) ->
     on_cpu = sum(device == "cpu" for device in trained_on)
     if not gpus_per_node or not on_cpu:
         return None
-    return (f"{on_cpu} of {len(trained_on)} complete runs trained on CPU although hydra.launcher.gpus_per_node={gpus_per_node}: "
-            "the nodes' torch may be a CPU-only build (torch.version.cuda is None); train.device=cuda makes such a job "
-            "fail, naming its node, instead")
+    return (
+        f"{on_cpu} of {len(trained_on)} complete runs trained on CPU although hydra.launcher.gpus_per_node={gpus_per_node}: "
+        "the nodes' torch may be a CPU-only build (torch.version.cuda is None); train.device=cuda makes such a job "
+        "fail, naming its node, instead"
+    )
 
 
 def thread_count(threads: int | None) -> int:

@@ -15,24 +15,23 @@ from pathlib import Path
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from torch import nn
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from tqdm.auto import tqdm
 
-from . import checkpoints, trackers
 from .. import store
 from ..config.checks import validate
-from ..data.vocab import PAD
+from ..config.model_keys import is_transformer
 from ..data.batches import Batch
-from .devices import host, resolve_device, run_settings
-from .devices import torch_state
-from .optimizer import FlatAdam, adam, lr_schedule
+from ..data.vocab import PAD
+from ..kernels.ops import runs_fused
 from ..models.build import build_model, check_buildable
 from ..models.greedy import evaluate, rounded
-from .splits import heldout_keys, training_batch
-from ..kernels.ops import runs_fused
-from ..config.model_keys import is_transformer
 from ..models.recurrent import Seq2Seq, count_parameters
+from . import checkpoints, trackers
+from .devices import host, resolve_device, run_settings, torch_state
+from .optimizer import FlatAdam, adam, lr_schedule
+from .splits import heldout_keys, training_batch
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -212,8 +211,14 @@ def training_loop(run: Run) -> None:
     # The first step whose loss was NaN or inf (0: none), kept on the device and read at each
     # evaluation: reading the loss on the host every step would stall a GPU with a sync per step.
     nonfinite_step = torch.zeros((), dtype=torch.long, device=run.device)
-    bar = tqdm(total=steps, initial=run.step, desc=run.folder.name, unit="step", disable=not cfg.train.progress,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=steps,
+        initial=run.step,
+        desc=run.folder.name,
+        unit="step",
+        disable=not cfg.train.progress,
+        dynamic_ncols=True,
+    )
     with bar:
         for step in range(run.step + 1, steps + 1):
             batch = training_batch(cfg, run.generator, run.excluded).to(run.device)
@@ -323,8 +328,10 @@ def log_heatmap(tracker: trackers.RunLogger, sample: dict, cfg: DictConfig, metr
 
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "attention.png"
-        title = (f"{store.model_label(cfg)}, length {cfg.task.length}, seed {cfg.seed} "
-                 f"(token acc {100 * metrics['token_acc']:.1f}%)")
+        title = (
+            f"{store.model_label(cfg)}, length {cfg.task.length}, seed {cfg.seed} "
+            f"(token acc {100 * metrics['token_acc']:.1f}%)"
+        )
         plot_attention(sample, cfg.task.vocab_size, cfg.task.name, title, path)
         tracker.log_image(path)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 from torch import nn
+
 from .devices import fused_adam
 
 

@@ -72,7 +72,9 @@ def validation_batch(cfg: DictConfig, test: Batch | None = None) -> Batch:
     """The validation set (train.val_size sequences from train.val_seed), none in the test set
     (`test`, drawn here if not given): what early stopping and the search watch."""
     excluded = set(sequence_keys(test_batch(cfg) if test is None else test))
-    return draw_excluding(cfg, cfg.train.val_size, torch.Generator().manual_seed(cfg.train.val_seed), excluded, "validation set")
+    return draw_excluding(
+        cfg, cfg.train.val_size, torch.Generator().manual_seed(cfg.train.val_seed), excluded, "validation set"
+    )
 
 
 def training_batch(cfg: DictConfig, generator: torch.Generator, heldout: set[bytes]) -> Batch:
@@ -141,7 +143,11 @@ def heldout_at_length(cfg: DictConfig, length: int, size: int, seen: set[bytes] 
     generator = torch.Generator().manual_seed(cfg.train.eval_seed)
     if task.vocab_size**length > ENUMERATED:
         return draw_excluding(fixed, size, generator, excluded, f"held-out set at length {length}"), size
-    every = torch.arange(task.vocab_size**length)[:, None] // task.vocab_size ** torch.arange(length - 1, -1, -1) % task.vocab_size
+    every = (
+        torch.arange(task.vocab_size**length)[:, None]
+        // task.vocab_size ** torch.arange(length - 1, -1, -1)
+        % task.vocab_size
+    )
     every = every + NUM_SPECIAL  # (V^length, length) every sequence of content symbols
     lengths = torch.full((len(every),), length, dtype=torch.long)
     keys = sequence_keys(Batch(every, lengths, every, every))

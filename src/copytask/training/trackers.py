@@ -21,11 +21,20 @@ from typing import Any
 from omegaconf import DictConfig
 
 # A run's final metrics, logged once at its last step: tracker name -> metrics.json key
-FINAL_METRICS = {"final/token_acc": "token_acc", "final/seq_acc": "seq_acc", "final/val_token_acc": "val_token_acc",
-                 "final/val_seq_acc": "val_seq_acc", "final/loss": "final_loss", "final/params": "params",
-                 "final/steps": "steps", "final/train_seconds": "train_seconds"}
+FINAL_METRICS = {
+    "final/token_acc": "token_acc",
+    "final/seq_acc": "seq_acc",
+    "final/val_token_acc": "val_token_acc",
+    "final/val_seq_acc": "val_seq_acc",
+    "final/loss": "final_loss",
+    "final/params": "params",
+    "final/steps": "steps",
+    "final/train_seconds": "train_seconds",
+}
 REPORT_RUN = "report"  # the tracker run holding a sweep's report figures
-RUN_TAG = "copytask.run"  # MLflow tags: the run folder's name, and whether the MLflow run is a copytask run or the report
+RUN_TAG = (
+    "copytask.run"  # MLflow tags: the run folder's name, and whether the MLflow run is a copytask run or the report
+)
 KIND_TAG = "copytask.kind"
 
 
@@ -136,18 +145,24 @@ class MlflowLogger(RunLogger):
         self.client, experiment_id = mlflow_experiment(cfg)
         for earlier in self.client.search_runs([experiment_id], f"tags.`{RUN_TAG}` = '{name}'"):
             self.client.delete_run(earlier.info.run_id)
-        self.run_id = self.client.create_run(experiment_id, run_name=name, tags={RUN_TAG: name, KIND_TAG: kind}).info.run_id
+        self.run_id = self.client.create_run(
+            experiment_id, run_name=name, tags={RUN_TAG: name, KIND_TAG: kind}
+        ).info.run_id
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        self.client.log_batch(self.run_id, params=[Param(key, str(value)) for key, value in params.items() if value is not None])
+        self.client.log_batch(
+            self.run_id, params=[Param(key, str(value)) for key, value in params.items() if value is not None]
+        )
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, float(value), now, step) for key, value in values.items()])
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(key, float(value), now, step) for key, value in values.items()]
+        )
 
     def log_image(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path="figures")

@@ -2,9 +2,10 @@
 a launcher only from the `hydra_plugins` namespace, and imports every module there at start, so
 this one stays small; the code is `copytask.sweeps.slurm`."""
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from hydra.core.utils import JobReturn
+
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 
 

@@ -70,7 +70,8 @@ def main() -> None:
         print(f"{label}: {', '.join(f'{value:.2f}' for value in values)} s")
     print(
         f"{args.attention}, length {args.length}, {args.steps} steps, {evaluations} checkpoints per run: "
-        f"saving takes {100 * statistics.median(shares):.2f}% of a run's time (runs: {', '.join(f'{100 * share:.2f}%' for share in shares)}; "
+        f"saving takes {100 * statistics.median(shares):.2f}% of a run's time "
+        f"(runs: {', '.join(f'{100 * share:.2f}%' for share in shares)}; "
         f"one save {1000 * statistics.median(save_seconds):.1f} ms, median of {len(save_seconds)}); "
         f"end to end {with_ / without:.3f}x the time without ({100 * (with_ / without - 1):+.1f}%)"
     )

@@ -23,9 +23,19 @@ from pathlib import Path
 
 
 def start(runs_dir: Path, length: int, hidden: int, threads: str, seed: int) -> subprocess.Popen:
-    args = ["attention=luong_general", f"task.length={length}", f"model.hidden_size={hidden}", f"train.threads={threads}",
-            "train.steps=100", "train.eval_every=100", "train.eval_size=64", "train.patience=null", "train.progress=false",
-            f"seed={seed}", f"runs_dir={runs_dir}"]  # fmt: skip
+    args = [
+        "attention=luong_general",
+        f"task.length={length}",
+        f"model.hidden_size={hidden}",
+        f"train.threads={threads}",
+        "train.steps=100",
+        "train.eval_every=100",
+        "train.eval_size=64",
+        "train.patience=null",
+        "train.progress=false",
+        f"seed={seed}",
+        f"runs_dir={runs_dir}",
+    ]
     return subprocess.Popen(
         [sys.executable, "-m", "copytask", "train", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
@@ -56,7 +66,8 @@ def main() -> int:
     cores = os.cpu_count()
     print(f"{cores} CPUs; load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(
-        f"Luong general, length {options.length}, 100 steps of batch 64: each run's train_seconds (median of {options.repeats})"
+        f"Luong general, length {options.length}, 100 steps of batch 64: "
+        f"each run's train_seconds (median of {options.repeats})"
     )
     print("| hidden | situation | threads per run | seconds per run | vs alone at the best thread count |")
     print("|---|---|---|---|---|")

@@ -148,7 +148,8 @@ def main() -> int:
         agree = f"{int((tokens['cuda'] == tokens['cpu']).all(1).sum())} of {len(tokens['cpu'])}"
         analysis.analyze([folder], lengths=[LENGTH], eval_size=128, progress=False, device="cuda")
         recorded = store.read_json(folder / store.ANALYSIS) if (folder / store.ANALYSIS).is_file() else {}
-        analysed = f"device {recorded.get('device')}, drop under uniform {recorded.get('drop', {}).get('uniform', float('nan')):.3f}"
+        drop = recorded.get("drop", {}).get("uniform", float("nan"))
+        analysed = f"device {recorded.get('device')}, drop under uniform {drop:.3f}"
         result = copytask("decode", str(folder), "--random", "2", "--length", str(LENGTH), out=out)
         decoded = (
             "ok" if result.returncode == 0 else f"exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}"
@@ -177,7 +178,8 @@ def main() -> int:
 
     print(f"\n## GPU check: {gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, host {socket.gethostname()}\n")
     print(
-        f'Training at length {LENGTH}, {args.steps} steps, every step under `torch.cuda.set_sync_debug_mode("error")`:\n'
+        f"Training at length {LENGTH}, {args.steps} steps, every step under "
+        '`torch.cuda.set_sync_debug_mode("error")`:\n'
     )
     print("| attention | device | token acc | seq acc | train s | ms per step (with build) | fused | result |")
     print("|---|---|---|---|---|---|---|---|")
@@ -186,7 +188,8 @@ def main() -> int:
             print(f"| {row['attention']} | {row['device']} | - | - | - | - | - | {row['error']} |")
         else:
             print(
-                f"| {row['attention']} | {row['device']} | {row['token_acc']:.3f} | {row['seq_acc']:.3f} | {row['train_seconds']:.1f} "
+                f"| {row['attention']} | {row['device']} | {row['token_acc']:.3f} | {row['seq_acc']:.3f} "
+                f"| {row['train_seconds']:.1f} "
                 f"| {1e3 * row['train_seconds'] / row['steps']:.1f} | {row['fused']} | no host sync in a step |"
             )
 
@@ -203,17 +206,21 @@ def main() -> int:
     if all(table is not None for table in benches.values()):
         cuda, cpu = (benches[device].set_index("attention") for device in ("cuda", "cpu"))
         print(
-            f"\n`python -m copytask bench --lengths 80` (batch {int(cpu.batch_size.iloc[0])}); cuda: {cuda.machine.iloc[0]}; cpu: {cpu.machine.iloc[0]}\n"
+            f"\n`python -m copytask bench --lengths 80` (batch {int(cpu.batch_size.iloc[0])}); "
+            f"cuda: {cuda.machine.iloc[0]}; cpu: {cpu.machine.iloc[0]}\n"
         )
         print(
-            "| attention | cuda ms/step | cpu ms/step | cpu / cuda | cuda reference ms/step | cuda speedup vs reference | cuda GFLOP/step | cuda peak MiB |"
+            "| attention | cuda ms/step | cpu ms/step | cpu / cuda | cuda reference ms/step "
+            "| cuda speedup vs reference | cuda GFLOP/step | cuda peak MiB |"
         )
         print("|---|---|---|---|---|---|---|---|")
         for attention in cuda.index:
             c, p = cuda.loc[attention], cpu.loc[attention]
             print(
-                f"| {attention} | {c.ms_per_step_project:.1f} | {p.ms_per_step_project:.1f} | {p.ms_per_step_project / c.ms_per_step_project:.2f} "
-                f"| {c.ms_per_step_reference:.1f} | {c.speedup:.2f} | {c.gflop_per_step_project:.3f} | {c.peak_mb_project:.0f} |"
+                f"| {attention} | {c.ms_per_step_project:.1f} | {p.ms_per_step_project:.1f} "
+                f"| {p.ms_per_step_project / c.ms_per_step_project:.2f} "
+                f"| {c.ms_per_step_reference:.1f} | {c.speedup:.2f} | {c.gflop_per_step_project:.3f} "
+                f"| {c.peak_mb_project:.0f} |"
             )
     print(f"\ngpu_check: {time.perf_counter() - started:.0f} s in all; logs and CSVs in {out}")
     return 1 if any(row["error"] for row in [*rows, again, on_cpu]) else 0

@@ -183,8 +183,8 @@ def check(name, model, reference, batch, forbidden, calls):
     bad = [k for k in forbidden if made.get(k)]
     rel = ((grad - ref_grad).norm() / ref_grad.norm()).item()
     print(
-        f"  check {name:32s} kernel calls {made}  |loss-ref| {abs(loss - ref_loss).item():.1e}  grad rel.diff vs fused=False {rel:.1e}"
-        + (f"  FAILED: called {bad}" if bad else ""),
+        f"  check {name:32s} kernel calls {made}  |loss-ref| {abs(loss - ref_loss).item():.1e}  "
+        f"grad rel.diff vs fused=False {rel:.1e}" + (f"  FAILED: called {bad}" if bad else ""),
         flush=True,
     )
     if bad or rel > 1e-3:
@@ -307,7 +307,8 @@ def main() -> int:
                 calls.clear()
                 results[name] = evaluate(model, batch)
                 print(
-                    f"  check L={length} {model_name} greedy {name:12s} kernel calls {dict(calls)}  token_acc {results[name]['token_acc']:.4f}",
+                    f"  check L={length} {model_name} greedy {name:12s} kernel calls {dict(calls)}  "
+                    f"token_acc {results[name]['token_acc']:.4f}",
                     flush=True,
                 )
                 forbidden = FORBIDDEN[off_switch]
@@ -341,7 +342,8 @@ def main() -> int:
             }
             rows.append(row)
             print(
-                f"L={length:3d} {kernel:18s} {model_name:14s} greedy eval of 512: on {row['ms_on']:8.1f} ms  off {row['ms_off']:8.1f} ms  "
+                f"L={length:3d} {kernel:18s} {model_name:14s} greedy eval of 512: "
+                f"on {row['ms_on']:8.1f} ms  off {row['ms_off']:8.1f} ms  "
                 f"gain {row['gain']:.3f} (rounds {row['gain_min']:.3f}-{row['gain_max']:.3f})",
                 flush=True,
             )
@@ -351,7 +353,8 @@ def main() -> int:
     print("kernel | model | length | what | ms on | ms off | gain (off/on, median of per-round ratios) | round range")
     for r in rows:
         print(
-            f"{r['kernel']} | {r['model']} | {r['length']} | {r['what']} | {r['ms_on']:.2f} | {r['ms_off']:.2f} | {r['gain']:.3f} | {r['gain_min']:.3f}-{r['gain_max']:.3f}"
+            f"{r['kernel']} | {r['model']} | {r['length']} | {r['what']} | {r['ms_on']:.2f} | {r['ms_off']:.2f} "
+            f"| {r['gain']:.3f} | {r['gain_min']:.3f}-{r['gain_max']:.3f}"
         )
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
     with open(args.csv, "w", newline="") as f:
@@ -365,7 +368,8 @@ def main() -> int:
         ]
         best = max(mine, key=lambda r: r["gain"])
         print(
-            f"  {kernel}: best {best['gain']:.3f} ({best['model']}, L={best['length']}, {best['what']}) -> {'keep' if best['gain'] >= 1.10 else 'does not pay'}"
+            f"  {kernel}: best {best['gain']:.3f} ({best['model']}, L={best['length']}, {best['what']}) "
+            f"-> {'keep' if best['gain'] >= 1.10 else 'does not pay'}"
         )
     return 0
 

@@ -40,7 +40,10 @@ def unavailable() -> str | None:
     if installed():
         return None
     if os.environ.get(INSTALL) != "1":
-        return f"slurm-wlm and munge are not installed: apt-get install slurm-wlm munge, or set {INSTALL}=1 to let the tests do it"
+        return (
+            f"slurm-wlm and munge are not installed: apt-get install slurm-wlm munge, "
+            f"or set {INSTALL}=1 to let the tests do it"
+        )
     if shutil.which("apt-get") is None:
         return f"slurm-wlm and munge are not installed and there is no apt-get to install them; {HOW}"
     return None

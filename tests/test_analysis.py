@@ -138,8 +138,17 @@ def test_interventions_act_inside_greedy_decoding_and_are_removed_after():
 
 def test_per_length_evaluation_mixes_lengths_with_masks_in_place():
     with initialize_config_dir(config_dir=schema.config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["task.variable_length=true", "task.min_length=2", "task.length=6", "task.vocab_size=4",
-                                                         "train.eval_size=16", "train.val_size=16"])  # fmt: skip
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "task.variable_length=true",
+                "task.min_length=2",
+                "task.length=6",
+                "task.vocab_size=4",
+                "train.eval_size=16",
+                "train.val_size=16",
+            ],
+        )
     model = tiny_model()
     batch, notes = analysis.per_length_batch(cfg, seen=set(), per_length=8)
     assert notes == []
@@ -164,8 +173,17 @@ def analysed_runs(tmp_path_factory) -> Path:
     """Two tiny runs trained and analysed through the real CLI: a 2-head Luong general model on
     copy and a variable-length baseline on reverse."""
     runs_dir = tmp_path_factory.mktemp("runs")
-    tiny = ["experiment=quick", "model.hidden_size=8", "model.embedding_size=8", "train.steps=4", "train.eval_every=4",
-            "train.eval_size=16", "train.val_size=16", "train.progress=false", f"runs_dir={runs_dir}"]  # fmt: skip
+    tiny = [
+        "experiment=quick",
+        "model.hidden_size=8",
+        "model.embedding_size=8",
+        "train.steps=4",
+        "train.eval_every=4",
+        "train.eval_size=16",
+        "train.val_size=16",
+        "train.progress=false",
+        f"runs_dir={runs_dir}",
+    ]
     assert cli.main(["train", *tiny, "attention=luong_general", "attention.heads=2", "task.length=4"]) == 0
     assert (
         cli.main(
@@ -276,10 +294,21 @@ def test_counterfactual_figure_is_in_percent_with_a_chance_line(monkeypatch, tmp
     drawn = []
     monkeypatch.setattr(analysis_figures, "save", lambda figure, path, dpi=120: drawn.append(figure) or path)
     rows = [
-        {"run": f"r{length}", "attention": "bahdanau", "task": "copy", "length": length, "train_length": str(length),
-         "seed": 0, "own": 0.9, "uniform": 0.3, "permuted": 0.2, "fixed": 0.15, "chance": 0.25}
+        {
+            "run": f"r{length}",
+            "attention": "bahdanau",
+            "task": "copy",
+            "length": length,
+            "train_length": str(length),
+            "seed": 0,
+            "own": 0.9,
+            "uniform": 0.3,
+            "permuted": 0.2,
+            "fixed": 0.15,
+            "chance": 0.25,
+        }
         for length in (5, 10)
-    ]  # fmt: skip
+    ]
     analysis_figures.plot_counterfactual(pd.DataFrame(rows), tmp_path / "counterfactual.png")
 
     (ax,) = [ax for ax in drawn[0].axes if ax.get_visible()]

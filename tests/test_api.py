@@ -123,9 +123,14 @@ def command_and_api(runs_dir, capsys, *flags: str) -> dict:
     table = copytask.compare(runs_dir, all_runs=all_runs)
     written = copytask.report(runs_dir, all_runs=all_runs)
     return {
-        "compare": printed, "api compare": comparison_table(table, load(select(runs_dir, all_runs=all_runs)).settings).to_string(index=False),
-        "report": reported, "api report": sorted(pd.read_csv(written[0])["run"]), "results": sorted(copytask.results(runs_dir, all_runs=all_runs)["run"]),
-    }  # fmt: skip
+        "compare": printed,
+        "api compare": comparison_table(table, load(select(runs_dir, all_runs=all_runs)).settings).to_string(
+            index=False
+        ),
+        "report": reported,
+        "api report": sorted(pd.read_csv(written[0])["run"]),
+        "results": sorted(copytask.results(runs_dir, all_runs=all_runs)["run"]),
+    }
 
 
 def test_the_command_line_and_the_api_select_the_same_runs_and_give_the_same_tables(runs_copy, tmp_path, capsys):
@@ -272,5 +277,14 @@ def test_the_api_leaves_the_callers_process_as_it_found_it(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     state = json.loads(done.stdout.strip().splitlines()[-1])
-    assert state == {"backend": "svg", "threads": 3, "torch_rng": True, "python_rng": True, "numpy_rng": True,
-                     "hydra": True, "argv": True, "logging": True, "warnings": True}  # fmt: skip
+    assert state == {
+        "backend": "svg",
+        "threads": 3,
+        "torch_rng": True,
+        "python_rng": True,
+        "numpy_rng": True,
+        "hydra": True,
+        "argv": True,
+        "logging": True,
+        "warnings": True,
+    }

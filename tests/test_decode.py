@@ -28,9 +28,19 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """One tiny run per attention type on copy, and Luong general on reverse: {"<attention>-<task>": folder}.
     The models are barely trained: the tests are about what decode shows, not about its accuracy."""
     runs_dir = tmp_path_factory.mktemp("decode-runs")
-    tiny = ["experiment=quick", "model.hidden_size=8", "model.embedding_size=8", "train.steps=2", "train.eval_every=2",
-            "train.eval_size=8", "train.batch_size=8", "train.threads=1", "train.progress=false",
-            f"task.length={TRAINED_LENGTH}", f"runs_dir={runs_dir}"]  # fmt: skip
+    tiny = [
+        "experiment=quick",
+        "model.hidden_size=8",
+        "model.embedding_size=8",
+        "train.steps=2",
+        "train.eval_every=2",
+        "train.eval_size=8",
+        "train.batch_size=8",
+        "train.threads=1",
+        "train.progress=false",
+        f"task.length={TRAINED_LENGTH}",
+        f"runs_dir={runs_dir}",
+    ]
     for attention in ATTENTION_TYPES:
         assert cli.main(["train", *tiny, f"attention={attention}"]) == 0
     assert cli.main(["train", *tiny, "attention=luong_general", "task=reverse"]) == 0
@@ -75,8 +85,18 @@ def test_the_output_stops_at_its_first_eos_and_an_early_end_is_marked_under_the_
     a, b, c = 3, 4, 5  # content ids of a, b, c
     cfg = OmegaConf.create({"task": {"vocab_size": 9}})
     row = np.array([[a, EOS, c, EOS]])  # EOS after one symbol, then symbols that are not part of the output
-    result = decode.Decoded("run", cfg, np.array([[a, b, c]]), np.array([3]), row, np.array([[a, b, c, EOS]]),
-                              np.array([1]), np.array([3]), np.array([False]), None)  # fmt: skip
+    result = decode.Decoded(
+        "run",
+        cfg,
+        np.array([[a, b, c]]),
+        np.array([3]),
+        row,
+        np.array([[a, b, c, EOS]]),
+        np.array([1]),
+        np.array([3]),
+        np.array([False]),
+        None,
+    )
     text = result.text(0)
     assert text["output"] == ["a", "</s>"] and text["target"] == ["a", "b", "c", "</s>"]
     marks = decode.alignment_lines(text["input"], text["output"], text["target"])[3]

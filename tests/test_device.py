@@ -287,8 +287,8 @@ def test_the_slurm_launcher_without_slurm_is_refused_in_one_line(tmp_path):
         os.environ["PATH"] = env_path
     assert result.returncode == 2 and not (tmp_path / "runs").exists()
     assert result.stderr.strip() == (
-        "copytask: error: hydra/launcher=slurm needs a SLURM cluster (srun and sbatch not on PATH here); on this machine "
-        "use the default launcher (basic: one job at a time) or hydra/launcher=parallel"
+        "copytask: error: hydra/launcher=slurm needs a SLURM cluster (srun and sbatch not on PATH here); "
+        "on this machine use the default launcher (basic: one job at a time) or hydra/launcher=parallel"
     )
 
 

@@ -118,7 +118,8 @@ def test_a_documented_command_is_accepted_as_written(where, args, fake_slurm):
 
 
 def test_bench_takes_overrides_after_a_list_option():
-    """docs/bench.md's memory command: `train.threads=1` after `--memory-attentions a b` is an override, not a third attention."""
+    """docs/bench.md's memory command: `train.threads=1` after `--memory-attentions a b` is an override,
+    not a third attention."""
     options = bench.parse(["--lengths", "80", "--memory-attentions", "luong_general", "transformer", "train.threads=1"])
     assert options.memory_attentions == ["luong_general", "transformer"] and options.overrides == ["train.threads=1"]
     assert options.lengths == [80]

@@ -72,5 +72,8 @@ def test_no_module_imports_from_a_layer_above_it():
 
 
 def test_the_layer_check_sees_imports_inside_functions():
-    text = "def f():\n    from ..training import loop\n    from .. import cli, store\n    import copytask.api\n    from . import recurrent\n"
+    text = (
+        "def f():\n    from ..training import loop\n    from .. import cli, store\n    import copytask.api\n"
+        "    from . import recurrent\n"
+    )
     assert imported_layers(PACKAGE / "models" / "attention.py", text) == {"training", "cli", "store", "api", "models"}

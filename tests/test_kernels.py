@@ -458,7 +458,11 @@ from copytask.data.vocab import total_vocab
 from copytask.models.recurrent import Seq2Seq
 
 class Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")
+    ]
 
 mallinfo2 = ctypes.CDLL(None).mallinfo2
 mallinfo2.restype = Mallinfo2

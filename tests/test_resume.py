@@ -164,7 +164,8 @@ def test_an_unreadable_checkpoint_is_set_aside_with_a_warning_and_the_run_starts
 
     with pytest.warns(
         CopytaskWarning,
-        match=rf"^{folder.name}: its checkpoint {store.RESUME} is unreadable \(.*\); set aside as {store.UNREADABLE_RESUME}, training from step 0$",
+        match=rf"^{folder.name}: its checkpoint {store.RESUME} is unreadable \(.*\); "
+        rf"set aside as {store.UNREADABLE_RESUME}, training from step 0$",
     ):
         metrics = train(cfg)
     assert metrics["resumed_from"] == 0

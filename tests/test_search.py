@@ -197,8 +197,8 @@ def test_the_search_bar_counts_the_trials_recorded_since_it_started(tmp_path):
         (
             "train.lr=interval(1e-2,1e-4)",
             "copytask: error: train.lr=interval(1e-2,1e-4): the Optuna sweeper searches choice(a,b), "
-            "range(start,stop,step), interval(low,high) and tag(log,interval(low,high)), and says: The `low` value must be smaller "
-            "than or equal to the `high` value (low=0.01, high=0.0001).",
+            "range(start,stop,step), interval(low,high) and tag(log,interval(low,high)), and says: "
+            "The `low` value must be smaller than or equal to the `high` value (low=0.01, high=0.0001).",
         ),
         ("train.lrr=interval(1e-4,1e-2)", "copytask: error: unknown key 'train.lrr'; did you mean train.lr?"),
         ("train.steps=0", "copytask: error: train.steps must be an integer >= 1, got 0 (in the grid: train.steps=0)"),

@@ -117,11 +117,13 @@ def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, fails_at_leng
         (["task.lenght=40"], "copytask: error: unknown key 'task.lenght'; did you mean task.length?"),
         (
             ["attention=bogus"],
-            "copytask: error: attention=bogus: no such option; choose one of bahdanau, luong_concat, luong_dot, luong_general, luong_local, luong_local_m, multihead, none, rnnencdec, scaled_dot",
+            "copytask: error: attention=bogus: no such option; choose one of bahdanau, luong_concat, luong_dot, "
+            "luong_general, luong_local, luong_local_m, multihead, none, rnnencdec, scaled_dot",
         ),
         (
             ["report.x=model.hidden_size"],
-            "copytask: error: report.x must be task.length or a numeric key this sweep varies (task.length), got 'model.hidden_size'",
+            "copytask: error: report.x must be task.length or a numeric key this sweep varies (task.length), "
+            "got 'model.hidden_size'",
         ),
     ],
 )

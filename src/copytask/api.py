@@ -8,10 +8,11 @@ results and summary, write its report, load a trained model and decode with it.
 
 They return values (dicts, DataFrames, paths, arrays) and print nothing but progress bars (on
 stderr); what a sweep says as it goes goes to the `copytask` logger (`messages.log`), to which the
-library adds no handler. The command line (`copytask.cli`) is a thin layer over the same functions. Calling them changes no process-wide
-state: torch's thread count and random state, matplotlib's backend and a Hydra instance the caller
-initialised are as they were. Bad input raises `ConfigError`, whose message is the command line's
-one line; a run another process is training raises `RunInProgress`.
+library adds no handler. The command line (`copytask.cli`) is a thin layer over the same
+functions. Calling them changes no process-wide state: torch's thread count and random state,
+matplotlib's backend and a Hydra instance the caller initialised are as they were. Bad input
+raises `ConfigError`, whose message is the command line's one line; a run another process is
+training raises `RunInProgress`.
 """
 
 from __future__ import annotations

@@ -217,7 +217,10 @@ def speed(
     return pd.DataFrame(rows)
 
 
-MEMORY_CHILD = "import json, sys; from copytask.bench import training_memory; print(json.dumps(training_memory(*json.loads(sys.argv[1]))))"
+MEMORY_CHILD = (
+    "import json, sys; from copytask.bench import training_memory; "
+    "print(json.dumps(training_memory(*json.loads(sys.argv[1]))))"
+)
 
 
 def training_memory(attention: str, implementation: str, length: int, overrides: list[str], steps: int) -> dict:
@@ -354,7 +357,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--csv", type=Path, default=Path("runs/bench/bench.csv"))
     parser.add_argument("--quick", action="store_true", help=f"a smoke run of seconds: {QUICK}")
-    # Overrides first: argparse would take one after a list option (--memory-attentions a b key=value) as one of its values.
+    # Overrides first: argparse would take one after a list option (--memory-attentions a b key=value)
+    # as one of its values.
     overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
     args = parser.parse_args([*overrides, *(arg for arg in argv if arg not in overrides)])
     args.memory_attentions = args.memory_attentions or args.attentions
@@ -378,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(cfg.train.device)
     fused = ops.runs_fused(build_model(cfg).to(device))
     project = f"fused CPU kernels ({build.build_name_and_flags()[0]})" if fused else "torch ops"
-    description = f"{machine(device)}; torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; project on {project}"
+    description = (
+        f"{machine(device)}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"device {device}; project on {project}"
+    )
     print(f"copytask bench on {description}", file=sys.stderr)
 
     longest = max(args.lengths)

@@ -74,7 +74,8 @@ def entry() -> int:
     """The `copytask` command (and `python -m copytask`): `main`, with warnings in one line each, as
     copytask's own messages are (set for the command's own process only, not for library use)."""
     warnings.formatwarning = messages.format_warning
-    # cuBLAS reads it once, at its first call: set before anything runs, inherited by the jobs a sweep launches (copytask.devices)
+    # cuBLAS reads it once, at its first call: set before anything runs, inherited by the jobs a sweep
+    # launches (copytask.devices)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
     return main()
 
@@ -251,7 +252,8 @@ def compare(overrides: list[str], flags: set[str]) -> int:
         from .reporting.search import best, best_table
 
         print(
-            f"the best {len(best(table))} of {len(table)} trials by validation greedy token accuracy (the objective), in %; every trial: report's trials.csv"
+            f"the best {len(best(table))} of {len(table)} trials by validation greedy token accuracy "
+            "(the objective), in %; every trial: report's trials.csv"
         )
         print(best_table(table, loaded.settings).to_string(index=False))
         return status

@@ -176,9 +176,10 @@ def check_heldout(length: int, vocab_size: int, eval_size: int, val_size: int, m
     largest = _smallest(1, lambda size: not fits(eval_size=size + 1))  # share grows with eval_size; 1 always fits
     lengths = f"task.length={length}" if min_length is None else f"task.min_length={min_length} to task.length={length}"
     raise ConfigError(
-        f"the test and validation sets (train.eval_size={given} + train.val_size={val_size}) can hold up to {share:.0%} "
-        f"of the sequences of {lengths} over task.vocab_size={vocab_size} symbols, and training draws again every "
-        f"held-out one: at most {MAX_HELDOUT_SHARE:.0%} may be held out; use train.eval_size + train.val_size <= {largest}, "
+        f"the test and validation sets (train.eval_size={given} + train.val_size={val_size}) can hold up to "
+        f"{share:.0%} of the sequences of {lengths} over task.vocab_size={vocab_size} symbols, and training draws "
+        f"again every held-out one: at most {MAX_HELDOUT_SHARE:.0%} may be held out; use train.eval_size + "
+        f"train.val_size <= {largest}, "
         f"task.length >= {_smallest(length, lambda value: fits(length=value))} "
         f"or task.vocab_size >= {_smallest(vocab_size, lambda value: fits(vocab_size=value))}"
     )
@@ -243,7 +244,8 @@ def memory_estimate(
     else:
         attention = cfg.attention
         attends = attention.score is not None
-        # scores, masked scores, weights and a gradient per head; local attention adds its distances, window and Gaussian
+        # scores, masked scores, weights and a gradient per head; local attention adds its distances,
+        # window and Gaussian
         weight_floats = 4 * attention.get("heads", 1) + (3 if attention.get("local") else 0)
         activations = {
             "the embeddings (B x (T_enc + T_dec) x model.embedding_size)": 2
@@ -266,8 +268,10 @@ def memory_estimate(
         **activations,
         "the logits (B x T_dec x vocabulary)": 3 * batch * t_dec * total_vocab(task.vocab_size) * FLOAT,
         # its token ids (source, decoder input, target, decoded output) and, with attention, the weights kept
-        "the test and validation sets and their attention weights ((train.eval_size + train.val_size) x T_dec x T_enc)": heldout
-        * (4 * t_dec * LONG + attends * t_dec * t_enc * FLOAT),
+        (
+            "the test and validation sets and their attention weights "
+            "((train.eval_size + train.val_size) x T_dec x T_enc)"
+        ): heldout * (4 * t_dec * LONG + attends * t_dec * t_enc * FLOAT),
     }
 
 
@@ -336,7 +340,8 @@ def check_device(name: str, here: bool = True) -> None:
                 "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
             )
             raise ConfigError(
-                f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device ({build}); use auto or cpu"
+                f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device "
+                f"({build}); use auto or cpu"
             )
 
 
@@ -381,8 +386,9 @@ def check_slurm_commands(choice: str | None) -> None:
         options = sorted((Path(config_dir()) / "hydra" / "launcher").glob("*.yaml"))
         here = [f"hydra/launcher={path.stem}" for path in options if "submitit_slurm" not in path.read_text()]
         raise ConfigError(
-            f"hydra/launcher={choice} needs a SLURM cluster ({' and '.join(missing)} not on PATH here); on this machine "
-            "use the default launcher (basic: one job at a time)" + "".join(f" or {option}" for option in here)
+            f"hydra/launcher={choice} needs a SLURM cluster ({' and '.join(missing)} not on PATH here); "
+            "on this machine use the default launcher "
+            "(basic: one job at a time)" + "".join(f" or {option}" for option in here)
         )
 
 

@@ -132,8 +132,9 @@ def sweep_jobs(master: DictConfig) -> tuple[Iterator[tuple[list[str], DictConfig
             override.is_sweep_override() and not override.is_discrete_sweep()
         ):  # the basic sweeper would raise with a traceback
             raise ConfigError(
-                f"{override.input_line}: the basic sweeper takes lists (a,b,c), range(start,stop,step) and choice(a,b), "
-                f"not {override.value_type.name.lower().removesuffix('_sweep')}(...), which is for an optimising sweeper"
+                f"{override.input_line}: the basic sweeper takes lists (a,b,c), range(start,stop,step) and "
+                f"choice(a,b), not {override.value_type.name.lower().removesuffix('_sweep')}(...), which is for an "
+                "optimising sweeper"
             )
     [batches] = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     swept = {override.get_key_element() for override in parsed if override.is_sweep_override()}

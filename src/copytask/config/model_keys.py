@@ -57,7 +57,8 @@ def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
     model, name = cfg.model, model_name(cfg)
     if name not in MODELS:
         raise Refused(
-            f"model.name must be one of {', '.join(MODELS)}, got {name!r} (choose a model with model={'|'.join(MODELS)})"
+            f"model.name must be one of {', '.join(MODELS)}, got {name!r} "
+            f"(choose a model with model={'|'.join(MODELS)})"
         )
     for key in MODEL_KEYS[name]:
         if model.get(key) is None and f"model.{key}" not in NULLABLE:
@@ -66,8 +67,9 @@ def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
         return
     if cfg.attention != default_attention:
         raise Refused(
-            f"attention={cfg.attention.name} (and every attention.* key) is model=gru's decoder; model=transformer has its "
-            f"own attention (model.heads), so the attention group must stay at its default ({default_attention.name}); "
+            f"attention={cfg.attention.name} (and every attention.* key) is model=gru's decoder; model=transformer "
+            "has its own attention (model.heads), so the attention group must stay at its default "
+            f"({default_attention.name}); "
             "a sweep over architecture=... that is not a preset's drops the default grid's attention list with "
             "'~hydra.sweeper.params.attention'"
         )
@@ -81,7 +83,8 @@ def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
         raise Refused(f"model.dropout must be a number in [0, 1), got {model.dropout!r}")
     if model.positions == "learned" and model.max_length is not None and model.max_length < cfg.task.length:
         raise Refused(
-            f"model.max_length ({model.max_length}) must be at least task.length ({cfg.task.length}): the learned table covers every trained position"
+            f"model.max_length ({model.max_length}) must be at least task.length ({cfg.task.length}): "
+            "the learned table covers every trained position"
         )
 
 

@@ -44,7 +44,8 @@ DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
 VARIANTS = {"rnnencdec": "cho2014"}
 LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
 DEVICES = ("auto", "cpu", "cuda")
-# CUBLAS_WORKSPACE_CONFIG values that make cuBLAS deterministic (PyTorch's reproducibility notes); the first is what the CLI sets
+# CUBLAS_WORKSPACE_CONFIG values that make cuBLAS deterministic (PyTorch's reproducibility notes); the first
+# is what the CLI sets
 DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 # Hydra launchers (`_target_` suffixes) whose jobs run on other machines (SLURM's): the device is checked
 # there, not where the sweep is composed

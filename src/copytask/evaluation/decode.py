@@ -180,7 +180,8 @@ def _decode(
     asked = length if sequences is None else len(sequences[0])
     if longest is not None and asked > longest:
         raise DecodeError(
-            f"{run_dir.name} has learned positions up to length {longest} (model.max_length): it is not defined at length {asked}"
+            f"{run_dir.name} has learned positions up to length {longest} (model.max_length): "
+            f"it is not defined at length {asked}"
         )
     if sequences is None:
         batch = make_batch(task, count, length, vocab_size, torch.Generator().manual_seed(seed))
@@ -235,7 +236,8 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
         which = f"one map per head ({heads} heads)" if heads > 1 else "the model's attention"
         print(
             f"attention: {which}; rows output steps, columns source positions; shade = weight "
-            f"('{SHADES[0]}' 0, {SHADES[1]} 0.25, {SHADES[2]} 0.5, {SHADES[3]} 0.75, {SHADES[4]} 1); {COPIED} the copied position"
+            f"('{SHADES[0]}' 0, {SHADES[1]} 0.25, {SHADES[2]} 0.5, {SHADES[3]} 0.75, {SHADES[4]} 1); "
+            f"{COPIED} the copied position"
         )
     from ..data.batches import copied_source_positions
 
@@ -245,7 +247,8 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
         print("\n".join(alignment_lines(text["input"], text["output"], text["target"])))
         hits, symbols = int(decoded.hits[i]), int(decoded.symbols[i])
         print(
-            f"token accuracy {hits}/{symbols} ({100 * hits / symbols:.1f}%), sequence {'right' if decoded.exact[i] else 'wrong'}"
+            f"token accuracy {hits}/{symbols} ({100 * hits / symbols:.1f}%), "
+            f"sequence {'right' if decoded.exact[i] else 'wrong'}"
         )
         if weights is None:
             continue
@@ -263,7 +266,8 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
     if png is not None and weights is not None:
         from ..reporting.figures import plot_attention
 
-        sample = {"source": decoded.source[0].tolist(), "target": decoded.target[0].tolist(), "output": decoded.output[0].tolist(),
+        sample = {"source": decoded.source[0].tolist(), "target": decoded.target[0].tolist(),
+                  "output": decoded.output[0].tolist(),
                   "weights": (weights[0] if heads > 1 else weights[0, 0]).tolist()}  # fmt: skip
         title = f"{label}, greedy (token acc {100 * decoded.hits[0] / decoded.symbols[0]:.1f}%)"
         print(f"attention map: {plot_attention(sample, cfg.task.vocab_size, task, title, png)}")

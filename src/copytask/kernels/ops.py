@@ -1,10 +1,10 @@
 """Fused CPU kernels (`csrc/`) for the sequential parts of a training step.
 
 Torch on CPU runs every time step of a recurrence as tens of ATen ops and autograd nodes,
-forward and backward (a GRU step about 24 ops and 14 nodes, a Bahdanau decoder step about 94 and 33). At this project's sizes (batch 64, hidden 32-64, 80 steps) that
-per-op cost, not arithmetic, is most of a training step. Two recurrences and one score get a
-kernel that runs the whole sequence in C++: a few matrix products and passes over contiguous
-rows per step.
+forward and backward (a GRU step about 24 ops and 14 nodes, a Bahdanau decoder step about 94 and
+33). At this project's sizes (batch 64, hidden 32-64, 80 steps) that per-op cost, not arithmetic,
+is most of a training step. Two recurrences and one score get a kernel that runs the whole
+sequence in C++: a few matrix products and passes over contiguous rows per step.
 
 - `GRU`: nn.GRU (same parameters, state_dict and equations) for the encoder and the plain and
   Luong decoders;

@@ -204,7 +204,8 @@ class LuongDecoder(Decoder):
         return self.attention.project_keys(encoder_states), encoder_states
 
     def _readout(self, states: Tensor, memory: Memory, src_mask: Tensor, positions: Tensor):
-        """states s_t (B, T_dec, H) at output steps `positions` (T_dec,) -> logits (B, T_dec, V), weights (B, T_dec, T_enc)."""
+        """states s_t (B, T_dec, H) at output steps `positions` (T_dec,) -> logits (B, T_dec, V),
+        weights (B, T_dec, T_enc)."""
         keys, values = memory
         context, weights = self.attention(states, keys, values, src_mask, positions)
         attentional = torch.tanh(self.combine(torch.cat([states, context], dim=-1)))

@@ -164,7 +164,8 @@ class ReferenceSeq2Seq(nn.Module):
             raise ValueError(f"the reference implementation is single-head, got heads={heads}")
         if local is not None or score not in REFERENCE_SCORES:
             raise ValueError(
-                f"the reference implementation has global additive, dot and general scores only, got {score!r} local={local!r}"
+                "the reference implementation has global additive, dot and general scores only, "
+                f"got {score!r} local={local!r}"
             )
         self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused=False)
         if decoder == "rnnencdec":

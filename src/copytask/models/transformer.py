@@ -58,7 +58,7 @@ def scaled_dot_product(
     (what `ops.attention` computes, with dropout on the weights as nn.MultiheadAttention's):
     q (B, T, d), k and v (B, S, d), key_mask (B, S) True on real keys or None, causal: query t sees
     keys <= t -> (B, T, d), the heads side by side. A query that sees no key gets a zero output."""
-    (batch, steps, d), keys = q.shape, k.size(1)
+    (_, steps, d), keys = q.shape, k.size(1)
     split = lambda x: x.unflatten(-1, (heads, d // heads)).transpose(1, 2)  # noqa: E731  (B, heads, T, d / heads)
     scores = split(q) @ split(k).transpose(-1, -2) / math.sqrt(d // heads)  # (B, heads, T, S)
     allowed = torch.ones(1, steps, keys, dtype=torch.bool, device=q.device)

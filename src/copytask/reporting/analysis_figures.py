@@ -85,7 +85,8 @@ def extrapolates(table: pd.DataFrame) -> bool:
 def plot_extrapolation(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Path:
     """Greedy token accuracy (%) against test length, one line per attention type (mean over seeds,
     the band their range), the trained lengths shaded and the chance level (a `chance` column, where
-    `table` has one); one panel per task, train length and value of `settings`. A length a model is not defined at (learned positions past their table) is left out."""
+    `table` has one); one panel per task, train length and value of `settings`. A length a model is
+    not defined at (learned positions past their table) is left out."""
     keys = ["task", "train_length", *settings]
     groups = list(table.groupby(keys, dropna=False))
     figure, axes = panels(len(groups), width=1.5 * PANEL_WIDTH, height=4.0)

@@ -130,7 +130,8 @@ def plot_accuracy(
     axes[0][0].legend(unique.values(), unique.keys(), loc="lower left", fontsize="small")
     interval = "band" if summary[x].nunique() > 1 else "bar"
     figure.suptitle(
-        f"Copy accuracy against {label(x)}: mean over seeds, {interval} = 95% interval (t over seeds, at least the held-out set's Wilson)"
+        f"Copy accuracy against {label(x)}: mean over seeds, {interval} = 95% interval "
+        "(t over seeds, at least the held-out set's Wilson)"
     )
     figure.tight_layout()
     paths = [

@@ -92,8 +92,8 @@ def best_line(table: pd.DataFrame, settings: list[str]) -> str:
     row = top.iloc[0]
     values = ", ".join(f"{key}={tables.setting_value(row[key])}" for key in settings)
     return (
-        f"best validation greedy token accuracy {tables.percent(row['objective'])}% at trial {row['trial']} of {len(table)}"
-        + (f" ({values})" if values else "")
+        f"best validation greedy token accuracy {tables.percent(row['objective'])}% "
+        f"at trial {row['trial']} of {len(table)}" + (f" ({values})" if values else "")
     )
 
 
@@ -183,24 +183,30 @@ def search_setup(table: pd.DataFrame, loaded: tables.Loaded, runs_dir: Path) -> 
     lines = [
         "## Setup",
         "",
-        f"- Search: `{record.get('command', '?')}`, {search.get('sweeper', 'an optimising')} sweeper, {len(table)} trials "
-        f"({len(loaded.runs)} complete runs); objective: greedy token accuracy on the validation set (`{OBJECTIVE}` of each run's "
-        f"`{store.METRICS}`), maximised; the test set's accuracy is reported beside it, never searched on. Per trial: [`{TRIALS_CSV}`](../{TRIALS_CSV}).",
+        f"- Search: `{record.get('command', '?')}`, {search.get('sweeper', 'an optimising')} sweeper, "
+        f"{len(table)} trials ({len(loaded.runs)} complete runs); objective: greedy token accuracy on the "
+        f"validation set (`{OBJECTIVE}` of each run's `{store.METRICS}`), maximised; the test set's accuracy is "
+        f"reported beside it, never searched on. Per trial: [`{TRIALS_CSV}`](../{TRIALS_CSV}).",
         f"- Task: `{shared('task.name')}`, length {shared('task.length')}, {shared('task.vocab_size')} content symbols "
-        f"(chance token accuracy {100 * results['chance'].iloc[0]:.1f}%); attention: {shared('attention.name')}; seed {shared('seed')}.",
-        f"- Shared by every trial: budget {shared('train.steps')} steps, {shared('train.schedule')} schedule, embedding size "
-        f"{shared('model.embedding_size')}, batch size {shared('train.batch_size')} (the examples per step of the models it is compared with), "
-        f"{shared('train.val_size')} validation sequences (seed {shared('train.val_seed')}) and {shared('train.eval_size')} test "
-        f"sequences (seed {shared('train.eval_seed')}), "
+        f"(chance token accuracy {100 * results['chance'].iloc[0]:.1f}%); attention: {shared('attention.name')}; "
+        f"seed {shared('seed')}.",
+        f"- Shared by every trial: budget {shared('train.steps')} steps, {shared('train.schedule')} schedule, "
+        f"embedding size {shared('model.embedding_size')}, batch size {shared('train.batch_size')} "
+        "(the examples per step of the models it is compared with), "
+        f"{shared('train.val_size')} validation sequences (seed {shared('train.val_seed')}) and "
+        f"{shared('train.eval_size')} test sequences (seed {shared('train.eval_seed')}), "
         f"early stop at {shared('train.target_acc')} for {shared('train.patience')} evaluations.",
         f"- Searched (the values the trials took): {'; '.join(ranges) or 'nothing varied'}.",
         f"- Hardware (from the runs): device {', '.join(map(str, results['device'].unique()))}, torch threads "
-        f"{', '.join(map(str, results['threads'].unique()))}; {results['train_seconds'].sum():.0f} s of training summed over the runs.",
+        f"{', '.join(map(str, results['threads'].unique()))}; {results['train_seconds'].sum():.0f} s of training "
+        "summed over the runs.",
     ]
     if "wall_seconds" in record:
         lines.append(
-            f"- The search trained {record['trained']} of {record['jobs']} runs in **{record['wall_seconds']:.0f} s wall time**, "
-            f"finished {record['finished']} on {record['machine']} with {record['cpus']} CPUs ({record.get('launcher')} launcher)."
+            f"- The search trained {record['trained']} of {record['jobs']} runs in "
+            f"**{record['wall_seconds']:.0f} s wall time**, "
+            f"finished {record['finished']} on {record['machine']} with {record['cpus']} CPUs "
+            f"({record.get('launcher')} launcher)."
         )
     return lines
 

@@ -4,7 +4,8 @@ widened to the held-out set's binomial uncertainty for accuracies).
 Each run's metrics.json, and its analysis.json where `copytask analyze` has written one, is read
 here; a run whose metrics.json is corrupt is skipped with a warning that names it (a corrupt
 analysis.json only loses its analysis), so a half-written or damaged folder never stops
-`compare` or `report`. Runs are labelled by `store.model_label`: multi-head runs stand apart, Transformers read `transformer`.
+`compare` or `report`. Runs are labelled by `store.model_label`: multi-head runs stand apart,
+Transformers read `transformer`.
 
 A sweep is a table: every config key whose value differs between the runs (besides the attention
 type, the length and the seed) is a *setting* column of the table, named by its dotted key
@@ -276,7 +277,10 @@ def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
 def table_note(tasks: list[str]) -> str:
     """The two lines `compare` prints above `comparison_table`."""
     return (
-        f"{'/'.join(tasks)} task, test-set accuracies in %, mean over seeds with 95% t-interval (none with one seed; for accuracies never\n"
-        f"narrower than the test set's own 95% Wilson interval); gap = mean - {BASELINE}'s mean; steps to target: the first evaluation at\n"
-        "train.target_acc greedy token accuracy on the validation set, over the seeds that reached it (k/n where not all did)"
+        f"{'/'.join(tasks)} task, test-set accuracies in %, mean over seeds with 95% t-interval "
+        "(none with one seed; for accuracies never\n"
+        "narrower than the test set's own 95% Wilson interval); "
+        f"gap = mean - {BASELINE}'s mean; steps to target: the first evaluation at\n"
+        "train.target_acc greedy token accuracy on the validation set, "
+        "over the seeds that reached it (k/n where not all did)"
     )

@@ -20,7 +20,8 @@ CHECKPOINT = "checkpoint.pt"
 ATTENTION = "attention_samples.json"
 FAILED = "failed.json"
 ANALYSIS = "analysis.json"  # derived by `copytask analyze`, the one file added after training
-RESUME = "resume.pt"  # while a run trains: all it needs to continue from its last evaluation (checkpoints.py); gone once complete
+# while a run trains: all it needs to continue from its last evaluation (checkpoints.py); gone once complete
+RESUME = "resume.pt"
 UNREADABLE_RESUME = (
     "resume.unreadable.pt"  # a checkpoint that could not be read, set aside (kept for a look, never read)
 )

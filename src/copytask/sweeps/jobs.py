@@ -194,7 +194,8 @@ class SweepProgress:
         clock = (
             "[{elapsed}<{remaining}]" if total is not None else "[{elapsed}]"
         )  # no total (a sweeper that does not say): no ETA
-        # smoothing=0: the rate since the start, not tqdm's moving average, which a few large steps (one per run) throw about
+        # smoothing=0: the rate since the start, not tqdm's moving average, which a few large steps (one per
+        # run) throw about
         self.bar = tqdm(
             total=total,
             initial=cost,
@@ -289,14 +290,16 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.perf_counter()
         self.started_at = time.time()
-        # Recorded now, so that `compare` and `report` find this grid (or this search's trials so far) even while it runs or if it is cut off.
+        # Recorded now, so that `compare` and `report` find this grid (or this search's trials so far) even
+        # while it runs or if it is cut off.
         self.begun = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "started_at": self.started_at}
         store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | self.begun)
         trackers.prepare(config)
         if builds_kernels_here(config):
             from ..kernels import build
 
-            build.kernel()  # a fresh machine's one-time compile (30-80 s), before the bar starts, so its ETA measures training
+            # a fresh machine's one-time compile (30-80 s), before the bar starts, so its ETA measures training
+            build.kernel()
         if proposes_jobs(config.hydra):
             self.progress = TrialProgress(
                 Path(config.hydra.sweep.dir), config.hydra.sweeper.get("n_trials"), enabled=config.train.progress
@@ -347,7 +350,8 @@ class SweepSummary(Callback):
             messages.log.error(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}")
         for run in elsewhere:
             messages.warn(
-                f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)"
+                f"{run.label or run.folder.name}: {run.failure()}; "
+                "not in these results (run the sweep again once it ends)"
             )
         trained_on = [
             store.read_json(run.folder / store.METRICS).get("device")

@@ -81,7 +81,8 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         say(f"Submitit 'slurm' sweep output dir: {sweep_dir}")
         if not has_accounting():
             terminal(
-                "copytask: note: this SLURM keeps no accounting (sacct fails): job states come from squeue and the jobs' result files"
+                "copytask: note: this SLURM keeps no accounting (sacct fails): "
+                "job states come from squeue and the jobs' result files"
             )
         returns: list[JobReturn | None] = []
         submit = []  # (job number, overrides, run folder)
@@ -144,7 +145,8 @@ def submit_jobs(submitit: Any, launcher: Any, jobs: list[tuple[int, list[str], P
     except submitit.core.utils.FailedJobError as error:
         reason = [line for line in str(error).splitlines() if line.strip()]
         terminal(
-            f"copytask: error: SLURM refused the sweep's {len(jobs)} jobs, nothing was submitted: {reason[-1] if reason else error}"
+            f"copytask: error: SLURM refused the sweep's {len(jobs)} jobs, nothing was submitted: "
+            f"{reason[-1] if reason else error}"
         )
         raise SystemExit(1) from None
 

@@ -121,5 +121,6 @@ def set_aside(path: Path, error: Exception) -> None:
     aside = path.with_name(store.UNREADABLE_RESUME)
     path.replace(aside)
     messages.warn(
-        f"{path.parent.name}: its checkpoint {path.name} is unreadable ({reason}); set aside as {aside.name}, training from step 0"
+        f"{path.parent.name}: its checkpoint {path.name} is unreadable ({reason}); "
+        f"set aside as {aside.name}, training from step 0"
     )

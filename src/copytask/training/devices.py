@@ -40,7 +40,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def host() -> str:
-    """This machine's name: where a run trained (metrics.json `host`), which a SLURM sweep's nodes make differ from run to run."""
+    """This machine's name: where a run trained (metrics.json `host`), which a SLURM sweep's nodes
+    make differ from run to run."""
     return socket.gethostname()
 
 
@@ -108,7 +109,8 @@ def cpu_despite_gpus(gpus_per_node: int | None, trained_on: list[str | None]) ->
     if not gpus_per_node or not on_cpu:
         return None
     return (
-        f"{on_cpu} of {len(trained_on)} complete runs trained on CPU although hydra.launcher.gpus_per_node={gpus_per_node}: "
+        f"{on_cpu} of {len(trained_on)} complete runs trained on CPU although "
+        f"hydra.launcher.gpus_per_node={gpus_per_node}: "
         "the nodes' torch may be a CPU-only build (torch.version.cuda is None); train.device=cuda makes such a job "
         "fail, naming its node, instead"
     )

@@ -282,7 +282,7 @@ def main() -> int:
             )
         print(f"  [{time.time() - started:.0f} s elapsed; load {os.getloadavg()[0]:.2f}]\n", flush=True)
 
-    # greedy evaluation of 512 sequences (evaluation.evaluate, as a run's evaluations): on vs one kernel off
+    # greedy evaluation of 512 sequences (greedy.evaluate, as a run's evaluations): on vs one kernel off
     for length in args.eval_lengths:
         for kernel, model_name, off_switch in EVAL_COMPARISONS:
             cfg = compose([*MODELS[model_name], f"task.length={length}"])

@@ -1,4 +1,4 @@
-"""The one scoring rule (evaluation.sequence_scores): an output is its tokens up to and with its
+"""The one scoring rule (scoring.sequence_scores): an output is its tokens up to and with its
 first EOS; content positions after it are wrong whatever the decoder emitted there, and an output
 that never emits EOS is scored over the target's length. Hand-made outputs pin it."""
 

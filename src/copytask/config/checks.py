@@ -122,7 +122,7 @@ def validate(cfg: DictConfig) -> None:
     check_logger(cfg.get("logger"))
 
 
-# At most this share of fresh training rows may be held-out sequences: `training.training_batch` draws
+# At most this share of fresh training rows may be held-out sequences: `splits.training_batch` draws
 # those again, about 1 / (1 - share) draws per row.
 MAX_HELDOUT_SHARE = 0.5
 

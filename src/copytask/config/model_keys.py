@@ -1,5 +1,5 @@
 """The `model` config group (`model=gru`, the default, and `model=transformer`) and the analysis
-test lengths: which keys each model reads, the checks `validation.validate` makes of them, and the
+test lengths: which keys each model reads, the checks `checks.validate` makes of them, and the
 Transformer's parameter count and memory. Torch-free, as config.py, so a refusal is immediate.
 
 Each model reads its own keys (MODEL_KEYS) and leaves the other's unused: those are left out of
@@ -8,7 +8,7 @@ that a preset sizing the GRU (`experiment=quick`) also composes with `model=tran
 `attention` group is model=gru's decoder: with model=transformer anything but its default is
 refused, since nothing would read it.
 
-The checks raise `Refused` (a ValueError); `validation.validate` turns it into its ConfigError.
+The checks raise `Refused` (a ValueError); `checks.validate` turns it into its ConfigError.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ FLOAT, LONG = 4, 8  # bytes of a float32 number and of a token id
 
 def transformer_activations(cfg: DictConfig) -> dict[str, int]:
     """Roughly the bytes of a Transformer training step's activations, by what needs them (the
-    entries of `validation.memory_estimate` that are the Transformer's own)."""
+    entries of `checks.memory_estimate` that are the Transformer's own)."""
     task, model = cfg.task, cfg.model
     batch, t_enc, t_dec, d = cfg.train.batch_size, task.length, task.length + 1, model.d_model
     positions = (t_enc + t_dec) * model.layers

@@ -15,7 +15,7 @@ training batches (replayed from its seed) or in its validation set. Where a leng
 sequences than asked, its row says how many it was scored on (and a length with none is not
 scored), and a variable-length run records how holding sequences out changed its training's
 length mix (`splits.training_length_mix`). Outputs are scored up to their first EOS
-(`evaluation.sequence_scores`), also the alignment: steps after an output's end are not counted.
+(`scoring.sequence_scores`), also the alignment: steps after an output's end are not counted.
 
 Step convention: row t of the attention weights (B, T_dec, T_enc) is the attention used to produce
 output token t in greedy decoding. Bahdanau computes it from the state before the step, s_{t-1},

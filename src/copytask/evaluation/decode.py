@@ -113,7 +113,7 @@ class Decoded:
     lengths: np.ndarray  # (B,)
     output: np.ndarray  # (B, T_dec) greedy output, T_dec = T_enc + 1
     target: np.ndarray  # (B, T_dec) target + EOS
-    hits: np.ndarray  # (B,) content symbols right, up to the output's first EOS (`evaluation.sequence_scores`)
+    hits: np.ndarray  # (B,) content symbols right, up to the output's first EOS (`scoring.sequence_scores`)
     symbols: np.ndarray  # (B,) content symbols
     exact: np.ndarray  # (B,) every symbol and the EOS right
     weights: np.ndarray | None  # (B, heads, T_dec, T_enc) attention weights; None without attention

@@ -9,7 +9,7 @@ sequence in C++: a few matrix products and passes over contiguous rows per step.
 - `GRU`: nn.GRU (same parameters, state_dict and equations) for the encoder and the plain and
   Luong decoders;
 - `bahdanau_decode`: Bahdanau's decoder under teacher forcing (attention and GRU cell, step by
-  step, as `model.BahdanauDecoder` computes it);
+  step, as `recurrent.BahdanauDecoder` computes it);
 - `additive_scores`: the additive score of every (decoder step, source position) pair, which
   Luong's concat score needs under teacher forcing (`attention.AdditiveAttention.scores`).
 - `attention`: multi-head scaled dot-product attention, the Transformer's self- and

@@ -106,7 +106,7 @@ class ReferenceDecoder(nn.Module):
 class ReferenceRNNEncDecDecoder(nn.Module):
     """Cho et al. (2014)'s decoder (appendix A.1), one step at a time with each gate written out;
     the summary's and the input's shares of the gates are computed again at every step. Module
-    names as in `model.RNNEncDecDecoder`:
+    names as in `recurrent.RNNEncDecDecoder`:
 
         c = tanh(V h_N),  s_0 = tanh(V' c)
         r = sigmoid(W_r e + U_r s + C_r c),  z = sigmoid(W_z e + U_z s + C_z c)
@@ -143,7 +143,7 @@ class ReferenceRNNEncDecDecoder(nn.Module):
 
 
 class ReferenceSeq2Seq(nn.Module):
-    """Same constructor, parameters and interface as `model.Seq2Seq`."""
+    """Same constructor, parameters and interface as `recurrent.Seq2Seq`."""
 
     def __init__(
         self,

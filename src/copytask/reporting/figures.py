@@ -81,7 +81,7 @@ def draw_attention(ax: Axes, weights: np.ndarray, sample: dict, vocab_size: int,
     positions of `sample` (its `source` and `target` tokens, and `output`, the greedy output, where
     known), symbols on both axes, one colour scale from 0 to 1 for every map. Output symbols that
     differ from the target are red; the source position each output step copies
-    (`data.copied_source_positions`) is outlined. -> the image, for a colour bar."""
+    (`batches.copied_source_positions`) is outlined. -> the image, for a colour bar."""
     rows, columns = weights.shape
     image = ax.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
     font = 7 if max(rows, columns) > 30 else 9

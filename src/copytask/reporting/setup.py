@@ -1,5 +1,5 @@
 """report.md's Setup section: what the runs of a report were, from their configs, metrics and the
-last sweep's record (`reporting.write_report` puts it first)."""
+last sweep's record (`report.write_report` puts it first)."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
     is kept until the new results are complete (and put back if training fails). Raises
     RunInProgress if another process is training the run now, NonFiniteLoss if it diverges.
     Torch's thread count and random state are as they were when it returns. `model_class`: see
-    `evaluation.build_model`."""
+    `build.build_model`."""
     validate(cfg)
     check_buildable(cfg)
     folder = store.run_dir(cfg)

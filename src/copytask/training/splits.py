@@ -60,7 +60,7 @@ def draw_excluding(cfg: DictConfig, size: int, generator: torch.Generator, exclu
         f"{len(seen)} rows of the {name} were still held-out sequences after {MAX_REDRAWS} draws: the validation and "
         f"test sets (train.val_size={train.val_size}, train.eval_size={train.eval_size}) hold nearly every sequence of "
         f"task.length={task.length} over task.vocab_size={task.vocab_size} symbols; "
-        "lower them (validation.validate says how far)"
+        "lower them (checks.validate says how far)"
     )
 
 

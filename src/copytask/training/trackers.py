@@ -6,7 +6,7 @@ identity config (`store.flat_identity`, so a sweep's swept keys are columns of T
 view or MLflow's run table) and metrics.json's numbers. A run logs from its own process (every
 launcher alike), the sweep's figures at the sweep's end. A run trained again replaces its tracker
 run, so each copytask run is one tracker run. TensorBoard and MLflow are imported only when chosen
-(`validation.check_logger` has made sure they are installed), and nothing process-wide is set: MLflow
+(`checks.check_logger` has made sure they are installed), and nothing process-wide is set: MLflow
 through its client, never its active run or environment.
 """
 

@@ -1,7 +1,12 @@
+import pytest
 import torch
 
-from copytask.data.batches import make_batch
+import copytask
+from copytask.data.batches import copied_source_positions, make_batch, task_batch
+from copytask.data.tasks import TASKS
 from copytask.data.vocab import BOS, EOS, NUM_SPECIAL, PAD
+
+from .conftest import TINY
 
 
 def test_copy_batch_layout():
@@ -36,3 +41,28 @@ def test_same_seed_same_batches_and_select_trims():
     one = a.select([0])
     length = int(a.src_lengths[0])
     assert one.src.shape == (1, length) and one.tgt_out.shape == (1, length + 1)
+
+
+def test_a_task_is_one_registry_entry_and_nothing_else(tmp_path, monkeypatch):
+    """Issue 62: a task registered here, with no other file edited, is what its batches, alignment
+    targets and a trained run follow: `swap` copies each pair of symbols in the other order."""
+
+    def swap(steps, lengths):
+        """Output step t copies source position t + 1 for even t, t - 1 for odd t (the last one of
+        an odd length copies itself)."""
+        partner = steps + 1 - 2 * (steps % 2)
+        return torch.where(partner < lengths, partner, steps)
+
+    monkeypatch.setitem(TASKS, "swap", swap)
+    symbols, lengths = torch.tensor([[3, 4, 5, 6, 7]]), torch.tensor([5])
+    assert task_batch("swap", symbols, lengths).tgt_out[0].tolist() == [4, 3, 6, 5, 7, EOS]
+    assert copied_source_positions("swap", 5) == [1, 0, 3, 2, 4]
+    metrics = copytask.train(copytask.compose([*TINY, "task.name=swap", "task.length=5", f"runs_dir={tmp_path}"]))
+    assert metrics["steps"] == 10 and metrics["run"].startswith("luong_general-swap5-")
+    with pytest.raises(ValueError, match="unknown task 'bogus'; choose one of copy, reverse, swap"):
+        make_batch("bogus", 2, 5, 9, torch.Generator())
+
+
+def test_an_unknown_task_is_refused_in_one_line():
+    with pytest.raises(copytask.ConfigError, match="task.name must be one of copy, reverse, got 'bogus'"):
+        copytask.compose([*TINY, "task.name=bogus"])

@@ -175,7 +175,7 @@ def decode(
     run_dir: str | Path, symbols: str | None = None, random: int | None = None, length: int | None = None, seed: int = 0
 ) -> Decoded:
     """Greedy-decode `symbols` (`"g d d c"` or `gddc`), or `random` sequences of `length` symbols,
-    with a finished run's model: token ids, scores and attention weights as arrays (`decoding.Decoded`)."""
+    with a finished run's model: token ids, scores and attention weights as arrays (`evaluation.decode.Decoded`)."""
     from .evaluation.decode import decode as decode_run
 
     return decode_run(run_dir, symbols, random, length, seed)

@@ -1,4 +1,4 @@
-"""Training speed of the project against the classical reference (`reference.py`), measured in
+"""Training speed of the project against the classical reference (`models.reference`), measured in
 one run on one machine, so that the ratio holds even where absolute times drift.
 
     python -m copytask bench [--quick] [--time-to-target] [--csv PATH] [key=value ...]

@@ -1,8 +1,8 @@
 """What a runnable config is: `validate` refuses, before anything is trained or written, every
 value that cannot run (ranges, combinations, a held-out set that would cover the sequences
 training draws from, a configuration whose memory no machine here holds, a device or a tracker
-this machine lacks), each in one ConfigError line that names it. Torch-free, like `config`, so
-the command line answers at once. Types are the schema's (`config`, checked by Hydra as it composes).
+this machine lacks), each in one ConfigError line that names it. Torch-free, like `schema`, so
+the command line answers at once. Types are the schema's (`schema`, checked by Hydra as it composes).
 What only an attention type's class knows (which `attention.score`s exist, what each takes, its own
 parameters and memory) is checked where the model is built: `models.build.check_buildable`.
 """

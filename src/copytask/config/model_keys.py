@@ -1,6 +1,6 @@
 """The `model` config group (`model=gru`, the default, and `model=transformer`) and the analysis
 test lengths: which keys each model reads, the checks `checks.validate` makes of them, and the
-Transformer's parameter count and memory. Torch-free, as config.py, so a refusal is immediate.
+Transformer's parameter count and memory. Torch-free, as `schema`, so a refusal is immediate.
 
 Each model reads its own keys (MODEL_KEYS) and leaves the other's unused: those are left out of
 a run's identity (`store.UNUSED_UNLESS`), as `attention.window` is without local attention, so

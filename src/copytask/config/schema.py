@@ -1,5 +1,5 @@
 """Where the Hydra configs live, every key's type (the schema Hydra checks as it composes), and
-copytask's one kind of config error; what a runnable config is, is `validation`'s. Light on
+copytask's one kind of config error; what a runnable config is, is `checks`'. Light on
 purpose: no torch, so the command line refuses bad input at once.
 
 Hydra's own composition errors (an unknown key, a config-group option that does not exist, an

@@ -24,8 +24,8 @@ being copied at row t is t for copy and length - 1 - t for reverse. The EOS row 
 
 `analyze(folders)` writes `analysis.json` into each complete run folder (derived data, the only
 file besides training's own that may be added to a run folder): the sweep calls it on its grid's
-runs before the report, `python -m copytask analyze` on every run in runs_dir. The `*_table`
-functions turn the loaded files into tables for printing and for the report.
+runs before the report, `python -m copytask analyze` on every run in runs_dir.
+`reporting.analysis_tables` turns the files into tables for printing and for the report.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def text_heatmap(weights: list[list[float]], source: list[str], rows: list[str],
 
 @dataclass
 class Decoded:
-    """Greedy decoding of B sequences by a trained run's model (token ids as `copytask.vocab` numbers them)."""
+    """Greedy decoding of B sequences by a trained run's model (token ids as `data.vocab` numbers them)."""
 
     run: str  # the run folder's name
     config: DictConfig  # the run's resolved config

@@ -1,4 +1,4 @@
-"""Building and loading copytask's fused CPU kernels (`csrc/`, used by `copytask.kernels`).
+"""Building and loading copytask's fused CPU kernels (`csrc/`, used by `kernels.ops`).
 
 The kernels are compiled by torch.utils.cpp_extension the first time they are needed (30-60 s),
 or ahead of time by `python -m copytask build`, under $TORCH_EXTENSIONS_DIR or

@@ -34,7 +34,7 @@ ops in Python. There is no second
 derivative: a double backward through them raises an error that says so (build the model with
 `fused=False` for one).
 
-They are built and loaded by `copytask.kernel_build`.
+They are built and loaded by `kernels.build`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The classical implementation, written the way the well-known tutorials write it: the test
-oracle for the fast paths in `model` / `attention`, and the benchmark's yardstick.
+oracle for the fast paths in `recurrent` / `attention`, and the benchmark's yardstick.
 
 Every decoder runs one target position at a time, also under teacher forcing and also for
 Luong (the decoder GRU is called on a length-1 sequence per step), and attention re-projects
@@ -58,7 +58,7 @@ class ReferenceAttention(nn.Module):
 
 
 class ReferenceDecoder(nn.Module):
-    """plain, bahdanau or luong, one step at a time; module names as in model.py's decoders."""
+    """plain, bahdanau or luong, one step at a time; module names as in `recurrent`'s decoders."""
 
     def __init__(
         self,

@@ -1,5 +1,5 @@
-"""Figures for the analysis in report.md, drawn from the tables and analysis.json files of
-`copytask.analysis` (run folders only: nothing here loads a model).
+"""Figures for the analysis in report.md, drawn from `analysis_tables`' tables of the runs'
+analysis.json files (run folders only: nothing here loads a model).
 
 - `plot_counterfactual(analysis_table(analyses), path)`: accuracy vs length under each counterfactual
 - `plot_length_generalisation(length_generalisation_table(analyses), path)`: train x test length

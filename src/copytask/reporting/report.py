@@ -43,7 +43,7 @@ from .result_figures import (
     setting_suffix,
     setting_title,
 )
-from .setup import setup_section
+from .setup_section import setup_section
 
 REPORT_DIR = "report"
 CURVES_FIGURE = "training_curves"

@@ -2,7 +2,7 @@
 histories): accuracy against the x key (`report.x`) with every other varying key shown, never
 pooled; the (setting, length) grid with the longest length copied; training curves.
 
-Figures are `matplotlib.figure.Figure`s (see `copytask.figures`): no pyplot, no backend chosen.
+Figures are `matplotlib.figure.Figure`s (see `reporting.figures`): no pyplot, no backend chosen.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ with the best so far, and the objective against each searched key.
 The trials come from the search's record (`grid.search_trials`); each trial's run is an ordinary
 run folder, read as every run is (`tables.load`), and trials that repeat a run share it. The
 searched keys are the settings of the table, the keys whose values differ between the runs.
-Figures are `matplotlib.figure.Figure`s (see `copytask.figures`).
+Figures are `matplotlib.figure.Figure`s (see `reporting.figures`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Hydra's submitit SLURM launcher, with what a sweep on a cluster needs besides.
 
 A job signalled before its time limit or preempted is requeued by submitit (the launcher's
 `checkpoint`, inherited), at most `max_num_timeout` times for time limits, and its run continues
-from its last checkpoint (training.py). See docs/cluster.md.
+from its last checkpoint (`training.checkpoints`). See docs/cluster.md.
 """
 
 from __future__ import annotations

@@ -243,11 +243,12 @@ def test_train_device_cuda_on_a_node_without_a_gpu_fails_each_job_in_one_line(sl
 def test_a_second_sweep_while_the_first_runs_leaves_the_first_ones_runs_alone(slurm, tmp_path):
     runs_dir = tmp_path / "runs"
     # two CPUs per job: the node runs one job at a time, so the first sweep's second run waits in the queue;
-    # five times the steps: the first run still trains while the second sweep starts, also on a loaded machine
+    # twenty times the steps: the first run still trains while the second sweep starts (its checks build
+    # every job's model on torch's meta device first), also on a loaded machine
     args = [
         *(o for o in LONG if not o.startswith(("seed=", "train.steps="))),
         "seed=0,1",
-        f"train.steps={5 * STEPS}",
+        f"train.steps={20 * STEPS}",
         *SLURM,
         "hydra.launcher.cpus_per_task=2",
         f"runs_dir={runs_dir}",

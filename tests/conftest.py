@@ -18,8 +18,11 @@ from copytask.config.schema import config_dir
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # A budget small enough to train a run in about a second on a busy CPU; one torch thread so
-# parallel test runs and other processes do not fight over cores.
+# parallel test runs and other processes do not fight over cores. On the CPU, also on a machine with
+# a GPU (where `auto` would pick it): these tests mean the CPU path, fused kernels included, and
+# tests/test_cuda.py runs the device path on cuda where there is one.
 TINY = [
+    "train.device=cpu",
     "experiment=quick",
     "train.steps=10",
     "train.eval_every=5",

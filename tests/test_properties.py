@@ -44,6 +44,7 @@ RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store
 # Small, fast and quiet defaults; a drawn override of the same key comes later and wins.
 # Each model reads its own sizes and leaves the other's unused, so both are here.
 QUIET = [
+    "train.device=cpu",  # the CPU also where a GPU is: tests/test_cuda.py runs the device path
     "train.progress=false",
     "train.threads=1",
     "train.steps=2",

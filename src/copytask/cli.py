@@ -75,7 +75,7 @@ def entry() -> int:
     copytask's own messages are (set for the command's own process only, not for library use)."""
     warnings.formatwarning = messages.format_warning
     # cuBLAS reads it once, at its first call: set before anything runs, inherited by the jobs a sweep
-    # launches (copytask.devices)
+    # launches (training.devices)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
     return main()
 

@@ -1,4 +1,4 @@
-// The Python module of copytask's CPU kernels (copytask/kernels.py builds and loads it).
+// The Python module of copytask's CPU kernels (kernels/build.py builds it, kernels/ops.py calls it).
 #include <torch/extension.h>
 
 #include <vector>

@@ -13,7 +13,7 @@
 #include <utility>
 
 // The kernels read raw float pointers: every tensor they take must be contiguous float32 on CPU
-// (copytask/kernels.py sees to it; this guards against a caller that does not).
+// (kernels/ops.py sees to it; this guards against a caller that does not).
 static inline void check_inputs(const char* kernel, std::initializer_list<const at::Tensor*> tensors) {
   for (const at::Tensor* t : tensors)
     TORCH_CHECK(t->numel() == 0 || (t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous()),

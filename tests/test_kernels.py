@@ -5,6 +5,7 @@ ragged batches and given initial states."""
 import copy
 import os
 import platform
+import shutil
 import subprocess
 import sys
 
@@ -129,6 +130,33 @@ def test_failed_build_warns_and_falls_back(monkeypatch, fresh_build_root):
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
     with pytest.warns(UserWarning, match="could not build the fused CPU kernels .*c\\+\\+: not found"):
         assert ops.kernel() is None
+
+
+def test_a_failed_compile_is_named_by_the_compilers_first_error(monkeypatch, fresh_build_root):
+    def compile_error(*args, **kwargs):
+        raise RuntimeError(
+            "Error building extension 'copytask_kernels_avx2_355de488': [1/7] clang++ -MMD -MF additive.o.d -O3\n"
+            "FAILED: attention.o\nclang++ -MMD -MF attention.o.d -O3 -c attention.cpp -o attention.o\n"
+            "attention.cpp:405:35: error: reference to local binding 'D' declared in enclosing function\n"
+            "attention.cpp:406:35: error: reference to local binding 'T' declared in enclosing function\n"
+        )
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", compile_error)
+    with pytest.warns(UserWarning, match=r"could not build the fused CPU kernels \(attention.cpp:405:35: error: ref"):
+        assert ops.kernel() is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("clang++") is None, reason="needs clang++ (Debian's clang)")
+def test_the_kernels_build_with_clang(monkeypatch, fresh_build_root):
+    """Not only with g++, which takes what C++17 does not (a structured binding captured by a lambda)."""
+    monkeypatch.setenv("CXX", "clang++")
+    built = ops.kernel()
+    assert built is not None, "the kernels did not build with clang++ (the warning above says why)"
+    states, final, _, _ = built.gru_forward(
+        torch.ones(1, 1, 3), torch.zeros(1, 1), torch.zeros(3, 1), torch.zeros(3), torch.empty(0), False
+    )
+    assert torch.equal(states[0], final)
 
 
 def test_a_failed_build_is_remembered_until_the_toolchain_changes(monkeypatch, fresh_build_root):

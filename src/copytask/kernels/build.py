@@ -128,7 +128,7 @@ def kernel() -> ModuleType | None:
         )
     except Exception as error:  # no compiler, no ninja, unsupported platform: the torch code still works
         compiler = os.environ.get("CXX", "c++")
-        reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+        reason = failure_reason(error)
         if shutil.which(compiler) is None:
             reason = f"no C++ compiler: {compiler!r} is not on PATH"
         failed.write_text(json.dumps({"toolchain": toolchain(), "reason": reason}))
@@ -136,6 +136,14 @@ def kernel() -> ModuleType | None:
             f"copytask: could not build the fused CPU kernels ({reason}); using torch's ops, slower on CPU; {RETRY}"
         )
     return None
+
+
+def failure_reason(error: Exception) -> str:
+    """One line on why a build failed: the compiler's first error where it gave one (a failed build's
+    message starts with the compiler's command line), else the message's first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    compiled = [line for line in lines if " error: " in line or line.startswith("error: ")]
+    return (compiled or lines or [type(error).__name__])[0][:240]
 
 
 def _load(name: str, flags: list[str], directory: Path) -> ModuleType:

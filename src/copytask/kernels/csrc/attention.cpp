@@ -392,8 +392,11 @@ constexpr int BLOCK = 4;  // query rows at a time (four beat two and eight: docs
 
 // -> out (B, T, H * D), lse (B, H, T): each query row's log-sum-exp of its scores (-inf where it sees no key).
 std::vector<Tensor> attention_forward(const Tensor& x, const Tensor& kv, const Tensor& mask, int64_t heads, bool causal) {
-  const auto [q, k, v] = unpack("attention_forward", x, kv);
-  const auto [B, T, S, H, D] = check("attention_forward", q, k, mask, heads);
+  // Named variables, not structured bindings: a lambda may capture those only from C++20 (clang refuses).
+  const std::array<Tensor, 3> qkv = unpack("attention_forward", x, kv);
+  const Tensor &q = qkv[0], &k = qkv[1], &v = qkv[2];
+  const Sizes sizes = check("attention_forward", q, k, mask, heads);
+  const int64_t B = sizes.B, T = sizes.T, S = sizes.S, H = sizes.H, D = sizes.D;
   auto out = at::empty({B, T, H * D}, q.options());
   auto lse = at::empty({B, H, T}, q.options());
   const int64_t Sp = round_up(S);
@@ -436,14 +439,18 @@ std::vector<Tensor> attention_forward(const Tensor& x, const Tensor& kv, const T
 // as they are (kv's absent where kv is).
 std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& x, const Tensor& kv, const Tensor& out,
                                        const Tensor& lse, const Tensor& mask, int64_t heads, bool causal) {
-  const auto [q, k, v] = unpack("attention_backward", x, kv);
-  const auto [B, T, S, H, D] = check("attention_backward", q, k, mask, heads);
+  // Named variables, not structured bindings: a lambda may capture those only from C++20 (clang refuses).
+  const std::array<Tensor, 3> qkv = unpack("attention_backward", x, kv);
+  const Tensor &q = qkv[0], &k = qkv[1], &v = qkv[2];
+  const Sizes sizes = check("attention_backward", q, k, mask, heads);
+  const int64_t B = sizes.B, T = sizes.T, S = sizes.S, H = sizes.H, D = sizes.D;
   check_inputs("attention_backward", {&grad_out, &out, &lse});
   check_shape("attention_backward", "grad_out", grad_out, {B, T, H * D});
   check_shape("attention_backward", "out", out, {B, T, H * D});
   check_shape("attention_backward", "lse", lse, {B, H, T});
   auto grad_x = at::empty_like(x), grad_kv = kv.dim() == 3 ? at::empty_like(kv) : at::empty({0}, x.options());
-  const auto [grad_q, grad_k, grad_v] = unpack("attention_backward", grad_x, grad_kv);
+  const std::array<Tensor, 3> grads = unpack("attention_backward", grad_x, grad_kv);
+  const Tensor &grad_q = grads[0], &grad_k = grads[1], &grad_v = grads[2];
   const int64_t Sp = round_up(S);
   const float* q_p = q.data_ptr<float>();
   const int64_t q_stride[2] = {q.stride(0), q.stride(1)};  // read once: Tensor::stride checks its argument

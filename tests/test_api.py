@@ -17,13 +17,13 @@ import torch
 import copytask
 from copytask import store
 
-from .conftest import SRC, TINY
+from .conftest import TINY, pythonpath
 
 
 def test_import_copytask_loads_no_heavy_module():
     code = "import sys, copytask; print(sorted({'torch', 'pandas', 'matplotlib'} & set(sys.modules)))"
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(SRC)}, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": pythonpath()}, check=True
     )
     assert done.stdout.strip() == "[]"
 
@@ -101,7 +101,7 @@ def test_a_skipped_run_is_a_warning_the_caller_filters_and_the_command_line_prin
 
     command = [sys.executable, "-m", "copytask", "compare", f"runs_dir={runs_copy}"]
     err = subprocess.run(
-        command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, check=True
+        command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": pythonpath()}, check=True
     ).stderr
     [line] = [line for line in err.splitlines() if corrupt.name in line]
     assert line.startswith(f"copytask: warning: skipping {corrupt}: corrupt metrics.json")
@@ -272,7 +272,7 @@ def test_the_api_leaves_the_callers_process_as_it_found_it(tmp_path):
         [sys.executable, "-c", CALLER, str(tmp_path / "runs"), str(own_configs), json.dumps(tiny)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(SRC)},
+        env={**os.environ, "PYTHONPATH": pythonpath()},
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]

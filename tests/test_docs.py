@@ -6,6 +6,7 @@ line would refuse fails here, naming the page and line."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from copytask import bench, cli
 from copytask.config.checks import check_launcher, remote_job_check, remote_launcher, validate
 from copytask.config.hydra_internals import override_args
+from copytask.config.schema import ConfigError
 from copytask.evaluation import decode
 from copytask.store.grid import check_grid, compose_grid
 
@@ -96,6 +98,15 @@ def check_first_job(overrides: list[str]) -> None:
 
 @pytest.mark.parametrize("where,args", COMMANDS, ids=[where for where, _ in COMMANDS])
 def test_a_documented_command_is_accepted_as_written(where, args, fake_slurm):
+    try:
+        check_command(where, args)
+    except ConfigError as error:
+        if "pip install 'copytask[" in str(error) and not os.environ.get("CI"):  # CI installs every extra
+            pytest.skip(f"{where} needs an extra this machine lacks: {error}")
+        raise
+
+
+def check_command(where: str, args: list[str]) -> None:
     command, rest = args[0], args[1:]
     if command == "train":
         overrides = override_args(rest)  # Hydra's own flags (--cfg job, --help) are Hydra's to answer

@@ -13,7 +13,7 @@ import pytest
 from copytask import store
 from copytask.store.grid import compose_grid
 
-from .conftest import SRC, TINY, run_cli
+from .conftest import TINY, pythonpath, run_cli
 
 # Four runs of about a second each, one after another (the basic launcher): long enough to be
 # caught in the middle of one.
@@ -35,7 +35,7 @@ def test_a_sweep_killed_mid_run_resumes_without_retraining_or_duplicating(tmp_pa
     with open(tmp_path / "stderr.txt", "w+") as stderr:
         sweep = subprocess.Popen(
             [sys.executable, "-m", "copytask", "sweep", *args],
-            env={**os.environ, "PYTHONPATH": str(SRC)},
+            env={**os.environ, "PYTHONPATH": pythonpath()},
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )

@@ -17,6 +17,8 @@ from copytask.config.hydra_internals import (
 )
 from copytask.config.schema import config_dir
 
+from .conftest import OPTUNA
+
 
 def test_override_args_separates_hydra_flags_from_overrides():
     assert override_args(["--cfg", "job", "seed=1", "task.length=5,10"]) == ["seed=1", "task.length=5,10"]
@@ -46,6 +48,7 @@ def test_a_sweep_expands_like_the_basic_sweeper_with_the_command_line_replacing_
     assert single.seed == 7 and "hydra" in single
 
 
+@OPTUNA
 def test_a_search_space_reads_as_the_optuna_sweeper_reads_it():
     GlobalHydra.instance().clear()
     try:

@@ -18,7 +18,7 @@ from copytask.data.vocab import total_vocab
 from copytask.kernels import build, ops
 from copytask.models.recurrent import Seq2Seq
 
-from .conftest import SRC, run_cli
+from .conftest import pythonpath, run_cli
 
 
 @pytest.fixture
@@ -272,7 +272,7 @@ def test_kernels_refuse_what_they_cannot_read_without_crashing(kernel, process):
         [sys.executable, "-c", REFUSALS, process],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(SRC)},
+        env={**os.environ, "PYTHONPATH": pythonpath()},
         timeout=300,
     )
     compiler = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True)
@@ -546,7 +546,7 @@ def test_the_kernels_leave_the_allocator_alone(kernel):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(SRC)},
+        env={**os.environ, "PYTHONPATH": pythonpath()},
     )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) >= 40 << 20, "the 40 MB block came from the heap: the allocator's thresholds were changed"

@@ -16,13 +16,13 @@ from copytask.config.schema import ConfigError
 from copytask.training import splits
 from copytask.training.splits import heldout_keys, sequence_keys, training_batch
 
-from .conftest import SRC, TINY
+from .conftest import TINY, pythonpath
 
 
 def test_a_heldout_set_of_every_sequence_is_refused_through_the_cli_at_once(tmp_path):
     """The command of issue 19: 8 possible sequences, 128 held out. It used to loop for ever in
     `training_batch`; the timeout turns such a hang into a failure."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "HYDRA_FULL_ERROR": "0"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HYDRA_FULL_ERROR": "0"}
     command = [
         sys.executable,
         "-m",

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import needs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@needs("ruff", "pip install -e '.[test]'")
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])
 def test_ruff_finds_nothing(command):
     done = subprocess.run(

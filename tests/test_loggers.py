@@ -15,7 +15,7 @@ from copytask import cli, store
 from copytask.training import checkpoints, trackers
 from copytask.training.loop import train
 
-from .conftest import SRC, TINY, run_cli
+from .conftest import MLFLOW, TENSORBOARD, TINY, pythonpath, run_cli
 
 RECORDED = ("loss", "val_token_acc", "val_seq_acc", "seconds")  # history.csv's columns besides the step
 
@@ -32,6 +32,7 @@ def logged_params(cfg) -> dict:
     return {key: value for key, value in store.flat_identity(cfg).items() if value is not None}
 
 
+@TENSORBOARD
 def test_tensorboard_logs_the_history_the_identity_and_the_attention_map(make_config):
     from google.protobuf.json_format import MessageToDict
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -61,6 +62,7 @@ def test_tensorboard_logs_the_history_the_identity_and_the_attention_map(make_co
     assert image.width > 100 and image.height > 100
 
 
+@TENSORBOARD
 def test_a_resumed_run_logs_its_whole_history_in_its_tracker_run(make_config, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -86,6 +88,7 @@ def test_a_resumed_run_logs_its_whole_history_in_its_tracker_run(make_config, mo
         assert [scalar.step for scalar in events.Scalars(column)] == history["step"].tolist() == [5, 10]
 
 
+@TENSORBOARD
 def test_tensorboard_report_run_holds_the_sweeps_png_figures(make_config, tmp_path):
     import matplotlib.pyplot as plt
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -104,6 +107,7 @@ def test_tensorboard_report_run_holds_the_sweeps_png_figures(make_config, tmp_pa
     assert len(events.Images("counterfactual")) == 1
 
 
+@MLFLOW
 def test_mlflow_logs_the_history_the_identity_and_the_attention_map(make_config):
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -134,6 +138,7 @@ def test_mlflow_logs_the_history_the_identity_and_the_attention_map(make_config)
 
 
 @pytest.mark.slow
+@MLFLOW
 def test_a_sweep_is_one_mlflow_experiment_with_one_run_per_copytask_run(tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -166,7 +171,7 @@ def test_a_missing_extra_is_refused_in_one_line_before_anything_runs(tmp_path):
     hidden = tmp_path / "site"
     hidden.mkdir()
     (hidden / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None  # as if not installed\n")
-    env = {**os.environ, "PYTHONPATH": f"{hidden}{os.pathsep}{SRC}", "HYDRA_FULL_ERROR": "0"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(hidden), "HYDRA_FULL_ERROR": "0"}
     process = subprocess.run(
         [sys.executable, "-m", "copytask", "train", *TINY, f"runs_dir={tmp_path / 'runs'}", "logger=mlflow"],
         capture_output=True,

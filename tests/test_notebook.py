@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SRC, TINY
+from .conftest import TINY, pythonpath
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "copytask.ipynb"
 
@@ -23,7 +23,7 @@ def test_the_notebook_runs_and_shows_its_tables_figures_and_a_decoded_sequence(t
     [parameters] = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]
     grid = [*TINY, "attention=none,bahdanau", "task.length=3,6", "seed=0"]
     parameters.source = f"RUNS_DIR = {str(tmp_path / 'runs')!r}\nGRID = {grid!r}\nTYPED = 'a b c'"
-    monkeypatch.setenv("PYTHONPATH", str(SRC))  # the kernel imports this checkout's copytask
+    monkeypatch.setenv("PYTHONPATH", pythonpath())  # the kernel imports this checkout's copytask
     nbclient.NotebookClient(
         notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     ).execute()

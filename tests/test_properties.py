@@ -35,7 +35,7 @@ from copytask.config.schema import ConfigError, config_dir
 from copytask.data.batches import task_batch
 from copytask.models.build import build_model
 
-from .conftest import SRC
+from .conftest import pythonpath
 
 ATTENTIONS = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))
 ARCHITECTURES = sorted(path.stem for path in (Path(config_dir()) / "architecture").glob("*.yaml"))
@@ -257,7 +257,7 @@ CLI_SETTINGS = settings(max_examples=4, deadline=None, derandomize=True, suppres
 def test_the_command_line_trains_or_answers_in_one_line_with_exit_status_2(overrides):
     with tempfile.TemporaryDirectory() as scratch:
         runs_dir = Path(scratch) / "runs"
-        env = {**os.environ, "PYTHONPATH": str(SRC), "HYDRA_FULL_ERROR": "0"}
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "HYDRA_FULL_ERROR": "0"}
         command = [sys.executable, "-m", "copytask", "train", *QUIET, *overrides, f"runs_dir={runs_dir}"]
         process = subprocess.run(command, capture_output=True, text=True, env=env, cwd=scratch, timeout=120)
         if process.returncode == 2:

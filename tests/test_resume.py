@@ -17,7 +17,7 @@ from copytask.config.messages import CopytaskWarning
 from copytask.training import checkpoints, loop
 from copytask.training.loop import train
 
-from .conftest import SRC, run_cli
+from .conftest import pythonpath, run_cli
 
 # Long enough for three evaluations and numbers above chance; no early stop, so every run trains its budget.
 RUN = [
@@ -61,7 +61,7 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 def killed_at(step: int, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(SRC), "KILL_AT": str(step)}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "KILL_AT": str(step)}
     return subprocess.run([sys.executable, "-c", KILLED, *args], capture_output=True, text=True, env=env, timeout=600)
 
 

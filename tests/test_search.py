@@ -21,7 +21,7 @@ from copytask.config.schema import ConfigError, config_dir
 from copytask.store.grid import compose_grid
 from copytask.sweeps.jobs import hydra_job
 
-from .conftest import TINY, run_cli
+from .conftest import OPTUNA, TINY, run_cli
 
 
 def test_a_complete_run_skipped_by_a_job_still_returns_its_objective(tmp_path):
@@ -73,6 +73,7 @@ def searched(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return runs_dir, run_cli("sweep", *search(runs_dir, 3))
 
 
+@OPTUNA
 def test_a_search_runs_its_trials_as_run_folders_and_reports_them(searched):
     runs_dir, process = searched
     assert process.returncode == 0, process.stderr
@@ -91,6 +92,7 @@ def test_a_search_runs_its_trials_as_run_folders_and_reports_them(searched):
     assert "3/3 runs complete (3 trained now), 0 failed" in process.stdout
 
 
+@OPTUNA
 def test_the_objective_each_trial_returned_is_its_runs_metric(searched):
     runs_dir, _ = searched
     pairs = objectives_and_metrics(runs_dir)
@@ -100,6 +102,7 @@ def test_the_objective_each_trial_returned_is_its_runs_metric(searched):
     assert best.best_value == max(metric for _, metric in pairs)
 
 
+@OPTUNA
 def test_compare_and_report_show_the_searchs_best_trials(searched, tmp_path):
     runs_dir = tmp_path / "runs"
     shutil.copytree(searched[0], runs_dir)
@@ -115,6 +118,7 @@ def test_compare_and_report_show_the_searchs_best_trials(searched, tmp_path):
     assert (runs_dir / "report" / "report.md").is_file()
 
 
+@OPTUNA
 def test_an_interrupted_search_resumes_without_training_a_finished_trial_again(searched, tmp_path):
     runs_dir = tmp_path / "runs"
     shutil.copytree(searched[0], runs_dir)
@@ -139,6 +143,7 @@ def test_an_interrupted_search_resumes_without_training_a_finished_trial_again(s
     assert "4/4 runs complete (2 trained now)" in process.stdout
 
 
+@OPTUNA
 def test_a_trial_that_cannot_run_is_a_failed_trial_with_its_reason(tmp_path):
     # a bidirectional encoder refuses an odd hidden size: the trials proposed 7 fail in their job, the search goes on
     tiny = [
@@ -187,6 +192,7 @@ def test_the_search_bar_counts_the_trials_recorded_since_it_started(tmp_path):
     assert progress.finished() == (2, 2) and progress.runs_done(2) == "search (2/40 trials)"
 
 
+@OPTUNA
 @pytest.mark.parametrize(
     "bad, message",
     [
@@ -215,7 +221,7 @@ def test_without_the_plugin_the_search_says_what_to_install(monkeypatch):
     from hydra.core.plugins import Plugins
 
     Plugins.instance()  # registers the installed plugins' configs
-    monkeypatch.delitem(ConfigStore.instance().repo["hydra"]["sweeper"], "optuna.yaml")
+    monkeypatch.delitem(ConfigStore.instance().repo["hydra"]["sweeper"], "optuna.yaml", raising=False)
     with pytest.raises(
         ConfigError, match=r"^hydra/sweeper=optuna needs Hydra's Optuna sweeper: pip install 'copytask\[optuna\]'$"
     ):

@@ -21,7 +21,7 @@ from copytask import store
 from copytask.store.grid import compose_grid
 
 from . import slurm_cluster
-from .conftest import SRC, TINY, run_cli
+from .conftest import TINY, pythonpath, run_cli
 
 # Under pytest-xdist each worker that runs some of these starts its own one-node SLURM (own ports,
 # own folder): they do not share one.
@@ -63,7 +63,7 @@ def metrics_of(runs_dir: Path, args: list[str]) -> dict[str, dict]:
 def sweep_in_background(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "copytask", "sweep", *args],
-        env={**os.environ, "PYTHONPATH": str(SRC)},
+        env={**os.environ, "PYTHONPATH": pythonpath()},
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         text=True,
@@ -218,7 +218,7 @@ def test_a_job_past_its_time_limit_is_requeued_and_finishes(slurm, tmp_path):
         f"runs_dir={runs_dir}",
     ]
     (run,) = compose_grid(args)[1]
-    env = {**os.environ, "PYTHONPATH": f"{Path(__file__).with_name('first_attempt_slow')}{os.pathsep}{SRC}"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(Path(__file__).with_name("first_attempt_slow"))}
     result = subprocess.run(
         [sys.executable, "-m", "copytask", "sweep", *args], capture_output=True, text=True, env=env, timeout=600
     )

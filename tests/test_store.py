@@ -18,7 +18,7 @@ from copytask.config.messages import CopytaskWarning
 from copytask.store.grid import GridRun
 from copytask.training.loop import train
 
-from .conftest import SRC, TINY, run_cli
+from .conftest import TINY, pythonpath, run_cli
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)], ids=["022", "027", "002"])
@@ -94,7 +94,7 @@ def test_a_run_in_training_is_left_alone_and_a_killed_ones_lock_is_taken_over(ma
     cfg = make_config(*TINY)  # the run both processes are asked for
     folder = store.run_dir(cfg)
     run = GridRun((), "", cfg, folder)
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     first = subprocess.Popen(
         [sys.executable, "-c", HANGS_IN_TRAINING, "train", *TINY, f"runs_dir={runs_dir}"],
         env=env,

@@ -17,7 +17,7 @@ from copytask import cli, store
 from copytask.config.messages import Lines
 from copytask.store.grid import compose_grid
 
-from .conftest import SRC, TINY, overrides, run_cli
+from .conftest import TINY, overrides, pythonpath, run_cli
 
 EXPECTED = set(itertools.product(["none", "luong_general"], [3, 6], [0, 1]))
 
@@ -279,7 +279,7 @@ def test_a_sweeps_log_with_both_streams_has_each_runs_line_on_a_line_of_its_own(
     """`sweep ... > log 2>&1`: the bars (stderr) are not redrawn with carriage returns there, so no
     other line (a job's result, Hydra's) lands on the end of a bar's."""
     tiny = [override for override in TINY if override != "train.progress=false"]
-    env = {**os.environ, "PYTHONPATH": str(SRC), "HYDRA_FULL_ERROR": "0"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HYDRA_FULL_ERROR": "0"}
     args = [
         "sweep",
         *tiny,

@@ -143,6 +143,16 @@ def test_compare_trains_nothing_unless_asked_and_says_how(runs_copy, capsys):
     assert len(parse_compare(output)) == 4  # the table of what there is
 
 
+def test_compare_given_only_runs_dir_names_it_once_in_how_to_train_the_missing(runs_copy, capsys):
+    removed = pd.read_csv(runs_copy / "results.csv")["run"].iloc[6]
+    shutil.rmtree(runs_copy / removed)  # the recorded sweep names the folder it was copied from
+
+    assert main(["compare", f"runs_dir={runs_copy}"]) == 0
+
+    hint = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("train them with:"))
+    assert hint.count("runs_dir=") == 1 and f"runs_dir={runs_copy}" in hint
+
+
 def test_compare_train_missing_runs_the_missing_runs_first(runs_copy, capsys):
     removed = pd.read_csv(runs_copy / "results.csv")["run"].iloc[6]
     shutil.rmtree(runs_copy / removed)

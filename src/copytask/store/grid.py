@@ -314,6 +314,13 @@ class Selection:
         return self.trials is not None
 
 
+def replaced(recorded: list[str], given: list[str]) -> list[str]:
+    """The recorded overrides less those whose key a given `key=value` sets again, then the given ones
+    (what Hydra would compose from both, written once: a folder's sweep may name another runs_dir)."""
+    keys = {override.split("=", 1)[0] for override in given if "=" in override and override[0] not in "+~"}
+    return [*(override for override in recorded if override.split("=", 1)[0] not in keys), *given]
+
+
 def select_runs(overrides: list[str], every_run: bool = False, every_run_unless_recorded: bool = False) -> Selection:
     """The grid of `python -m copytask sweep <overrides>`; with no grid overrides (only `runs_dir`,
     `report.*` and the like), the grid of the last sweep recorded in runs_dir (where none is: the
@@ -328,9 +335,10 @@ def select_runs(overrides: list[str], every_run: bool = False, every_run_unless_
         master, _ = compose_grid(overrides, expand_grid=False)
         recorded = None if every_run else recorded_overrides(Path(master.runs_dir))
         if recorded is not None:
-            master, grid = compose_grid([*recorded, *overrides])
+            combined = replaced(recorded, overrides)
+            master, grid = compose_grid(combined)
             command = shlex.join(["python", "-m", "copytask", "sweep", *recorded])
-            return selection(master, grid, [*recorded, *overrides], command, recorded_in=master.runs_dir)
+            return selection(master, grid, combined, command, recorded_in=master.runs_dir)
         if every_run or every_run_unless_recorded:
             runs = folder_runs(store.complete_runs(Path(master.runs_dir)))
             return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs")

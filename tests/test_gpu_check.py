@@ -39,3 +39,15 @@ def test_its_check_and_sweep_rehearse_on_the_cpu(tmp_path):
     assert "### check" in report and "| multihead | cpu |" in report and "of 512 sequences identical" in report
     assert "Luong general twice on cpu, one seed: identical" in report
     assert "### sweep" in report and "8 runs finished" in report and "luong_general" in report
+
+
+@pytest.mark.slow
+def test_a_part_stopped_at_its_time_limit_says_so_and_is_no_failure(tmp_path):
+    sweep = [arg for arg in TINY if arg != "train.device=cpu"] + GRID
+    result = gpu_check(
+        *("--device", "cpu", "--out", str(tmp_path), "--parts", "sweep", "--sweep-limit", "1"),
+        *("--sweep-jobs", "2", "--sweep-args", *sweep),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sweep: stopped at its time limit" in result.stdout and "FAILED" not in result.stdout
+    assert "(stopped at its 1 s limit)" in result.stdout

@@ -262,9 +262,8 @@ def fast_suite(out: Path, jobs: int, limit: float) -> tuple[list[str], bool | No
     failed = [line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))]
     summary = output.strip().splitlines()[-1:] if output.strip() else ["(no output)"]
     ended = f"exit {status}" if status is not None else f"stopped at its {limit:.0f} s limit"
-    return [f"`{' '.join(command[1:])}` in {seconds:.0f} s ({ended}): {summary[0]}", *failed], verdict(
-        status, bool(failed)
-    )
+    line = f"`{' '.join(command[1:])}` in {seconds:.0f} s ({ended}): {summary[0]}"
+    return [line, *failed], verdict(status, bool(failed))
 
 
 def main() -> int:

@@ -157,9 +157,15 @@ def interval(values: pd.Series, trials: int | None = None) -> tuple[float, float
     half = stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1) * float(values.std(ddof=1)) / math.sqrt(n)
     low, high = mean - half, mean + half
     if trials:
-        wilson = stats.binomtest(round(mean * trials), trials).proportion_ci(CONFIDENCE, method="wilson")
-        low, high = min(low, wilson.low), max(high, wilson.high)
+        wilson_low, wilson_high = wilson(mean, trials)
+        low, high = min(low, wilson_low), max(high, wilson_high)
     return mean, low, high
+
+
+def wilson(share: float, trials: int) -> tuple[float, float]:
+    """The 95% Wilson interval of a share of `trials` scored items (one held-out set's sampling error)."""
+    ci = stats.binomtest(round(share * trials), trials).proportion_ci(CONFIDENCE, method="wilson")
+    return ci.low, ci.high
 
 
 def scored(group: pd.DataFrame) -> dict[str, int | None]:

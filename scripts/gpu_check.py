@@ -38,7 +38,8 @@ PARTS = ("check", "bench", "sweep", "suite")
 def run_logged(command: list[str], log: Path, limit: float | None = None) -> tuple[int | None, str, float]:
     """Run `command` in ROOT with this checkout's sources, its output appended to `log`:
     (exit status, or None if it passed `limit` seconds and was stopped with its children; output; seconds)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(ROOT / "src"), os.environ.get("PYTHONPATH")]  # an empty entry would put the working folder first
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
     started = time.perf_counter()
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from copytask import api
-from copytask.bench import matmul_rate
+from copytask.bench.measures import matmul_rate
 from copytask.training import checkpoints
 
 

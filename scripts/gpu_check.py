@@ -69,10 +69,11 @@ def training_check(out: Path, device: str, steps: int, started: float) -> tuple[
 
     from copytask import store
     from copytask.config.schema import config_dir
+    from copytask.data import splits
     from copytask.evaluation import analysis
     from copytask.evaluation.load import load_run
     from copytask.models.greedy import evaluate
-    from copytask.training import loop, splits
+    from copytask.training import loop
 
     step = loop.train_step
 

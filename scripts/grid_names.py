@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from copytask.config.schema import config_dir
-from copytask.store.grid import compose_grid
+from copytask.sweeps.grid import compose_grid
 
 
 def presets() -> list[list[str]]:

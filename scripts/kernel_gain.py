@@ -41,13 +41,13 @@ from collections import Counter
 import torch
 
 from copytask.api import compose
+from copytask.data.splits import sample_batch
 from copytask.data.vocab import PAD
 from copytask.kernels import ops as kernels
 from copytask.models.build import build_model
 from copytask.models.greedy import evaluate
 from copytask.training.loop import train_step
 from copytask.training.optimizer import adam
-from copytask.training.splits import sample_batch
 
 KERNEL_FUNCTIONS = (
     "gru_forward",

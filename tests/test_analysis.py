@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 
 from copytask import cli, store
 from copytask.config import schema
-from copytask.config.messages import CopytaskWarning
+from copytask.console import CopytaskWarning
 from copytask.data import batches
 from copytask.data.batches import Batch, make_batch
 from copytask.data.vocab import EOS, total_vocab

@@ -6,13 +6,12 @@ import pandas as pd
 import pytest
 import torch
 
-from copytask.bench import (
+from copytask.bench.command import main, parse
+from copytask.bench.measures import (
     ATTENTIONS,
     QUICK,
     REFERENCED,
     bench_config,
-    main,
-    parse,
     setups,
     speed,
     step_flops,

@@ -18,9 +18,10 @@ import torch
 
 from copytask import store
 from copytask.config.schema import DETERMINISTIC_CUBLAS, config_dir
+from copytask.data import splits
 from copytask.evaluation.load import load_run
 from copytask.models.greedy import evaluate
-from copytask.training import loop, splits
+from copytask.training import loop
 
 from .conftest import GRID, TINY, run_cli
 

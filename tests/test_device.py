@@ -15,18 +15,20 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from copytask import bench, store
+from copytask import store
+from copytask.bench import measures
 from copytask.config.checks import analysis_device, validate
-from copytask.config.schema import ConfigError, config_dir
+from copytask.config.schema import config_dir
+from copytask.console import ConfigError
 from copytask.data.batches import task_batch
+from copytask.data.splits import sample_batch
 from copytask.evaluation import analysis
 from copytask.evaluation.load import load_run
 from copytask.kernels import ops
 from copytask.models.build import build_model
-from copytask.store.grid import check_grid
+from copytask.sweeps.grid import check_grid
 from copytask.training import devices
 from copytask.training.loop import train, train_step
-from copytask.training.splits import sample_batch
 
 from .conftest import TINY, run_cli
 
@@ -363,13 +365,15 @@ def test_a_sweep_that_asked_for_gpus_and_trained_on_cpu_says_so():
 
 def test_flops_are_counted_on_a_cpu_copy_of_the_step(monkeypatch):
     """cuDNN's GRU has no FLOP formula: the step is counted on a CPU copy, and the benchmarked model is left alone."""
-    cfg = bench.bench_config("bahdanau", 6, ["train.batch_size=4"])
-    setup = bench.setups(cfg, torch.device("cpu"))["project"]
+    cfg = measures.bench_config("bahdanau", 6, ["train.batch_size=4"])
+    setup = measures.setups(cfg, torch.device("cpu"))["project"]
     before = {name: value.clone() for name, value in setup[0].state_dict().items()}
     counted_on = []
-    real_step = bench.train_step
-    monkeypatch.setattr(bench, "train_step", lambda model, *rest: counted_on.append(model) or real_step(model, *rest))
-    flops = bench.step_flops(setup)
+    real_step = measures.train_step
+    monkeypatch.setattr(
+        measures, "train_step", lambda model, *rest: counted_on.append(model) or real_step(model, *rest)
+    )
+    flops = measures.step_flops(setup)
     assert flops > 0 and len(counted_on) == 1 and counted_on[0] is not setup[0]
     assert all(p.device.type == "cpu" for p in counted_on[0].parameters())
     assert all(torch.equal(value, before[name]) for name, value in setup[0].state_dict().items())

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from copytask import bench, cli
+from copytask import cli
+from copytask.bench import measures
+from copytask.bench.command import parse as bench_parse
 from copytask.config.checks import check_launcher, remote_job_check, remote_launcher, validate
 from copytask.config.hydra_internals import override_args
-from copytask.config.schema import ConfigError
+from copytask.console import ConfigError
 from copytask.evaluation import decode
-from copytask.store.grid import check_grid, compose_grid
+from copytask.sweeps.grid import check_grid, compose_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -122,8 +124,8 @@ def check_command(where: str, args: list[str]) -> None:
     elif command == "decode":
         decode.parser().parse_args(rest)
     elif command == "bench":
-        options = bench.parse(rest)
-        bench.bench_config(bench.ATTENTIONS[0], options.lengths[0], options.overrides)
+        options = bench_parse(rest)
+        measures.bench_config(measures.ATTENTIONS[0], options.lengths[0], options.overrides)
     else:
         pytest.fail(f"{where}: {command} is not a copytask command")
 
@@ -131,6 +133,6 @@ def check_command(where: str, args: list[str]) -> None:
 def test_bench_takes_overrides_after_a_list_option():
     """docs/bench.md's memory command: `train.threads=1` after `--memory-attentions a b` is an override,
     not a third attention."""
-    options = bench.parse(["--lengths", "80", "--memory-attentions", "luong_general", "transformer", "train.threads=1"])
+    options = bench_parse(["--lengths", "80", "--memory-attentions", "luong_general", "transformer", "train.threads=1"])
     assert options.memory_attentions == ["luong_general", "transformer"] and options.overrides == ["train.threads=1"]
     assert options.lengths == [80]

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from copytask import store
-from copytask.store.grid import compose_grid
+from copytask.sweeps.grid import compose_grid
 
 from .conftest import TINY, pythonpath, run_cli
 

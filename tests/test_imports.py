@@ -1,31 +1,28 @@
 """The package's layers import one way, lowest first, counting imports inside functions: no module
-imports from a package above its own, so there is no import circle between layers (README, Layout).
-Inside a package, modules import each other freely."""
+imports from a layer above its own, so there is no import circle between layers. The order is the
+one docs/architecture.md gives (its numbered list of layers), so the map and the code cannot drift
+apart. Inside a layer, modules import each other freely."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import copytask
 
 PACKAGE = Path(copytask.__file__).parent
+MAP = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+LAYER_LINE = re.compile(r"^\d+\. \*\*`(\w+)`\*\*")  # "3. **`config`**: ..."
+
+
+def map_layers(text: str) -> list[str]:
+    """The layers docs/architecture.md lists, lowest first: its numbered lines that start with a bold name."""
+    return [match[1] for match in map(LAYER_LINE.match, text.splitlines()) if match]
+
+
 # Lowest first: a subpackage (or a top-level module) may import only from itself and those before it.
-LAYERS = [
-    "data",
-    "config",
-    "kernels",
-    "models",
-    "store",
-    "reporting",
-    "training",
-    "evaluation",
-    "sweeps",
-    "bench",
-    "api",
-    "cli",
-    "__main__",
-]
+LAYERS = map_layers(MAP.read_text())
 
 
 def layer_of(path: Path) -> str:
@@ -77,3 +74,8 @@ def test_the_layer_check_sees_imports_inside_functions():
         "    from . import recurrent\n"
     )
     assert imported_layers(PACKAGE / "models" / "attention.py", text) == {"training", "cli", "store", "api", "models"}
+
+
+def test_the_map_lists_each_layer_once_and_is_read_as_written():
+    assert len(LAYERS) == len(set(LAYERS)) and LAYERS[0] == "console" and LAYERS[-1] == "__main__"
+    assert map_layers("1. **`data`**: the data\n- **`x`** not a layer\n2. **`config`**: configs") == ["data", "config"]

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from copytask.reporting.tables import TARGET_STEP, interval, load, scored, summarise
-from copytask.store.grid import compose_grid
+from copytask.sweeps.grid import compose_grid
 from copytask.training.loop import train
 
 from .conftest import TINY

@@ -12,9 +12,9 @@ import torch
 
 from copytask.config import checks
 from copytask.config.checks import heldout_share, validate
-from copytask.config.schema import ConfigError
-from copytask.training import splits
-from copytask.training.splits import heldout_keys, sequence_keys, training_batch
+from copytask.console import ConfigError
+from copytask.data import splits
+from copytask.data.splits import heldout_keys, sequence_keys, training_batch
 
 from .conftest import TINY, pythonpath
 
@@ -125,7 +125,7 @@ def test_training_batch_stops_with_an_error_where_every_sequence_is_held_out(mak
             pytest.fail("training_batch redraws for ever")
         return real(*args)
 
-    monkeypatch.setattr("copytask.training.splits.sample_batch", counted)
+    monkeypatch.setattr("copytask.data.splits.sample_batch", counted)
     with pytest.raises(
         ConfigError,
         match=r"training batch.*held-out.*train.val_size=16, train.eval_size=64.*task.length=2.*task.vocab_size=2",
@@ -197,7 +197,7 @@ def test_the_memory_check_compares_the_estimate_with_the_machines_memory(make_co
 )
 def test_every_preset_fits_a_small_machine(preset, monkeypatch):
     """No preset's run is refused on a machine with 2 GiB (capacity's bigger grid included)."""
-    from copytask.store.grid import check_grid
+    from copytask.sweeps.grid import check_grid
 
     monkeypatch.setattr(checks, "machine_memory", lambda: 2 * 1024**3)
     grid = check_grid(preset)

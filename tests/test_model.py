@@ -5,7 +5,7 @@ import torch
 
 from copytask import store
 from copytask.config.checks import validate
-from copytask.config.schema import ConfigError
+from copytask.console import ConfigError
 from copytask.data.batches import make_batch
 from copytask.data.vocab import total_vocab
 from copytask.models.recurrent import Seq2Seq, count_parameters

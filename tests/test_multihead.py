@@ -5,7 +5,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from copytask.config.checks import validate
-from copytask.config.schema import ConfigError, config_dir
+from copytask.config.schema import config_dir
+from copytask.console import ConfigError
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import total_vocab
 from copytask.evaluation.analysis import head_weights

@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 
 import copytask
 from copytask import store
-from copytask.config.schema import ConfigError, config_dir
+from copytask.config.schema import config_dir
+from copytask.console import ConfigError
 from copytask.data.batches import task_batch
 from copytask.models.build import build_model
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from copytask.bench.reference import ReferenceSeq2Seq
 from copytask.config.schema import config_dir
 from copytask.data.batches import make_batch
 from copytask.models.attention import SigmoidTanh
 from copytask.models.build import build_model
-from copytask.models.reference import ReferenceSeq2Seq
 
 ATTENTIONS = ("none", "rnnencdec", "bahdanau", "luong_dot", "luong_general", "luong_concat")
 NO_ATTENTION = ("none", "rnnencdec")

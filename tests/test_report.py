@@ -13,10 +13,11 @@ import pytest
 
 from copytask import store
 from copytask.cli import main
-from copytask.config.messages import CopytaskWarning
+from copytask.console import CopytaskWarning
 from copytask.evaluation import analysis
 from copytask.reporting.tables import TARGET_STEP, comparison_table, interval, summarise, target_step
-from copytask.store.grid import compose_grid, variable_length_runs
+from copytask.store.runs import variable_length_runs
+from copytask.sweeps.grid import compose_grid
 
 from .conftest import TINY, overrides, run_cli
 
@@ -278,7 +279,7 @@ def test_steps_to_target_is_the_first_evaluation_at_target_over_the_seeds_that_r
 def test_report_heatmaps_outline_the_copied_positions_and_say_so(runs_copy, monkeypatch):
     from matplotlib.patches import Rectangle
 
-    from copytask.reporting import figures
+    from copytask import figures
 
     outlined, save = {}, figures.save
 

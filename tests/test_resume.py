@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from copytask import store
-from copytask.config.messages import CopytaskWarning
+from copytask.console import CopytaskWarning
 from copytask.training import checkpoints, loop
 from copytask.training.loop import train
 

@@ -17,8 +17,9 @@ from omegaconf import OmegaConf, open_dict
 
 import copytask
 from copytask import api, cli, store
-from copytask.config.schema import ConfigError, config_dir
-from copytask.store.grid import compose_grid
+from copytask.config.schema import config_dir
+from copytask.console import ConfigError
+from copytask.sweeps.grid import compose_grid
 from copytask.sweeps.jobs import hydra_job
 
 from .conftest import OPTUNA, TINY, run_cli
@@ -179,7 +180,7 @@ def test_a_trial_that_cannot_run_is_a_failed_trial_with_its_reason(tmp_path):
 
 
 def test_the_search_bar_counts_the_trials_recorded_since_it_started(tmp_path):
-    from copytask.store.grid import TRIAL_RECORD
+    from copytask.store.runs import TRIAL_RECORD
     from copytask.sweeps.jobs import TrialProgress
 
     earlier = tmp_path / "0" / TRIAL_RECORD  # left by an earlier search in this runs_dir

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from copytask import store
-from copytask.store.grid import compose_grid
+from copytask.sweeps.grid import compose_grid
 
 from . import slurm_cluster
 from .conftest import TINY, pythonpath, run_cli

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from copytask.config.checks import check_launcher
-from copytask.config.schema import ConfigError
+from copytask.console import ConfigError
 from copytask.sweeps import slurm
 
 LAUNCHER = "hydra_plugins.copytask_slurm_launcher.copytask_slurm_launcher.SlurmLauncher"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from copytask.data import splits
 from copytask.evaluation import analysis
-from copytask.training import splits
 from copytask.training.loop import train
 
 from .conftest import TINY

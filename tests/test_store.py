@@ -14,8 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from copytask import cli, store
-from copytask.config.messages import CopytaskWarning
-from copytask.store.grid import GridRun
+from copytask.console import CopytaskWarning
+from copytask.store.runs import GridRun
 from copytask.training.loop import train
 
 from .conftest import TINY, pythonpath, run_cli

@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 
 from copytask import cli, store
-from copytask.config.messages import Lines
-from copytask.store.grid import compose_grid
+from copytask.console import Lines
+from copytask.sweeps.grid import compose_grid
 
 from .conftest import TINY, overrides, pythonpath, run_cli
 
@@ -244,7 +244,7 @@ def test_what_hydra_cannot_take_is_refused_in_one_line_before_anything_runs(tmp_
 
 
 def test_the_sweep_bar_weighs_each_run_by_its_length_and_budget(runs_copy):
-    from copytask.store.grid import select_runs
+    from copytask.sweeps.grid import select_runs
     from copytask.sweeps.jobs import SweepProgress, expected_cost
 
     runs = select_runs(overrides(runs_copy)).runs
@@ -259,7 +259,7 @@ def test_the_sweep_bar_weighs_each_run_by_its_length_and_budget(runs_copy):
 
 
 def test_the_sweep_bar_credits_the_steps_a_run_in_training_has_done(runs_copy):
-    from copytask.store.grid import select_runs
+    from copytask.sweeps.grid import select_runs
     from copytask.sweeps.jobs import SweepProgress
 
     runs = select_runs(overrides(runs_copy)).runs

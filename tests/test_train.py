@@ -8,14 +8,15 @@ import torch
 
 from copytask import cli, store
 from copytask.config.checks import validate
-from copytask.config.schema import ConfigError
+from copytask.console import ConfigError
+from copytask.data import splits
 from copytask.data.batches import Batch
 from copytask.kernels import ops
 from copytask.models.build import build_model
 from copytask.models.greedy import evaluate
 from copytask.reporting.tables import wilson
-from copytask.store.grid import compose_grid
-from copytask.training import devices, loop, splits
+from copytask.sweeps.grid import compose_grid
+from copytask.training import devices, loop
 from copytask.training.loop import NonFiniteLoss, train, train_step
 from copytask.training.optimizer import FlatAdam
 

@@ -10,15 +10,15 @@ import torch
 from torch import nn
 
 from copytask import store
+from copytask.bench.reference import ReferenceTransformer, reference_transformer_state
 from copytask.config.checks import parameter_count, validate
-from copytask.config.schema import ConfigError
+from copytask.console import ConfigError
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import BOS, PAD
 from copytask.evaluation import analysis
 from copytask.kernels import ops
 from copytask.models.build import build_model
 from copytask.models.recurrent import count_parameters
-from copytask.models.reference import ReferenceTransformer, reference_transformer_state
 from copytask.models.transformer import SinusoidalPositions, scaled_dot_product
 
 from .conftest import TINY, run_cli
@@ -38,8 +38,8 @@ TINY_TRANSFORMER = [
 def trained_a_little(model: nn.Module, cfg, steps: int = 30) -> nn.Module:
     """A few Adam steps on the copy task: weights away from their initialisation, so that argmaxes differ
     between steps and positions and the tests below test something."""
+    from copytask.data.splits import sample_batch
     from copytask.training.loop import train_step
-    from copytask.training.splits import sample_batch
 
     generator = torch.Generator().manual_seed(0)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)

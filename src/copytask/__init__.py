@@ -25,17 +25,16 @@ _PUBLIC = {
     **dict.fromkeys(
         ("compose", "train", "sweep", "results", "compare", "report", "load_run", "decode", "SweepError"), "api"
     ),
-    "ConfigError": "config.schema",
+    "ConfigError": "console",
     "RunInProgress": "training.loop",
     "NonFiniteLoss": "training.loop",
-    "CopytaskWarning": "config.messages",
+    "CopytaskWarning": "console",
 }
 __all__ = list(_PUBLIC)
 
 if TYPE_CHECKING:
     from .api import SweepError, compare, compose, decode, load_run, report, results, sweep, train
-    from .config.messages import CopytaskWarning
-    from .config.schema import ConfigError
+    from .console import ConfigError, CopytaskWarning
     from .training.loop import NonFiniteLoss, RunInProgress
 
 

@@ -7,7 +7,7 @@ results and summary, write its report, load a trained model and decode with it.
     copytask.compare("runs")
 
 They return values (dicts, DataFrames, paths, arrays) and print nothing but progress bars (on
-stderr); what a sweep says as it goes goes to the `copytask` logger (`messages.log`), to which the
+stderr); what a sweep says as it goes goes to the `copytask` logger (`console.log`), to which the
 library adds no handler. The command line (`copytask.cli`) is a thin layer over the same
 functions. Calling them changes no process-wide state: torch's thread count and random state,
 matplotlib's backend and a Hydra instance the caller initialised are as they were. Bad input
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from .config.schema import ConfigError
-from .store.grid import Selection, check_grid, nothing_done, select_runs
+from .console import ConfigError
+from .sweeps.grid import Selection, check_grid, nothing_done, select_runs
 
 if TYPE_CHECKING:  # heavy imports happen where they are needed: `import copytask` stays fast
     import pandas as pd

@@ -17,11 +17,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import api, store
-from .config import messages
+from . import api, console, store
 from .config.model_keys import Refused, check_lengths
-from .config.schema import DETERMINISTIC_CUBLAS, ConfigError, config_help, refuse
-from .store.grid import Selection, compose_grid, folder_runs, nothing_done, select_runs
+from .config.schema import DETERMINISTIC_CUBLAS, config_help
+from .console import ConfigError, refuse
+from .store.runs import folder_runs
+from .sweeps.grid import Selection, compose_grid, nothing_done, select_runs
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
 
@@ -73,7 +74,7 @@ COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report":
 def entry() -> int:
     """The `copytask` command (and `python -m copytask`): `main`, with warnings in one line each, as
     copytask's own messages are (set for the command's own process only, not for library use)."""
-    warnings.formatwarning = messages.format_warning
+    warnings.formatwarning = console.format_warning
     # cuBLAS reads it once, at its first call: set before anything runs, inherited by the jobs a sweep
     # launches (training.devices)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
@@ -82,11 +83,11 @@ def entry() -> int:
 
 @contextmanager
 def printed_log() -> Iterator[None]:
-    """Inside: what the library logs (`messages.log`: the jobs' and the sweep's lines) printed as bare
-    lines (`messages.Lines`) and nowhere else; after: the logger as it was."""
-    logger = messages.log
+    """Inside: what the library logs (`console.log`: the jobs' and the sweep's lines) printed as bare
+    lines (`console.Lines`) and nowhere else; after: the logger as it was."""
+    logger = console.log
     saved = logger.handlers[:], logger.level, logger.propagate
-    logger.handlers[:], logger.propagate = [messages.Lines()], False
+    logger.handlers[:], logger.propagate = [console.Lines()], False
     logger.setLevel(logging.INFO)
     try:
         yield
@@ -155,7 +156,7 @@ def run_command(args: list[str]) -> int:
         print(f"copytask: the fused CPU kernels are built: {built.__file__}")
         return 0
     if command == "bench":
-        from .bench import main as bench  # imported here: it loads the reference and profiler
+        from .bench.command import main as bench  # imported here: it loads the reference and profiler
 
         return bench(rest)
     print(
@@ -222,7 +223,7 @@ def compare(overrides: list[str], flags: set[str]) -> int:
     the command that trains them; --train-missing trains them first (the same resumable sweep);
     --missing lists them and prints no table."""
     from .reporting.tables import comparison_table, describe_missing, table_note
-    from .store.grid import sweep_command
+    from .sweeps.grid import sweep_command
 
     selection = selection_for("compare", overrides, flags)
     unfinished = [(run, run.failure()) for run in selection.runs if run.status() != "complete"]

@@ -13,7 +13,6 @@ import difflib
 import itertools
 import os
 import re
-import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,18 +23,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
+from ..console import ConfigError
 from . import model_keys
-
-
-class ConfigError(ValueError):
-    """A config value that cannot be run; the message names the value and what is allowed."""
-
-
-def refuse(error: Exception | str) -> int:
-    """A command's refusal of bad input: one line on stderr, `copytask: error: ...`; -> exit status 2."""
-    print(f"copytask: error: {error}", file=sys.stderr)
-    return 2
-
 
 DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
 # attention.variant: which equations a decoder computes, where they changed after its runs were made, so that

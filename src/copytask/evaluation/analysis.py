@@ -40,18 +40,17 @@ from omegaconf import DictConfig
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .. import store
-from ..config import messages
+from .. import console, store
 from ..data.batches import Batch, copied_positions
 from ..data.scoring import output_mask, sequence_scores
+from ..data.splits import heldout_at_length, test_batch, training_length_mix, unscorable
 from ..models.attention import Attention, Intervention
 from ..models.build import Model
 from ..models.greedy import evaluate, rounded
-from ..reporting.analysis_tables import COUNTERFACTUALS
 from ..training.devices import resolve_device, run_settings, torch_threads
-from ..training.splits import heldout_at_length, test_batch, training_length_mix, unscorable
 from .load import load_run
 
+COUNTERFACTUALS = ("uniform", "permuted", "fixed")  # what the analysis replaces the weights by
 FIXED_POSITION = 0  # the `fixed` counterfactual puts all weight here (always a valid position)
 PER_LENGTH_SIZE = 64  # held-out sequences per length in the per-length evaluation
 
@@ -301,7 +300,7 @@ def _trained_length(folder: Path) -> int | None:
     try:
         return int(store.read_json(folder / store.METRICS)["length"])
     except (OSError, ValueError, KeyError, TypeError) as error:
-        messages.warn(f"skipping {folder}: unreadable {store.METRICS}: {error}")
+        console.warn(f"skipping {folder}: unreadable {store.METRICS}: {error}")
         return None
 
 
@@ -327,7 +326,7 @@ def analyze(
     analysed = 0
     with torch_threads(threads):
         for folder in tqdm(
-            folders, desc="analyze", unit="run", disable=not progress, file=messages.bar_stream(), dynamic_ncols=True
+            folders, desc="analyze", unit="run", disable=not progress, file=console.bar_stream(), dynamic_ncols=True
         ):
             if is_analysed(folder, lengths, eval_size, device.type):
                 continue
@@ -337,5 +336,5 @@ def analyze(
                 store.write_json(folder / store.ANALYSIS, result)
                 analysed += 1
             except Exception as error:  # noqa: BLE001 - one run's failure must not stop the others
-                messages.warn(f"analysis of {folder} failed: {type(error).__name__}: {error}")
+                console.warn(f"analysis of {folder} failed: {type(error).__name__}: {error}")
     return analysed

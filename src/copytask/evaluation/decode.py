@@ -24,7 +24,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from .. import store
-from ..config.schema import ConfigError, refuse
+from ..console import ConfigError, refuse
 from ..data.vocab import EOS, parse_symbols, symbol
 
 SHADES = " ░▒▓█"  # attention weight 0, 0.25, 0.5, 0.75, 1 (each weight rounded to the nearest)
@@ -264,7 +264,7 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
             f"{int(decoded.exact.sum())} of {len(decoded.source)} sequences right"
         )
     if png is not None and weights is not None:
-        from ..reporting.figures import plot_attention
+        from ..figures import plot_attention
 
         sample = {"source": decoded.source[0].tolist(), "target": decoded.target[0].tolist(),
                   "output": decoded.output[0].tolist(),

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..config.checks import check_memory
 from ..config.model_keys import is_transformer, position_rows
-from ..config.schema import ConfigError
+from ..console import ConfigError
 from ..data.vocab import total_vocab
 from .attention import ATTENTION_TYPES
 from .recurrent import Seq2Seq, count_parameters

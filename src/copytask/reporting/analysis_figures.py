@@ -15,8 +15,8 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.axes import Axes
 
+from ..figures import draw_chance, draw_matrix, fitted, panels, plot_attention, save
 from .analysis_tables import COUNTERFACTUALS
-from .figures import draw_chance, draw_matrix, fitted, panels, plot_attention, save
 
 GROUP = ["attention", "task"]  # one panel per attention type and task (and setting, where a grid has settings)
 PANEL_WIDTH, MATRIX_WIDTH = 4.0, 4.4  # inches per panel

@@ -8,7 +8,8 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-COUNTERFACTUALS = ("uniform", "permuted", "fixed")  # what the analysis replaces the weights by
+from ..evaluation.analysis import COUNTERFACTUALS
+
 ALIGNMENT = ("hit", "mass", "adjacent")  # how attention's argmax and mass fall on the copied position
 
 

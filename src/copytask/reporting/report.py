@@ -18,10 +18,10 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from .. import store
-from ..config import messages
-from ..config.schema import ConfigError
-from ..store.grid import GridRun, variable_length_runs
+from .. import console, store
+from ..console import ConfigError
+from ..figures import plot_attention
+from ..store.runs import GridRun, variable_length_runs
 from . import analysis_tables, tables
 from .analysis_figures import (
     extrapolates,
@@ -30,7 +30,6 @@ from .analysis_figures import (
     plot_head_weights,
     plot_length_generalisation,
 )
-from .figures import plot_attention
 from .result_figures import (
     LONGEST_FIGURE,
     SETTING_GRID_FIGURE,
@@ -69,7 +68,7 @@ def read_part(run: GridRun, name: str, reader) -> object | None:
     try:
         return reader(run.folder / name)
     except (OSError, ValueError, KeyError, TypeError) as error:  # pandas' parser errors are ValueErrors
-        messages.warn(f"skipping {name} of {run.folder}: {type(error).__name__}: {error}")
+        console.warn(f"skipping {name} of {run.folder}: {type(error).__name__}: {error}")
         return None
 
 

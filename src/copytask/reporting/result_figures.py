@@ -2,7 +2,7 @@
 histories): accuracy against the x key (`report.x`) with every other varying key shown, never
 pooled; the (setting, length) grid with the longest length copied; training curves.
 
-Figures are `matplotlib.figure.Figure`s (see `reporting.figures`): no pyplot, no backend chosen.
+Figures are `matplotlib.figure.Figure`s (see `copytask.figures`): no pyplot, no backend chosen.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from ..figures import draw_chance, draw_matrix, save
 from .analysis_figures import plot_per_length
-from .figures import draw_chance, draw_matrix, save
 from .tables import setting_value
 
 SETTING_GRID_FIGURE = "accuracy_grid.png"

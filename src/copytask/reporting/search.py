@@ -2,10 +2,10 @@
 as a table, the best of them for `compare` and `report`, and two figures: the objective by trial
 with the best so far, and the objective against each searched key.
 
-The trials come from the search's record (`grid.search_trials`); each trial's run is an ordinary
+The trials come from the search's record (`sweeps.grid.search_trials`); each trial's run is an ordinary
 run folder, read as every run is (`tables.load`), and trials that repeat a run share it. The
 searched keys are the settings of the table, the keys whose values differ between the runs.
-Figures are `matplotlib.figure.Figure`s (see `reporting.figures`).
+Figures are `matplotlib.figure.Figure`s (see `copytask.figures`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from matplotlib.ticker import MaxNLocator
 from omegaconf import OmegaConf
 
 from .. import store
-from ..store.grid import OBJECTIVE, SWEEP_RECORD, GridRun
+from ..figures import draw_chance, panels, save
+from ..store.runs import OBJECTIVE, SWEEP_RECORD, GridRun
 from . import tables
-from .figures import draw_chance, panels, save
 from .report import REPORT_DIR, markdown_table
 
 TRIALS_CSV = "trials.csv"

@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .. import store
 from ..config.model_keys import is_transformer
-from ..store.grid import SWEEP_RECORD
+from ..store.runs import SWEEP_RECORD
 from . import tables
 
 

@@ -22,9 +22,8 @@ from pathlib import Path
 import pandas as pd
 from scipy import stats
 
-from .. import store
-from ..config import messages
-from ..store.grid import GridRun
+from .. import console, store
+from ..store.runs import GridRun
 
 RESULTS_CSV = "results.csv"
 COLUMNS = ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "run")
@@ -59,7 +58,7 @@ def read_analysis(folder: Path) -> dict | None:
     try:
         return store.read_json(path)
     except (OSError, ValueError) as error:
-        messages.warn(f"skipping {store.ANALYSIS} of {folder}: {type(error).__name__}: {error}")
+        console.warn(f"skipping {store.ANALYSIS} of {folder}: {type(error).__name__}: {error}")
         return None
 
 
@@ -106,7 +105,7 @@ def load(grid: list[GridRun]) -> Loaded:
                     raise ValueError(f"no {', '.join(missing_keys)}")
             except (OSError, ValueError, TypeError) as error:
                 reason = f"corrupt {store.METRICS} ({error})"
-                messages.warn(f"skipping {run.folder}: {reason}")
+                console.warn(f"skipping {run.folder}: {reason}")
                 missing.append((run, reason))
                 continue
             metrics["attention"] = store.model_label(run.config)
@@ -121,7 +120,7 @@ def load(grid: list[GridRun]) -> Loaded:
             runs[metrics["run"]] = run
         else:
             if status == "incomplete":  # a half-written folder; failed runs are named by their sweep
-                messages.warn(f"skipping {run.folder}: {run.failure()}")
+                console.warn(f"skipping {run.folder}: {run.failure()}")
             missing.append((run, run.failure()))
     table, settings = pd.DataFrame(rows), []
     if not table.empty:

@@ -1,6 +1,7 @@
 """The run store: a run's identity and folder name (`identity`), the files of a run folder with
-atomic writes and locks (`folders`), and which runs a grid is made of (`grid`). Training writes
-through it; compare, report and the API read through it.
+atomic writes and locks (`folders`), and the runs a grid or folder holds with their status and the
+records a sweep leaves (`runs`). Training writes through it; compare, report and the API read
+through it.
 
 `store.X` is `folders.X` or `identity.X`: the two halves of one concept, read together."""
 

@@ -3,8 +3,8 @@ a command line is handed to it (`run_hydra`), and the end of a sweep (`SweepSumm
 callback that analyses the grid's runs and writes results.csv and the report).
 
 What they say as they go (each job's line, the summary's lines, failed jobs) goes to the `copytask`
-logger (`messages.log`), warnings through `messages.warn`: the library prints nothing, the command line
-prints the lines (`messages.Lines`), and so does a job under Hydra's job logging
+logger (`console.log`), warnings through `console.warn`: the library prints nothing, the command line
+prints the lines (`console.Lines`), and so does a job under Hydra's job logging
 (configs/hydra/job_logging/copytask.yaml) in whichever process its launcher runs it.
 
 A sweep is a Hydra multirun, so every launcher works (basic, joblib, submitit). Its grid is
@@ -32,25 +32,15 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
-from .. import store
-from ..config import messages
+from .. import console, store
 from ..config.checks import analysis_device, remote_launcher
 from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
-from ..config.schema import ConfigError, config_dir
-from ..store.grid import (
-    OBJECTIVE,
-    QUIET_HYDRA,
-    SWEEP_RECORD,
-    TRIAL_RECORD,
-    GridRun,
-    check_grid,
-    expand,
-    search_trials,
-    sweep_command,
-    trial_runs,
-)
+from ..config.schema import config_dir
+from ..console import ConfigError
+from ..store.runs import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun
 from ..training import trackers
 from ..training.devices import cpu_model, gpu_name
+from .grid import QUIET_HYDRA, check_grid, expand, search_trials, sweep_command, trial_runs
 
 
 class SweepFailed(SystemExit):
@@ -73,7 +63,7 @@ def hydra_job(cfg: DictConfig) -> float | None:
     `Study.tell` raise, which ends the search with a traceback.) A trial of a search also writes
     its TRIAL_RECORD, which is how the search's summary, compare and report find its runs."""
     hydra = HydraConfig.get()
-    with messages.one_line_warnings():  # a launcher's worker has none of the command's settings
+    with console.one_line_warnings():  # a launcher's worker has none of the command's settings
         objective = run_job(cfg, multirun=hydra.mode == RunMode.MULTIRUN)
     if hydra.mode == RunMode.MULTIRUN and proposes_jobs(hydra):
         trial = {
@@ -104,7 +94,7 @@ def run_job(cfg: DictConfig, multirun: bool) -> float | None:
     try:
         metrics = train(cfg)  # validates first: a trial a search proposes that cannot run fails here, before training
     except RunInProgress as busy:
-        messages.warn(f"{busy}; skipped")
+        console.warn(f"{busy}; skipped")
         return None
     except Exception as error:
         if multirun:  # recorded for the sweep summary, not swallowed
@@ -112,13 +102,13 @@ def run_job(cfg: DictConfig, multirun: bool) -> float | None:
                 folder / store.FAILED,
                 {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()},
             )
-            messages.log.error(f"copytask: job failed: {folder.name}: {error}")
+            console.log.error(f"copytask: job failed: {folder.name}: {error}")
             return None
         if not isinstance(error, (ConfigError, NonFiniteLoss)):
             raise
-        messages.log.error(f"copytask: error: {error}")
+        console.log.error(f"copytask: error: {error}")
         sys.exit(2 if isinstance(error, ConfigError) else 1)
-    messages.log.info(
+    console.log.info(
         f"{folder.name}: already complete, skipped (retrain=true trains it again)"
         if skipped
         else summary_line(metrics, folder)
@@ -201,7 +191,7 @@ class SweepProgress:
             initial=cost,
             desc=self.runs_done(self.done),
             disable=not enabled,
-            file=messages.bar_stream(),
+            file=console.bar_stream(),
             dynamic_ncols=True,
             mininterval=interval,
             smoothing=0,
@@ -329,7 +319,7 @@ class SweepSummary(Callback):
         except SweepFailed:
             raise
         except Exception as error:  # noqa: BLE001 - reported, then a non-zero exit
-            messages.log.exception(f"copytask: error: the end of the sweep failed: {type(error).__name__}: {error}")
+            console.log.exception(f"copytask: error: the end of the sweep failed: {type(error).__name__}: {error}")
             raise SystemExit(1) from error
 
     def summarise(self, config: DictConfig) -> None:
@@ -347,9 +337,9 @@ class SweepSummary(Callback):
         elsewhere = [run for run, status in zip(runs, statuses) if status == "running"]
         unfinished = [run for run, status in zip(runs, statuses) if status not in ("complete", "running")]
         for run in unfinished:  # first: nothing after this may hide which jobs failed
-            messages.log.error(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}")
+            console.log.error(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}")
         for run in elsewhere:
-            messages.warn(
+            console.warn(
                 f"{run.label or run.folder.name}: {run.failure()}; "
                 "not in these results (run the sweep again once it ends)"
             )
@@ -359,7 +349,7 @@ class SweepSummary(Callback):
             if status == "complete"
         ]
         if warning := devices.cpu_despite_gpus(config.hydra.launcher.get("gpus_per_node"), trained_on):
-            messages.warn(warning)
+            console.warn(warning)
         trained = sum(
             store.is_complete(run.folder) and (run.folder / store.METRICS).stat().st_mtime >= self.started_at
             for run in runs
@@ -374,7 +364,7 @@ class SweepSummary(Callback):
             device=analysis_device(config.train.device, config.hydra.launcher.get("_target_")),
         )
         analysis_seconds = time.perf_counter() - analysis_started
-        messages.log.info(
+        console.log.info(
             f"analysis: {analysed} runs analysed in {analysis_seconds:.1f} s (eval_size {config.analysis.eval_size})"
         )
         wall_seconds = time.perf_counter() - self.started
@@ -409,14 +399,14 @@ class SweepSummary(Callback):
                     report.x_column(config.report.x, loaded)
                     x = config.report.x
                 except ConfigError as error:
-                    messages.warn(f"{error}; the report puts task.length on the x axis")
+                    console.warn(f"{error}; the report puts task.length on the x axis")
                     x = "task.length"
                 written = report.write_report(runs, loaded, runs_dir, x)
-            messages.log.info(report.written_line(written, time.perf_counter() - report_started))
+            console.log.info(report.written_line(written, time.perf_counter() - report_started))
             trackers.log_report(config, written)
         if trials is not None:
-            messages.log.info(f"search: {search.best_line(search.trial_table(trials, loaded), loaded.settings)}")
-        messages.log.info(
+            console.log.info(f"search: {search.best_line(search.trial_table(trials, loaded), loaded.settings)}")
+        console.log.info(
             f"sweep: {len(runs) - len(unfinished) - len(elsewhere)}/{len(runs)} runs complete ({trained} trained now), "
             f"{len(unfinished)} failed"
             + (f", {len(elsewhere)} being trained by another process" if elsewhere else "")

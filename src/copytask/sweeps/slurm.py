@@ -37,7 +37,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
 from .. import store
 from ..config.hydra_internals import compose_job
-from ..store.grid import OBJECTIVE
+from ..store.runs import OBJECTIVE
 
 LOG = "slurm.log"  # in hydra.sweep.dir: each job's id, run and end, and submitit's messages
 # squeue's states of a job that may still give a result (requeued jobs go back to PENDING)

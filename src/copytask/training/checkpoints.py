@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from .. import store
-from ..config import messages
+from .. import console, store
 
 FORMAT = 1  # what a checkpoint holds; one of another format is not read
 PROGRESS = {
@@ -120,7 +119,7 @@ def set_aside(path: Path, error: Exception) -> None:
     reason = f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
     aside = path.with_name(store.UNREADABLE_RESUME)
     path.replace(aside)
-    messages.warn(
+    console.warn(
         f"{path.parent.name}: its checkpoint {path.name} is unreadable ({reason}); "
         f"set aside as {aside.name}, training from step 0"
     )

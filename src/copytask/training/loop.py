@@ -23,6 +23,7 @@ from .. import store
 from ..config.checks import validate
 from ..config.model_keys import is_transformer
 from ..data.batches import Batch
+from ..data.splits import heldout_keys, training_batch
 from ..data.vocab import PAD
 from ..kernels.ops import runs_fused
 from ..models.build import build_model, check_buildable
@@ -31,7 +32,6 @@ from ..models.recurrent import Seq2Seq, count_parameters
 from . import checkpoints, trackers
 from .devices import host, resolve_device, run_settings, torch_state
 from .optimizer import FlatAdam, adam, lr_schedule
-from .splits import heldout_keys, training_batch
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -324,7 +324,7 @@ def run_metrics(run: Run, result: dict, train_seconds: float) -> dict:
 
 def log_heatmap(tracker: trackers.RunLogger, sample: dict, cfg: DictConfig, metrics: dict) -> None:
     """The attention map of the first held-out example, drawn as the report draws it, as the image `attention`."""
-    from ..reporting.figures import plot_attention  # matplotlib: only for a tracker
+    from ..figures import plot_attention  # matplotlib: only for a tracker
 
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "attention.png"

@@ -1,5 +1,6 @@
-"""Which runs a grid is made of, composed as Hydra composes them, and which runs `compare`,
-`report` and the API look at.
+"""Which runs a grid is made of, composed as Hydra composes them, checked whole before the first
+job starts (`check_grid`, the launcher's checks among them), and which runs `compare`, `report` and
+the API look at (`select_runs`).
 
 The grid is expanded the way Hydra's basic sweeper does it (sweeper params, then command-line
 overrides, which replace a swept key's list), and each job's config is composed with Hydra's own
@@ -15,13 +16,11 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from hydra import initialize_config_dir
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
-from .. import store
-from ..config import messages
+from .. import console, store
 from ..config.checks import check_launcher, remote_job_check, remote_launcher, validate
 from ..config.hydra_internals import (
     compose,
@@ -32,62 +31,13 @@ from ..config.hydra_internals import (
     search_space,
     sweep_jobs,
 )
-from ..config.schema import ConfigError, config_dir, dotted_keys, hydra_errors
+from ..config.schema import config_dir, dotted_keys, hydra_errors
+from ..console import ConfigError
+from ..store.runs import SWEEP_RECORD, TRIAL_RECORD, GridRun, folder_runs
 
-SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
-OBJECTIVE = (
-    "val_token_acc"  # what a job returns to an optimising sweeper: validation greedy token accuracy, from metrics.json
-)
-# <hydra.sweep.dir>/<job number>/trial.json: what each trial of a search ran and returned, written by its job
-# (one file per job: jobs in other processes never append to one shared file)
-TRIAL_RECORD = "trial.json"
 # What `copytask.sweep` adds to its Hydra command line so that Hydra configures no logging (jobs.run_hydra);
 # not part of the command that starts the sweep (`sweep_command`)
 QUIET_HYDRA = ("hydra/hydra_logging=none", "hydra/job_logging=none")
-
-
-@dataclass(frozen=True)
-class GridRun:
-    """One job of a grid: its sweep overrides, its config as the task function sees it, and its folder."""
-
-    overrides: tuple[str, ...]
-    label: str  # the swept overrides only, e.g. "attention=none task.length=5 seed=0"
-    config: DictConfig
-    folder: Path
-
-    @classmethod
-    def from_folder(cls, folder: Path) -> GridRun:
-        """A run found in a folder rather than in a grid (`--all`), with the config it was trained with."""
-        return cls((), "", OmegaConf.load(folder / store.CONFIG), folder)
-
-    def status(self) -> str:
-        """complete | running (another process holds its lock) | failed | incomplete (folder
-        without results: killed, or cut short) | not run."""
-        if store.is_complete(self.folder):
-            return "complete"
-        if store.is_locked(self.folder):
-            return "running"
-        if (self.folder / store.FAILED).is_file():
-            return "failed"
-        return "incomplete" if self.folder.is_dir() else "not run"
-
-    def failure(self) -> str:
-        """Why this run has no results, in one line."""
-        status = self.status()
-        if status == "failed":
-            try:
-                return store.read_json(self.folder / store.FAILED)["error"]
-            except (OSError, ValueError, KeyError, TypeError) as error:
-                return f"failed (unreadable {store.FAILED}: {error})"
-        if status == "incomplete":
-            if (self.folder / store.METRICS).exists():
-                return (
-                    f"corrupt {store.METRICS} in {self.folder} (cut short by a crash; the next sweep trains it again)"
-                )
-            return f"incomplete: {self.folder} has no {store.METRICS} (still running, or killed)"
-        if status == "running":
-            return f"being trained by another process (it holds {store.lock_path(self.folder)})"
-        return status
 
 
 def expand(master: DictConfig, check: Callable[[DictConfig], None] | None = None) -> list[GridRun]:
@@ -138,7 +88,7 @@ def search_trials(master: DictConfig) -> list[dict]:
             if path.stat().st_mtime >= record["started_at"]:  # not a trial of an earlier sweep in this runs_dir
                 trials.append(store.read_json(path))
         except (OSError, ValueError) as error:
-            messages.warn(f"skipping {path}: {type(error).__name__}: {error}")
+            console.warn(f"skipping {path}: {type(error).__name__}: {error}")
     return sorted(trials, key=lambda trial: trial["trial"])
 
 
@@ -159,31 +109,6 @@ def trial_runs(master: DictConfig, trials: list[dict]) -> list[GridRun]:
             tuple(trial["overrides"]), f"trial {trial['trial']}: {label}", config, store.run_dir(config)
         )
     return list(runs.values())
-
-
-def _without_lengths(cfg: DictConfig) -> dict[str, Any]:
-    """A run's identity less the task's lengths: what a variable-length run shares with the grid."""
-    config = store.identity(cfg)
-    for key in ("length", "min_length", "variable_length"):
-        config["task"].pop(key, None)
-    return config
-
-
-def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
-    """Complete variable-length runs in `runs_dir` whose settings, lengths aside, are those of a
-    run of `grid`: their per-length curves belong on the grid's accuracy-vs-length figure."""
-    settings = [_without_lengths(run.config) for run in grid]
-    found = []
-    for folder in sorted(Path(runs_dir).iterdir()) if Path(runs_dir).is_dir() else []:
-        if not store.is_complete(folder) or not (folder / store.CONFIG).is_file():
-            continue
-        try:
-            cfg = OmegaConf.load(folder / store.CONFIG)
-            if cfg.task.variable_length and _without_lengths(cfg) in settings:
-                found.append(folder)
-        except Exception as error:  # noqa: BLE001 - a damaged folder must not stop the report (OmegaConf raises many types)
-            messages.warn(f"skipping {folder}: unreadable {store.CONFIG} ({type(error).__name__}: {error})")
-    return found
 
 
 def compose_grid(
@@ -286,17 +211,6 @@ def recorded_overrides(runs_dir: Path) -> list[str] | None:
     if command[:4] != ["python", "-m", "copytask", "sweep"]:
         return None
     return [arg for arg in command[4:] if not arg.lstrip("+~").startswith("hydra")]
-
-
-def folder_runs(folders: list[Path]) -> list[GridRun]:
-    """`GridRun.from_folder` of each folder; one with an unreadable config.yaml is skipped with a warning."""
-    runs = []
-    for folder in folders:
-        try:
-            runs.append(GridRun.from_folder(folder))
-        except Exception as error:  # noqa: BLE001 - a damaged folder must not stop the others (OmegaConf raises many types)
-            messages.warn(f"skipping {folder}: unreadable {store.CONFIG} ({type(error).__name__}: {error})")
-    return runs
 
 
 @dataclass

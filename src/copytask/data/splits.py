@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..config.schema import ConfigError
-from ..data.batches import Batch, make_batch, task_batch
-from ..data.vocab import NUM_SPECIAL
+from ..console import ConfigError
+from .batches import Batch, make_batch, task_batch
+from .vocab import NUM_SPECIAL
 
 # A row is held out with probability at most 1/2 once `validate` passed: 100 rounds leave one with 2^-100.
 MAX_REDRAWS = 100

@@ -1,33 +1,9 @@
-"""Training speed of the project against the classical reference (`models.reference`), measured in
-one run on one machine, so that the ratio holds even where absolute times drift.
-
-    python -m copytask bench [--quick] [--time-to-target] [--csv PATH] [key=value ...]
-
-The key=value overrides are the training configs' (`train.threads=1`, `train.device=cuda`,
-`train.batch_size=128`, ...). Per attention type and length it measures:
-
-- ms per training step (forward, backward, clipping, Adam) and target tokens per second:
-  both models share weights and batch; every round times each (attention, implementation)
-  once, interleaved, and the median over the rounds after warm-up is reported. The reference
-  implements the CLASSICAL attention types and model=transformer (as `transformer`, the
-  tutorials' Transformer: `reference.ReferenceTransformer`); every other option of
-  configs/attention/ (scaled dot, multi-head, local, Cho et al.'s RNN encoder-decoder, ...) is the
-  project's only, and `vs_luong_general` compares every type's step with Luong general's;
-- FLOPs of one step (matrix products only, `FlopCounterMode`, on torch's ops: the project's
-  kernels do the same products) and the fraction of this machine's matmul rate (a large
-  `torch.mm`) the step reaches;
-- at the longest length, peak memory of a short training run in a fresh process;
-- with --time-to-target, wall time and steps to the target greedy token accuracy at the
-  longest length for Bahdanau and Luong general, with patience 1, so a run stops at the first
-  hit. Each implementation trains with its own usual settings (TARGET_SETTINGS): the project with
-  its defaults (Adam, one-cycle schedule peaking at 6e-3, a 1200-step budget), the reference as the
-  tutorials train it (Adam at its default 1e-3, constant, up to 6000 steps). Sizes, batch,
-  clipping and evaluation are the same. `--target-settings same` trains both with the project's.
-"""
+"""What `python -m copytask bench` measures (the package's docstring says what it reports): one
+training step's time, FLOPs and this machine's matmul rate, a short run's peak memory in a fresh
+process, and time to the target accuracy, for the project's models and the classical reference."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -48,18 +24,17 @@ from omegaconf import DictConfig
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from . import store
-from .config.schema import config_dir
-from .data.batches import Batch
-from .kernels import build, ops
-from .models.build import build_model
-from .models.recurrent import Seq2Seq
-from .models.reference import ReferenceSeq2Seq, ReferenceTransformer
-from .models.transformer import TransformerSeq2Seq
-from .training.devices import cpu_model, fused_adam, resolve_device, run_settings
-from .training.loop import train, train_step
-from .training.optimizer import adam
-from .training.splits import sample_batch
+from .. import store
+from ..config.schema import config_dir
+from ..data.batches import Batch
+from ..data.splits import sample_batch
+from ..models.build import build_model
+from ..models.recurrent import Seq2Seq
+from ..models.transformer import TransformerSeq2Seq
+from ..training.devices import fused_adam, resolve_device
+from ..training.loop import train, train_step
+from ..training.optimizer import adam
+from .reference import ReferenceSeq2Seq, ReferenceTransformer
 
 CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # the reference's GRU models
 ATTENTIONS = (  # every option of configs/attention/, the classical ones first, and model=transformer
@@ -118,10 +93,12 @@ def setups(cfg: DictConfig, device: torch.device) -> dict[str, Setup]:
     the project's with the optimiser its runs train with (training.adam), the reference with torch's
     Adam over its parameters, as the tutorials train it."""
     batch = sample_batch(cfg, cfg.train.batch_size, torch.Generator().manual_seed(cfg.seed)).to(device)
-    torch.manual_seed(cfg.seed)
-    models = {
-        name: build_model(cfg, *IMPLEMENTATIONS[name]).to(device) for name in implementations(store.architecture(cfg))
-    }
+    with torch.random.fork_rng(devices=[]):  # the initialisation draws from the global generator: seeded, then restored
+        torch.manual_seed(cfg.seed)
+        models = {
+            name: build_model(cfg, *IMPLEMENTATIONS[name]).to(device)
+            for name in implementations(store.architecture(cfg))
+        }
     if "reference" in models:
         models["reference"].load_state_dict(models["project"].state_dict())
 
@@ -218,7 +195,7 @@ def speed(
 
 
 MEMORY_CHILD = (
-    "import json, sys; from copytask.bench import training_memory; "
+    "import json, sys; from copytask.bench.measures import training_memory; "
     "print(json.dumps(training_memory(*json.loads(sys.argv[1]))))"
 )
 
@@ -227,8 +204,7 @@ def training_memory(attention: str, implementation: str, length: int, overrides:
     """Runs in a fresh process: `steps` training steps. -> peak memory of the process (CPU: max
     RSS; CUDA: max allocated) and its growth over training (activations, gradients, Adam state), MiB."""
     cfg = bench_config(attention, length, overrides)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    torch.set_num_threads(cfg.train.threads or torch.get_num_threads())  # its own process, which ends after this
     device = resolve_device(cfg.train.device)
     setup = setups(cfg, device)[implementation]
 
@@ -250,8 +226,10 @@ def training_memory(attention: str, implementation: str, length: int, overrides:
 
 def memory(attentions: list[str], length: int, overrides: list[str], steps: int) -> pd.DataFrame:
     """training_memory for every (attention, implementation), each in its own process."""
-    package_root = str(Path(__file__).resolve().parents[1])  # this checkout's copytask, not another install
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    package_root = Path(__file__).resolve().parents[2]  # this checkout's copytask, not another install
+    # before the caller's PYTHONPATH, and no empty entry where it has none (that would put the working folder first)
+    path = [str(package_root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     keys = [(attention, name) for attention in attentions for name in implementations(attention)]
 
     def measure(key: tuple[str, str]) -> dict:
@@ -301,154 +279,3 @@ def time_to_target(
                 }
             )
     return pd.DataFrame(rows)
-
-
-def machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{cpu_model()}, {os.cpu_count()} cores"
-
-
-def wide(long: pd.DataFrame) -> pd.DataFrame:
-    """One row per (attention, length): each measure for project and reference, the speedup, and the
-    project's step time against Luong general's at the same length."""
-    table = long.pivot_table(
-        index=["attention", "length", "batch_size"], columns="implementation", aggfunc="first", sort=False, dropna=False
-    )
-    table.columns = [f"{measure}_{name}" for measure, name in table.columns]
-    table = table.reset_index()
-    table.insert(3, "speedup", table.ms_per_step_reference / table.ms_per_step_project)
-    if "luong_general" in set(table.attention):
-        general = table[table.attention == "luong_general"].set_index("length").ms_per_step_project
-        table.insert(4, "vs_luong_general", table.ms_per_step_project / table.length.map(general))
-    if "target_s_project" in table:
-        table.insert(4, "target_speedup", table.target_s_reference / table.target_s_project)
-    return table
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    """`python -m copytask bench`'s options and overrides (`--quick` filled in)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m copytask bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.threads=1 train.device=cuda")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[20, 80])
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per configuration (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument("--memory-steps", type=int, default=3, help="training steps of the peak-memory run")
-    parser.add_argument(
-        "--attentions",
-        nargs="+",
-        default=list(ATTENTIONS),
-        choices=ATTENTIONS,
-        help="the step-time table's attention types (Luong general is always timed too: vs_luong_general)",
-    )
-    parser.add_argument(
-        "--memory-attentions", nargs="+", choices=ATTENTIONS, help="the peak-memory runs' (default: --attentions)"
-    )
-    parser.add_argument("--gemm-size", type=int, default=2048, help="matrix size of the matmul-rate measurement")
-    parser.add_argument("--time-to-target", action="store_true", help="also train to the target accuracy (minutes)")
-    parser.add_argument("--target-attentions", nargs="+", default=list(TARGET_ATTENTIONS), choices=ATTENTIONS)
-    parser.add_argument(
-        "--target-settings",
-        choices=list(TARGET_SETTINGS),
-        default="own",
-        help="own: each implementation its usual optimiser settings; same: both the project's",
-    )
-    parser.add_argument("--csv", type=Path, default=Path("runs/bench/bench.csv"))
-    parser.add_argument("--quick", action="store_true", help=f"a smoke run of seconds: {QUICK}")
-    # Overrides first: argparse would take one after a list option (--memory-attentions a b key=value)
-    # as one of its values.
-    overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
-    args = parser.parse_args([*overrides, *(arg for arg in argv if arg not in overrides)])
-    args.memory_attentions = args.memory_attentions or args.attentions
-    if args.quick:
-        args.lengths, args.repeats, args.warmup, args.gemm_size = (
-            QUICK["lengths"],
-            QUICK["repeats"],
-            QUICK["warmup"],
-            QUICK["gemm_size"],
-        )
-        args.memory_steps, args.memory_attentions = 1, QUICK["memory_attentions"]
-        args.overrides = [*QUICK["overrides"], *args.overrides]
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
-    cfg = bench_config(ATTENTIONS[0], args.lengths[0], args.overrides)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    device = resolve_device(cfg.train.device)
-    fused = ops.runs_fused(build_model(cfg).to(device))
-    project = f"fused CPU kernels ({build.build_name_and_flags()[0]})" if fused else "torch ops"
-    description = (
-        f"{machine(device)}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"device {device}; project on {project}"
-    )
-    print(f"copytask bench on {description}", file=sys.stderr)
-
-    longest = max(args.lengths)
-    with run_settings(device):  # the steps a run computes: on CUDA full float32 (no TF32), deterministic algorithms
-        parts = [
-            speed(args.lengths, args.overrides, args.repeats, args.warmup, device, args.attentions),
-            memory(args.memory_attentions, longest, args.overrides, args.memory_steps),
-        ]
-        if args.time_to_target:
-            parts.append(
-                time_to_target(
-                    args.target_attentions,
-                    longest,
-                    args.overrides,
-                    args.target_settings,
-                    args.csv.parent / "time_to_target",
-                )
-            )
-        rate = matmul_rate(device, args.gemm_size)
-    long = parts[0]
-    for part in parts[1:]:
-        long = long.merge(part, on=["attention", "length", "implementation"], how="left")
-    table = wide(long)
-    for name in IMPLEMENTATIONS:
-        table[f"matmul_peak_fraction_{name}"] = (
-            table[f"gflop_per_step_{name}"] * 1e9 / (table[f"ms_per_step_{name}"] / 1e3) / rate
-        )
-    table["matmul_gflops"] = rate / 1e9
-    table["machine"] = description
-
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    store.atomic_write(args.csv, table.to_csv(index=False))
-    shown = [
-        "attention",
-        "length",
-        "speedup",
-        "vs_luong_general",
-        "ms_per_step_project",
-        "ms_per_step_reference",
-        "tokens_per_s_project",
-        "tokens_per_s_reference",
-        "peak_mb_project",
-        "peak_mb_reference",
-        "train_mb_project",
-        "train_mb_reference",
-        "matmul_peak_fraction_project",
-        "matmul_peak_fraction_reference",
-    ]
-    if args.time_to_target:
-        shown += [
-            "target_speedup",
-            "target_s_project",
-            "target_s_reference",
-            "target_steps_project",
-            "target_steps_reference",
-        ]
-        trained = table.dropna(subset=["target_settings_project"]).iloc[0]
-        print(
-            f"time to target with {args.target_settings} settings: project {trained.target_settings_project}; "
-            f"reference {trained.target_settings_reference}",
-            file=sys.stderr,
-        )
-    print(f"\n{description}; matmul rate {rate / 1e9:.1f} GFLOP/s ({args.gemm_size}^3 float32)")
-    print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.3g}", na_rep="-"))
-    print(f"\nwritten to {args.csv}")
-    return 0

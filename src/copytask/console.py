@@ -1,5 +1,7 @@
-"""copytask's channels to the person running it, besides a refusal (`schema.ConfigError`):
-warnings (`warn`, one line each) and log lines (`log`, printed by the command line as bare lines)."""
+"""What copytask says to the person running it: a refusal of bad input (`ConfigError`, which a
+command prints with `refuse`), warnings (`warn`, one line each), log lines (`log`, printed by the
+command line as bare lines) and where progress bars go (`bar_stream`). Every layer refuses, warns
+or logs, so this sits below them all and imports nothing of copytask's."""
 
 from __future__ import annotations
 
@@ -10,6 +12,16 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be run; the message names the value and what is allowed."""
+
+
+def refuse(error: Exception | str) -> int:
+    """A command's refusal of bad input: one line on stderr, `copytask: error: ...`; -> exit status 2."""
+    print(f"copytask: error: {error}", file=sys.stderr)
+    return 2
 
 
 class CopytaskWarning(UserWarning):

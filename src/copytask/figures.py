@@ -18,8 +18,8 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..data.batches import copied_source_positions
-from ..data.vocab import symbol
+from .data.batches import copied_source_positions
+from .data.vocab import symbol
 
 COLUMNS = 5  # panels per row
 

@@ -1,0 +1,104 @@
+"""The runs a grid or a folder holds, as `compare`, `report`, the sweeps and the API see them: a run
+with the overrides that made it and its status (`GridRun`), the records a sweep leaves in runs_dir
+(`SWEEP_RECORD`, each trial's `TRIAL_RECORD`), and the variable-length runs whose curves belong on a
+grid's figure. Which runs a grid is made of is the sweeps' (`sweeps.grid`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from .. import console
+from . import folders
+from .identity import identity
+
+SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
+OBJECTIVE = (
+    "val_token_acc"  # what a job returns to an optimising sweeper: validation greedy token accuracy, from metrics.json
+)
+# <hydra.sweep.dir>/<job number>/trial.json: what each trial of a search ran and returned, written by its job
+# (one file per job: jobs in other processes never append to one shared file)
+TRIAL_RECORD = "trial.json"
+
+
+@dataclass(frozen=True)
+class GridRun:
+    """One job of a grid: its sweep overrides, its config as the task function sees it, and its folder."""
+
+    overrides: tuple[str, ...]
+    label: str  # the swept overrides only, e.g. "attention=none task.length=5 seed=0"
+    config: DictConfig
+    folder: Path
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> GridRun:
+        """A run found in a folder rather than in a grid (`--all`), with the config it was trained with."""
+        return cls((), "", OmegaConf.load(folder / folders.CONFIG), folder)
+
+    def status(self) -> str:
+        """complete | running (another process holds its lock) | failed | incomplete (folder
+        without results: killed, or cut short) | not run."""
+        if folders.is_complete(self.folder):
+            return "complete"
+        if folders.is_locked(self.folder):
+            return "running"
+        if (self.folder / folders.FAILED).is_file():
+            return "failed"
+        return "incomplete" if self.folder.is_dir() else "not run"
+
+    def failure(self) -> str:
+        """Why this run has no results, in one line."""
+        status = self.status()
+        if status == "failed":
+            try:
+                return folders.read_json(self.folder / folders.FAILED)["error"]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                return f"failed (unreadable {folders.FAILED}: {error})"
+        if status == "incomplete":
+            if (self.folder / folders.METRICS).exists():
+                return (
+                    f"corrupt {folders.METRICS} in {self.folder} (cut short by a crash; the next sweep trains it again)"
+                )
+            return f"incomplete: {self.folder} has no {folders.METRICS} (still running, or killed)"
+        if status == "running":
+            return f"being trained by another process (it holds {folders.lock_path(self.folder)})"
+        return status
+
+
+def _without_lengths(cfg: DictConfig) -> dict[str, Any]:
+    """A run's identity less the task's lengths: what a variable-length run shares with the grid."""
+    config = identity(cfg)
+    for key in ("length", "min_length", "variable_length"):
+        config["task"].pop(key, None)
+    return config
+
+
+def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
+    """Complete variable-length runs in `runs_dir` whose settings, lengths aside, are those of a
+    run of `grid`: their per-length curves belong on the grid's accuracy-vs-length figure."""
+    settings = [_without_lengths(run.config) for run in grid]
+    found = []
+    for folder in sorted(Path(runs_dir).iterdir()) if Path(runs_dir).is_dir() else []:
+        if not folders.is_complete(folder) or not (folder / folders.CONFIG).is_file():
+            continue
+        try:
+            cfg = OmegaConf.load(folder / folders.CONFIG)
+            if cfg.task.variable_length and _without_lengths(cfg) in settings:
+                found.append(folder)
+        except Exception as error:  # noqa: BLE001 - a damaged folder must not stop the report (OmegaConf raises many types)
+            console.warn(f"skipping {folder}: unreadable {folders.CONFIG} ({type(error).__name__}: {error})")
+    return found
+
+
+def folder_runs(folders: list[Path]) -> list[GridRun]:
+    """`GridRun.from_folder` of each folder; one with an unreadable config.yaml is skipped with a warning."""
+    runs = []
+    for folder in folders:
+        try:
+            runs.append(GridRun.from_folder(folder))
+        except Exception as error:  # noqa: BLE001 - a damaged folder must not stop the others (OmegaConf raises many types)
+            console.warn(f"skipping {folder}: unreadable {folders.CONFIG} ({type(error).__name__}: {error})")
+    return runs

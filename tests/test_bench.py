@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
 
+from copytask.bench import measures
 from copytask.bench.command import main, parse
 from copytask.bench.measures import (
     ATTENTIONS,
     QUICK,
     REFERENCED,
     bench_config,
+    memory,
     setups,
     speed,
     step_flops,
@@ -22,7 +28,14 @@ from copytask.bench.measures import (
 @pytest.mark.slow  # about 30 s on two idle cores: model set-up, FLOP counting, two fresh processes
 def test_quick_bench_writes_the_table(tmp_path):
     csv = tmp_path / "bench.csv"
-    assert main(["--quick", "--csv", str(csv)]) == 0
+    threads, random_state = torch.get_num_threads(), torch.random.get_rng_state()
+    torch.set_num_threads(threads + 1)  # --quick runs on one thread: the caller's count differs from it
+    try:
+        assert main(["--quick", "--csv", str(csv)]) == 0
+        assert torch.get_num_threads() == threads + 1  # bench's own thread count ends with it
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.random.get_rng_state(), random_state)  # the models were seeded on a fork
     table = pd.read_csv(csv)
     assert sorted(zip(table.attention, table.length)) == sorted((a, n) for a in ATTENTIONS for n in QUICK["lengths"])
     referenced = table.attention.isin(REFERENCED)
@@ -41,6 +54,32 @@ def test_quick_bench_writes_the_table(tmp_path):
         (table.ms_per_step_project / table.length.map(general)).tolist()
     )
     assert table.machine.nunique() == 1
+
+
+def test_setting_up_a_model_leaves_the_global_random_state_alone():
+    cfg = bench_config("luong_general", 5, ["train.batch_size=4"])
+    before = torch.random.get_rng_state()
+    setups(cfg, torch.device("cpu"))
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_the_memory_runs_path_has_this_checkout_first_and_no_empty_entry(monkeypatch):
+    """An empty PYTHONPATH entry is the working folder: a child would import a copytask found there."""
+    seen = []
+
+    def run(args, env, **kwargs):
+        seen.append(env["PYTHONPATH"])
+        return subprocess.CompletedProcess(args, 0, stdout='{"peak_mb": 1.0, "train_mb": 0.5}\n')
+
+    monkeypatch.setattr(measures.subprocess, "run", run)
+    for caller in (None, "/elsewhere"):
+        if caller is None:
+            monkeypatch.delenv("PYTHONPATH", raising=False)
+        else:
+            monkeypatch.setenv("PYTHONPATH", caller)
+        memory(["luong_general"], 5, [], 1)
+    source = str(Path(measures.__file__).resolve().parents[2])
+    assert seen == [source] * 2 + [os.pathsep.join([source, "/elsewhere"])] * 2  # project and reference each
 
 
 def test_the_step_table_times_the_attentions_asked_and_luong_general():

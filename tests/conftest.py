@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
 
 from copytask.config.schema import config_dir
 
@@ -35,6 +36,24 @@ TINY = [
     "train.threads=1",
     "train.progress=false",
 ]
+
+
+def options(group: str) -> dict[str, DictConfig]:
+    """Every option of a config group (configs/<group>/), by name, as Hydra composes it (an option may
+    extend another): tests that cover every attention type or task iterate these (and the
+    registries), so adding one edits no test."""
+    names = sorted(path.stem for path in (Path(config_dir()) / group).glob("*.yaml"))
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        composed = {name: compose("config", overrides=[f"{group}={name}"])[group] for name in names}
+    GlobalHydra.instance().clear()
+    return composed
+
+
+ATTENTION_OPTIONS = options("attention")
+NO_ATTENTION = tuple(name for name, option in ATTENTION_OPTIONS.items() if option.score is None)  # no weights
+TASK_OPTIONS = options("task")
+
 # The grid: 2 attention types x 2 lengths x 2 seeds (two seeds give an interval).
 GRID = ["attention=none,luong_general", "task.length=3,6", "seed=0,1"]
 

@@ -10,7 +10,9 @@ from copytask.models.attention import ATTENTION_TYPES, Attention, make_attention
 
 from .conftest import TINY
 
-CASES = [("additive", 6, 8, 5), ("dot", 8, 8, None), ("general", 6, 8, None)]
+# Every registered score at equal sizes (a dot product needs d_s == d_h), and at unequal ones the
+# scores that map one size onto the other.
+CASES = [(score, 8, 8, 5) for score in ATTENTION_TYPES] + [("additive", 6, 8, 5), ("general", 6, 8, None)]
 
 
 @pytest.mark.parametrize("score, d_s, d_h, size", CASES)

@@ -10,27 +10,26 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
 from copytask import store
-from copytask.config.schema import DETERMINISTIC_CUBLAS, config_dir
+from copytask.config.schema import DETERMINISTIC_CUBLAS
 from copytask.data import splits
 from copytask.evaluation.load import load_run
 from copytask.models.greedy import evaluate
 from copytask.training import loop
 
-from .conftest import GRID, TINY, run_cli
+from .conftest import ATTENTION_OPTIONS, GRID, TINY, run_cli
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # cuBLAS is deterministic only when this is set before its first call in the process (training.devices)
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
 
-ATTENTIONS = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))
+ATTENTIONS = list(ATTENTION_OPTIONS)
 CUDA = [*(arg for arg in TINY if arg != "train.device=cpu"), "train.device=cuda", "task.length=6"]
 
 

@@ -6,7 +6,7 @@ from copytask.data.batches import copied_source_positions, make_batch, task_batc
 from copytask.data.tasks import TASKS
 from copytask.data.vocab import BOS, EOS, NUM_SPECIAL, PAD
 
-from .conftest import TINY
+from .conftest import TASK_OPTIONS, TINY
 
 
 def test_copy_batch_layout():
@@ -59,10 +59,14 @@ def test_a_task_is_one_registry_entry_and_nothing_else(tmp_path, monkeypatch):
     assert copied_source_positions("swap", 5) == [1, 0, 3, 2, 4]
     metrics = copytask.train(copytask.compose([*TINY, "task.name=swap", "task.length=5", f"runs_dir={tmp_path}"]))
     assert metrics["steps"] == 10 and metrics["run"].startswith("luong_general-swap5-")
-    with pytest.raises(ValueError, match="unknown task 'bogus'; choose one of copy, reverse, swap"):
+    with pytest.raises(ValueError, match=f"unknown task 'bogus'; choose one of {', '.join(TASKS)}$"):
         make_batch("bogus", 2, 5, 9, torch.Generator())
 
 
 def test_an_unknown_task_is_refused_in_one_line():
-    with pytest.raises(copytask.ConfigError, match="task.name must be one of copy, reverse, got 'bogus'"):
+    with pytest.raises(copytask.ConfigError, match=f"task.name must be one of {', '.join(TASKS)}, got 'bogus'"):
         copytask.compose([*TINY, "task.name=bogus"])
+
+
+def test_every_registered_task_has_its_config_and_every_task_config_its_entry():
+    assert {option.name for option in TASK_OPTIONS.values()} == set(TASKS)

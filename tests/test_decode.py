@@ -11,16 +11,14 @@ import numpy as np
 import pytest
 
 from copytask import cli, store
-from copytask.config.schema import config_dir
 from copytask.data.vocab import parse_symbols
 from copytask.evaluation import decode
 
-from .conftest import run_cli
+from .conftest import ATTENTION_OPTIONS, NO_ATTENTION, run_cli
 
-ATTENTION_TYPES = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))  # every one there is
+ATTENTION_TYPES = list(ATTENTION_OPTIONS)  # every one there is
 TRAINED_LENGTH = 4
 HEADS = 4  # configs/attention/multihead.yaml
-NO_ATTENTION = ("none", "rnnencdec")  # the final state handed over once, or fed to every step
 
 
 @pytest.fixture(scope="module")

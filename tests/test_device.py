@@ -18,7 +18,6 @@ from torch.overrides import TorchFunctionMode
 from copytask import store
 from copytask.bench import measures
 from copytask.config.checks import analysis_device, validate
-from copytask.config.schema import config_dir
 from copytask.console import ConfigError
 from copytask.data.batches import task_batch
 from copytask.data.splits import sample_batch
@@ -30,9 +29,9 @@ from copytask.sweeps.grid import check_grid
 from copytask.training import devices
 from copytask.training.loop import train, train_step
 
-from .conftest import TINY, run_cli
+from .conftest import ATTENTION_OPTIONS, TINY, run_cli
 
-ATTENTIONS = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))
+ATTENTIONS = list(ATTENTION_OPTIONS)
 SMALL = ["model.hidden_size=8", "model.embedding_size=8", "task.length=6", "train.batch_size=4"]
 RAGGED = ["task.variable_length=true", "task.min_length=2"]
 

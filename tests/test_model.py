@@ -10,23 +10,25 @@ from copytask.data.batches import make_batch
 from copytask.data.vocab import total_vocab
 from copytask.models.recurrent import Seq2Seq, count_parameters
 
-# Seq2Seq's arguments for each attention config (configs/attention/), at a tiny size
-ATTENTION = {
-    "none": dict(decoder="plain"),
-    "rnnencdec": dict(decoder="rnnencdec"),
-    "bahdanau": dict(decoder="bahdanau", score="additive", attention_size=12),
-    "luong_dot": dict(decoder="luong", score="dot"),
-    "luong_general": dict(decoder="luong", score="general"),
-    "luong_concat": dict(decoder="luong", score="additive", attention_size=12),
-    "scaled_dot": dict(decoder="luong", score="scaled_dot"),
-    "multihead": dict(decoder="luong", score="multihead", heads=4),
-    "luong_local": dict(decoder="luong", score="general", local="predictive", window=2),
-    "luong_local_m": dict(decoder="luong", score="general", local="monotonic", window=2),
-}
-NO_ATTENTION = ("none", "rnnencdec")
-WEIGHTS_SUM_TO_ONE = [
-    name for name in ATTENTION if name not in (*NO_ATTENTION, "luong_local")
-]  # local-p: the paper's Gaussian
+from .conftest import ATTENTION_OPTIONS, NO_ATTENTION
+
+
+def tiny_arguments(option) -> dict:
+    """Seq2Seq's arguments for an attention option (configs/attention/), at a tiny size."""
+    return dict(
+        decoder=option.decoder,
+        score=option.score,
+        attention_size=option.size and 12,
+        heads=option.get("heads", 1),
+        local=option.get("local"),
+        window=option.get("window") and 2,
+    )
+
+
+ATTENTION = {name: tiny_arguments(option) for name, option in ATTENTION_OPTIONS.items()}
+WEIGHTS_SUM_TO_ONE = [  # local-p multiplies the weights by the paper's Gaussian
+    name for name, arguments in ATTENTION.items() if name not in NO_ATTENTION and arguments["local"] != "predictive"
+]
 
 
 def make_model(name: str, bidirectional: bool = True) -> Seq2Seq:

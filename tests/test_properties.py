@@ -36,11 +36,10 @@ from copytask.console import ConfigError
 from copytask.data.batches import task_batch
 from copytask.models.build import build_model
 
-from .conftest import pythonpath
+from .conftest import ATTENTION_OPTIONS, NO_ATTENTION, TASK_OPTIONS, pythonpath
 
-ATTENTIONS = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))
+ATTENTIONS = list(ATTENTION_OPTIONS)
 ARCHITECTURES = sorted(path.stem for path in (Path(config_dir()) / "architecture").glob("*.yaml"))
-NO_ATTENTION = ("none", "rnnencdec")  # GRU decoders without attention weights
 RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store.ATTENTION}
 # Small, fast and quiet defaults; a drawn override of the same key comes later and wins.
 # Each model reads its own sizes and leaves the other's unused, so both are here.
@@ -100,7 +99,7 @@ VALID = {
     "attention": st.sampled_from(ATTENTIONS),
     "model": st.sampled_from(["gru", "transformer"]),
     "architecture": st.sampled_from(ARCHITECTURES),
-    "task": st.sampled_from(["copy", "reverse"]),
+    "task": st.sampled_from(list(TASK_OPTIONS)),
     "task.length": st.integers(1, 6),
     "task.vocab_size": st.integers(2, 12),
     "task.variable_length": st.booleans().map(str).map(str.lower),
@@ -281,7 +280,7 @@ def attention_config(attention: str):
         return compose(["model=transformer", "model.d_model=8", "model.heads=2", "model.ff_size=8"])
     return compose(
         [f"attention={attention}", "model.hidden_size=8", "model.embedding_size=4", "attention.window=2"]
-        if attention.startswith("luong_local")
+        if "window" in ATTENTION_OPTIONS[attention]
         else [f"attention={attention}", "model.hidden_size=8", "model.embedding_size=4"]
     )
 
@@ -358,7 +357,7 @@ def test_attention_weights_keep_the_contract_on_mixed_length_batches(attention, 
 COMPUTATION = {
     "task.length": ("4", "5"),
     "task.vocab_size": ("5", "6"),
-    "task": ("copy", "reverse"),
+    "task": tuple(TASK_OPTIONS)[:2],
     "seed": ("0", "1"),
     "model.hidden_size": ("8", "12"),
     "model.embedding_size": ("4", "6"),

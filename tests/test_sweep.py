@@ -17,7 +17,7 @@ from copytask import cli, store
 from copytask.console import Lines
 from copytask.sweeps.grid import compose_grid
 
-from .conftest import TINY, overrides, pythonpath, run_cli
+from .conftest import ATTENTION_OPTIONS, TINY, overrides, pythonpath, run_cli
 
 EXPECTED = set(itertools.product(["none", "luong_general"], [3, 6], [0, 1]))
 
@@ -117,8 +117,7 @@ def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, fails_at_leng
         (["task.lenght=40"], "copytask: error: unknown key 'task.lenght'; did you mean task.length?"),
         (
             ["attention=bogus"],
-            "copytask: error: attention=bogus: no such option; choose one of bahdanau, luong_concat, luong_dot, "
-            "luong_general, luong_local, luong_local_m, multihead, none, rnnencdec, scaled_dot",
+            f"copytask: error: attention=bogus: no such option; choose one of {', '.join(ATTENTION_OPTIONS)}",
         ),
         (
             ["report.x=model.hidden_size"],

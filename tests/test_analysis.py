@@ -10,7 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from copytask import cli, store
+from copytask import cli, figures, store
 from copytask.config import schema
 from copytask.console import CopytaskWarning
 from copytask.data import batches
@@ -19,7 +19,7 @@ from copytask.data.vocab import EOS, total_vocab
 from copytask.evaluation import analysis
 from copytask.models.greedy import evaluate
 from copytask.models.recurrent import Seq2Seq
-from copytask.reporting import analysis_figures, analysis_tables, figures
+from copytask.reporting import analysis_figures, analysis_tables
 
 LENGTHS = torch.tensor([5, 3, 1])
 T_ENC = 5

@@ -296,7 +296,8 @@ def test_report_heatmaps_outline_the_copied_positions_and_say_so(runs_copy, monk
 
 def drawn_figures(monkeypatch) -> dict[str, object]:
     """Every figure the report saves, by file name (the drawing modules' `save`, recorded)."""
-    from copytask.reporting import analysis_figures, figures, result_figures
+    from copytask import figures
+    from copytask.reporting import analysis_figures, result_figures
 
     drawn, save = {}, figures.save
 

@@ -16,7 +16,7 @@ from copytask.console import ConfigError
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import BOS, PAD
 from copytask.evaluation import analysis
-from copytask.kernels import ops
+from copytask.kernels import ops, transformer_ops
 from copytask.models.build import build_model
 from copytask.models.recurrent import count_parameters
 from copytask.models.transformer import SinusoidalPositions, scaled_dot_product
@@ -132,7 +132,7 @@ def test_greedys_cross_attention_on_the_memory_projected_once_is_the_layers_atte
 def test_greedy_with_each_steps_attention_in_the_kernel_decodes_what_torchs_ops_decode(
     make_config, monkeypatch, positions, mixed
 ):
-    """Greedy decoding on CPU runs each step's attention in ops.attention_step (keys and values
+    """Greedy decoding on CPU runs each step's attention in transformer_ops.attention_step (keys and values
     cached transposed); with fused=False, nn.MultiheadAttention's ops. The same tokens, and the
     same weights to float rounding, on sources of 12 (not a whole tile of 8), fixed or mixed lengths
     with an empty source, and a step count that is not a whole tile either."""
@@ -152,8 +152,8 @@ def test_greedy_with_each_steps_attention_in_the_kernel_decodes_what_torchs_ops_
     if mixed:
         lengths[4] = 0  # an empty source
     calls = []
-    step = ops.attention_step
-    monkeypatch.setattr(ops, "attention_step", lambda *args: calls.append(args[-1]) or step(*args))
+    step = transformer_ops.attention_step
+    monkeypatch.setattr(transformer_ops, "attention_step", lambda *args: calls.append(args[-1]) or step(*args))
     results = []
     for fused in (True, False):
         model.fused = fused
@@ -170,7 +170,7 @@ def test_greedy_with_each_steps_attention_in_the_kernel_decodes_what_torchs_ops_
 @pytest.mark.parametrize("keys_seen", [0, 5, 8, 13])
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_decoding_steps_kernel_computes_torchs_batched_products(head_size, keys_seen, masked):
-    """ops.attention_step, one query per sequence over the first keys of a cache held
+    """transformer_ops.attention_step, one query per sequence over the first keys of a cache held
     transposed and zero past them, against transformer.scaled_dot_product; and its weights."""
     if ops.kernel() is None:
         pytest.skip("the fused kernels are not built on this machine")
@@ -181,11 +181,11 @@ def test_the_decoding_steps_kernel_computes_torchs_batched_products(head_size, k
     key_mask = (
         length_mask(torch.tensor([keys_seen, keys_seen // 2, 0, 1]).clamp(max=keys_seen), keys_seen) if masked else None
     )
-    cache = torch.zeros(2, batch, heads, head_size, ops.cache_length(keys_seen + 3))
+    cache = torch.zeros(2, batch, heads, head_size, transformer_ops.cache_length(keys_seen + 3))
     cache[..., :keys_seen] = torch.stack([k, v]).view(2, batch, keys_seen, heads, head_size).permute(0, 1, 3, 4, 2)
     mask = q.new_empty(0) if key_mask is None else ops.padding(key_mask)
     with torch.no_grad():
-        out, weights = ops.attention_step(q[:, 0], cache[0], cache[1], mask, keys_seen)
+        out, weights = transformer_ops.attention_step(q[:, 0], cache[0], cache[1], mask, keys_seen)
     want = scaled_dot_product(q, k, v, heads, key_mask, causal=False)[:, 0]
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
     assert weights.shape == (batch, heads, keys_seen)
@@ -200,7 +200,7 @@ def test_the_decoding_steps_kernel_computes_torchs_batched_products(head_size, k
         assert torch.allclose(weights.sum(-1), seen.any(-1, keepdim=True).float().expand(-1, heads))
         assert weights.masked_fill(seen[:, None, :], 0.0).abs().max() == 0
     with pytest.raises(RuntimeError, match="no backward"):
-        ops.attention_step(q[:, 0].requires_grad_(), cache[0], cache[1], mask, keys_seen)
+        transformer_ops.attention_step(q[:, 0].requires_grad_(), cache[0], cache[1], mask, keys_seen)
 
 
 def test_the_decoder_is_causal(model_and_config):
@@ -282,7 +282,7 @@ def test_every_path_computes_what_torchs_own_transformer_computes(make_config, f
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["fixed", "mixed"])
 def test_the_layers_in_one_kernel_call_compute_their_ops_in_python_to_the_bit(make_config, monkeypatch, mixed):
-    """ops.transformer_layer (a layer's ops and autograd's formulas for them in C++) against
+    """transformer_ops.transformer_layer (a layer's ops and autograd's formulas for them in C++) against
     the same layers op by op in Python: logits and every gradient equal, in a training step and
     without autograd; under autocast the layers run torch's ops."""
     if ops.kernel() is None:
@@ -294,8 +294,8 @@ def test_the_layers_in_one_kernel_call_compute_their_ops_in_python_to_the_bit(ma
         mixed_batch(cfg) if mixed else make_batch("copy", 6, 9, cfg.task.vocab_size, torch.Generator().manual_seed(4))
     )
     calls = []
-    layer = ops.transformer_layer
-    monkeypatch.setattr(ops, "transformer_layer", lambda *args: calls.append(args) or layer(*args))
+    layer = transformer_ops.transformer_layer
+    monkeypatch.setattr(transformer_ops, "transformer_layer", lambda *args: calls.append(args) or layer(*args))
     results = []
     for in_one_call in (True, False):
         if not in_one_call:
@@ -335,7 +335,7 @@ def test_a_double_backward_through_the_fused_layers_raises(make_config):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("cross", [False, True])
 def test_the_attention_kernel_computes_torchs_batched_products(heads, d, causal, cross):
-    """ops.attention against transformer.scaled_dot_product: outputs and the gradients of the
+    """transformer_ops.attention against transformer.scaled_dot_product: outputs and the gradients of the
     packed projections the model passes it (q | k | v of a self-attention; q, and k | v of a
     cross-attention over a source of another length), ragged key masks with an empty row, and key
     counts that are not a whole tile of 8; heads of 8 and 16 features (8 x 8 blocks transposed in
@@ -351,7 +351,7 @@ def test_the_attention_kernel_computes_torchs_batched_products(heads, d, causal,
     grad = torch.randn(batch, steps, d)
     results = []
     for attend in (
-        lambda: ops.attention(x, kv, heads, key_mask, causal),
+        lambda: transformer_ops.attention(x, kv, heads, key_mask, causal),
         lambda: scaled_dot_product(q, k, v, heads, key_mask, causal),
     ):
         out = attend()

@@ -46,8 +46,23 @@ from .schema import (
 def validate(cfg: DictConfig) -> None:
     """Refuse bad values before anything is trained or written: ConfigError naming the key, the
     value and what is allowed. Types are the schema's (checked by Hydra); this checks the rest (see
-    the module's docstring)."""
-    task, train, model, attention = cfg.task, cfg.train, cfg.model, cfg.attention
+    the module's docstring), in this order, so that the first bad value is the one named."""
+    check_keys(cfg)
+    check_task(cfg.task, cfg.train)
+    try:
+        model_keys.check_model(cfg, default_attention())
+        model_keys.check_lengths(cfg.analysis.get("lengths"))
+    except model_keys.Refused as refused:
+        raise ConfigError(str(refused)) from None
+    check_gru(cfg)
+    check_training(cfg.train)
+    check_memory(cfg)
+    check_device(cfg.train.device)
+    check_logger(cfg.get("logger"))
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """No key the schema lacks, and every bounded integer within its bounds (MINIMUM, MAXIMUM)."""
     unknown = sorted(set(dotted_keys(cfg)) - set(SCHEMA_KEYS))
     if unknown:  # added with `+key=value`: nothing would read it, yet it would rename the run
         raise ConfigError(unknown_key(unknown[0], SCHEMA_KEYS))
@@ -57,6 +72,10 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
         if value is not None and value > MAXIMUM.get(key, value):
             raise ConfigError(f"{key} must be an integer from {low} to {MAXIMUM[key]}, got {value!r}")
+
+
+def check_task(task: DictConfig, train: DictConfig) -> None:
+    """A registered task, lengths in order, and room for the held-out sets (`check_heldout`)."""
     if task.name not in TASKS:
         raise ConfigError(f"task.name must be one of {', '.join(TASKS)}, got {task.name!r}")
     if task.variable_length and task.min_length > task.length:
@@ -64,11 +83,12 @@ def validate(cfg: DictConfig) -> None:
     check_heldout(
         task.length, task.vocab_size, train.eval_size, train.val_size, task.min_length if task.variable_length else None
     )
-    try:
-        model_keys.check_model(cfg, default_attention())
-        model_keys.check_lengths(cfg.analysis.get("lengths"))
-    except model_keys.Refused as refused:
-        raise ConfigError(str(refused)) from None
+
+
+def check_gru(cfg: DictConfig) -> None:
+    """The GRU model's decoder and attention: a known decoder with its equations, an even hidden size
+    for a bidirectional encoder, heads and Luong's local window where they apply."""
+    model, attention = cfg.model, cfg.attention
     if attention.decoder not in DECODERS:
         raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
     if attention.variant != VARIANTS.get(attention.decoder):  # the one set of equations each decoder computes
@@ -102,6 +122,10 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})"
         )
+
+
+def check_training(train: DictConfig) -> None:
+    """The optimiser's and the schedule's numbers, and the target accuracy."""
     if not 0 < train.lr < math.inf:  # also refuses nan
         raise ConfigError(f"train.lr must be a positive finite number, got {train.lr!r}")
     if train.schedule not in SCHEDULES:
@@ -117,9 +141,6 @@ def validate(cfg: DictConfig) -> None:
         )
     if not 0 <= train.target_acc <= 1:
         raise ConfigError(f"train.target_acc must be a number in [0, 1], got {train.target_acc!r}")
-    check_memory(cfg)
-    check_device(train.device)
-    check_logger(cfg.get("logger"))
 
 
 # At most this share of fresh training rows may be held-out sequences: `splits.training_batch` draws

@@ -11,9 +11,9 @@ PAD included) computes what teacher forcing on the same tokens computes.
 The parameters are nn.Transformer's modules (its state_dict, so a run's checkpoint loads as it did);
 the layers' forward is written out here (post-norm, as torch's default), for three things torch's
 does not give:
-- a training step's attention in `ops.attention` on CPU (each (sequence, head) slice in cache,
+- a training step's attention in `transformer_ops.attention` on CPU (each (sequence, head) slice in cache,
   no weights kept: docs/bench.md has the profile that chose it), else in torch's batched products;
-  and on CPU without dropout each layer in one call of `ops.transformer_layer` (the ops below
+  and on CPU without dropout each layer in one call of `transformer_ops.transformer_layer` (the ops below
   and autograd's formulas for them in C++: the same numbers to the bit, without a dozen ops' and
   autograd nodes' dispatch a layer);
 - cross-attention weights, per head: when weights are wanted (outside autograd, or with a
@@ -28,7 +28,7 @@ Greedy decoding caches each decoder layer's self-attention keys and values at th
 so far: a step runs only the new position through every layer (the causal mask makes earlier
 positions' outputs independent of later ones, so nothing before is recomputed). Each layer's
 cross-attention keys and values of the memory are projected once per decode, not once per step.
-On CPU (float32, fused) a step's attention runs in `ops.attention_step` on caches that hold the
+On CPU (float32, fused) a step's attention runs in `transformer_ops.attention_step` on caches that hold the
 keys and values transposed: the tokens of nn.MultiheadAttention's ops (but where two logits tie
 to float rounding), the weights to float rounding. Elsewhere (GPU, `fused=False`) it runs
 nn.MultiheadAttention's own ops, and the tokens and weights are the module's to the bit.
@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from ..data.batches import length_mask
 from ..data.vocab import BOS, PAD
-from ..kernels import ops
+from ..kernels import ops, transformer_ops
 from .attention import MultiHeadAttention, masked_softmax
 
 
@@ -55,7 +55,7 @@ def scaled_dot_product(
     q: Tensor, k: Tensor, v: Tensor, heads: int, key_mask: Tensor | None, causal: bool, dropout: float = 0.0
 ) -> Tensor:
     """softmax(q_h k_h^T / sqrt(d / heads) + masks) v_h for each head h, in torch's batched products
-    (what `ops.attention` computes, with dropout on the weights as nn.MultiheadAttention's):
+    (what `transformer_ops.attention` computes, with dropout on the weights as nn.MultiheadAttention's):
     q (B, T, d), k and v (B, S, d), key_mask (B, S) True on real keys or None, causal: query t sees
     keys <= t -> (B, T, d), the heads side by side. A query that sees no key gets a zero output."""
     (_, steps, d), keys = q.shape, k.size(1)
@@ -115,7 +115,7 @@ class TransformerSeq2Seq(nn.Module):
         positions: str = "sinusoidal",
         position_rows: int | None = None,  # learned: the table's rows (longest source + 1)
         dropout: float = 0.0,
-        fused: bool = True,  # a training step's attention in ops.attention on CPU
+        fused: bool = True,  # a training step's attention in transformer_ops.attention on CPU
     ):
         super().__init__()
         self.d_model = d_model
@@ -179,7 +179,7 @@ class TransformerSeq2Seq(nn.Module):
         if self._layer_fused(x):
             mask = ops.padding(src_mask)
             for layer in self.transformer.encoder.layers:
-                x = ops.transformer_layer(layer, x, None, mask)
+                x = transformer_ops.transformer_layer(layer, x, None, mask)
         else:
             for layer in self.transformer.encoder.layers:
                 x = layer.norm1(x + layer.dropout1(self._attend(layer.self_attn, x, None, src_mask)))
@@ -187,7 +187,7 @@ class TransformerSeq2Seq(nn.Module):
         return self.transformer.encoder.norm(x), src_mask
 
     def _layer_fused(self, x: Tensor) -> bool:
-        """Whether a layer runs in one call of `ops.transformer_layer`: fused, float32 on CPU, no
+        """Whether a layer runs in one call of `transformer_ops.transformer_layer`: fused, float32 on CPU, no
         dropout, and no autocast (whose lower precision is its ops' own: torch's ops run it)."""
         return (
             self.fused
@@ -218,7 +218,7 @@ class TransformerSeq2Seq(nn.Module):
             queries, keys_values = F.linear(x, w_q, b_q), F.linear(memory, w_kv, b_kv)
         dropout = attention.dropout if self.training else 0.0
         if self.fused and not dropout and ops.usable(queries):
-            context = ops.attention(queries, keys_values, attention.num_heads, key_mask, causal)
+            context = transformer_ops.attention(queries, keys_values, attention.num_heads, key_mask, causal)
         else:
             q, k, v = queries.chunk(3, -1) if keys_values is None else (queries, *keys_values.chunk(2, -1))
             context = scaled_dot_product(q, k, v, attention.num_heads, key_mask, causal, dropout)
@@ -256,7 +256,7 @@ class TransformerSeq2Seq(nn.Module):
         if not weighted and self._layer_fused(x):
             mask = ops.padding(src_mask)
             for layer in self.transformer.decoder.layers:
-                x = ops.transformer_layer(layer, x, memory, mask)
+                x = transformer_ops.transformer_layer(layer, x, memory, mask)
             return self.out(self.transformer.decoder.norm(x)), None
         for layer, cross_attention in zip(self.transformer.decoder.layers, self.cross_attentions):
             attended = self._attend(layer.self_attn, x, None, None, causal=True)
@@ -288,7 +288,7 @@ class TransformerSeq2Seq(nn.Module):
 
     @staticmethod
     def _step_self_attention(attention: nn.MultiheadAttention, cache: Tensor, x: Tensor, t: int) -> Tensor:
-        """`_cached_self_attention` in ops.attention_step, the same numbers to float rounding:
+        """`_cached_self_attention` in transformer_ops.attention_step, the same numbers to float rounding:
         `cache` (2, B, heads, d / heads, C) holds the keys and values transposed. -> (B, 1, d)."""
         batch, _, d = x.shape
         query, key, value = F.linear(x[:, 0], attention.in_proj_weight, attention.in_proj_bias).chunk(
@@ -298,7 +298,7 @@ class TransformerSeq2Seq(nn.Module):
             key.view(batch, attention.num_heads, -1),
             value.view(batch, attention.num_heads, -1),
         )
-        context, _ = ops.attention_step(query, cache[0], cache[1], query.new_empty(0), t + 1)  # (B, d)
+        context, _ = transformer_ops.attention_step(query, cache[0], cache[1], query.new_empty(0), t + 1)  # (B, d)
         return attention.out_proj(context)[:, None]
 
     @staticmethod
@@ -337,12 +337,12 @@ class TransformerSeq2Seq(nn.Module):
 
     @staticmethod
     def _transposed_memory(attention: nn.MultiheadAttention, memory: Tensor) -> Tensor:
-        """A cross-attention's keys and values of `memory` (B, T_enc, d) as ops.attention_step
+        """A cross-attention's keys and values of `memory` (B, T_enc, d) as transformer_ops.attention_step
         takes them: (2, B, heads, d / heads, C), transposed, zero from T_enc to C (a multiple of 8)."""
         batch, source, d = memory.shape
         heads = attention.num_heads
         projected = F.linear(memory, attention.in_proj_weight[d:], attention.in_proj_bias[d:])  # (B, T_enc, 2d): k | v
-        cache = memory.new_zeros(2, batch, heads, d // heads, ops.cache_length(source))
+        cache = memory.new_zeros(2, batch, heads, d // heads, transformer_ops.cache_length(source))
         cache[..., :source] = projected.view(batch, source, 2, heads, d // heads).permute(2, 0, 3, 4, 1)
         return cache
 
@@ -350,82 +350,86 @@ class TransformerSeq2Seq(nn.Module):
     def _step_cross_attention(
         attention: nn.MultiheadAttention, cache: Tensor, mask: Tensor, source: int, x: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """`_cached_cross_attention` in ops.attention_step, the same numbers to float rounding (an
+        """`_cached_cross_attention` in transformer_ops.attention_step, the same numbers to float rounding (an
         empty source: zero weights, and the projection of a zero context, its bias), on the memory's
         keys and values from `_transposed_memory`, `mask` (ops.padding of the source's (B, T_enc))
         and its length T_enc -> context (B, 1, d), weights (B, 1, T_enc), mean over heads."""
         d = x.size(-1)
         query = F.linear(x[:, 0], attention.in_proj_weight[:d], attention.in_proj_bias[:d])  # (B, d)
-        context, weights = ops.attention_step(query, cache[0], cache[1], mask, source)
+        context, weights = transformer_ops.attention_step(query, cache[0], cache[1], mask, source)
         return attention.out_proj(context)[:, None], weights.mean(1, keepdim=True)
+
+    def _step_self_attentions(self, memory: Tensor, steps: int) -> list[Callable]:
+        """Each decoder layer's self-attention for one step at a time, its keys and values cached: on
+        CPU (fused) transposed, (B, heads, d / heads, C), else (B, heads, steps, d / heads)."""
+        batch, heads = memory.size(0), self.cross_attentions[0].heads
+        head_size = self.d_model // heads
+        if self.fused and ops.usable(memory):
+            return [
+                partial(
+                    self._step_self_attention,
+                    layer.self_attn,
+                    memory.new_zeros(2, batch, heads, head_size, transformer_ops.cache_length(steps)),
+                )
+                for layer in self.transformer.decoder.layers
+            ]
+        return [
+            partial(self._cached_self_attention, layer.self_attn, memory.new_zeros(2, batch, heads, steps, head_size))
+            for layer in self.transformer.decoder.layers
+        ]
+
+    def _step_cross_attentions(self, memory: Tensor, src_mask: Tensor) -> list[Callable]:
+        """Each decoder layer's cross-attention for one step, the memory's keys and values projected
+        once; with a counterfactual set, `MultiHeadAttention`, which projects them at every step (its
+        hook sees the weights there)."""
+        layers = list(zip(self.transformer.decoder.layers, self.cross_attentions))
+        if any(cross_attention.intervention is not None for _, cross_attention in layers):
+            return [partial(attention, keys=memory, values=memory, mask=src_mask) for _, attention in layers]
+        if self.fused and ops.usable(memory):
+            mask = ops.padding(src_mask)
+            return [
+                partial(
+                    self._step_cross_attention,
+                    layer.multihead_attn,
+                    self._transposed_memory(layer.multihead_attn, memory),
+                    mask,
+                    memory.size(1),
+                )
+                for layer, _ in layers
+            ]
+        # nn.MultiheadAttention's mask as it builds it: 0 or -inf per key, one row per sequence and head
+        heads = self.cross_attentions[0].heads
+        mask_bias = memory.new_zeros(src_mask.shape).masked_fill_(~src_mask, float("-inf"))
+        mask_bias = mask_bias[:, None, None, :].expand(-1, heads, -1, -1).reshape(-1, 1, src_mask.size(1))
+        empty = ~src_mask.any(-1)  # (B,)
+        return [
+            partial(
+                self._cached_cross_attention,
+                layer.multihead_attn,
+                *self._project_memory(layer.multihead_attn, memory),
+                mask_bias,
+                empty,
+            )
+            for layer, _ in layers
+        ]
 
     @torch.no_grad()
     def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor]:
         """Greedy decoding, each step fed its own previous prediction, with each layer's
         self-attention keys and values cached, and its cross-attention's keys and values of the
         memory projected once: -> tokens (B, steps), weights (B, steps, T_enc). On CPU each step's
-        attention runs in ops.attention_step (fused, float32), elsewhere in
-        nn.MultiheadAttention's ops. With a counterfactual set, the cross-attention runs through
-        MultiHeadAttention, which projects them at every step (its hook sees the weights there)."""
+        attention runs in transformer_ops.attention_step (fused, float32), elsewhere in
+        nn.MultiheadAttention's ops."""
         if self.longest_source is not None and steps - 1 > self.longest_source:
             raise ValueError(f"learned positions cover sources up to {self.longest_source} symbols, not {steps - 1}")
         memory, src_mask = self.encode(src, src_lengths)
         tokens = torch.full((src.size(0), 1), BOS, dtype=torch.long, device=src.device)
-        layers = list(zip(self.transformer.decoder.layers, self.cross_attentions))
-        batch, heads = src.size(0), self.cross_attentions[0].heads
-        head_size = self.d_model // heads
-        fused = self.fused and ops.usable(memory)
-        if fused:  # per layer: keys and values transposed (B, heads, d / heads, C), filled one step at a time
-            self_attends = [
-                partial(
-                    self._step_self_attention,
-                    layer.self_attn,
-                    memory.new_zeros(2, batch, heads, head_size, ops.cache_length(steps)),
-                )
-                for layer, _ in layers
-            ]
-        else:  # per layer: keys and values (B, heads, steps, d / heads), filled one step at a time
-            self_attends = [
-                partial(
-                    self._cached_self_attention, layer.self_attn, memory.new_zeros(2, batch, heads, steps, head_size)
-                )
-                for layer, _ in layers
-            ]
-        if any(cross_attention.intervention is not None for _, cross_attention in layers):
-            cross_attends = [
-                partial(cross_attention, keys=memory, values=memory, mask=src_mask) for _, cross_attention in layers
-            ]
-        elif fused:
-            mask = ops.padding(src_mask)
-            cross_attends = [
-                partial(
-                    self._step_cross_attention,
-                    layer.multihead_attn,
-                    self._transposed_memory(layer.multihead_attn, memory),
-                    mask,
-                    src.size(1),
-                )
-                for layer, _ in layers
-            ]
-        else:
-            # nn.MultiheadAttention's mask as it builds it: 0 or -inf per key, one row per sequence and head
-            mask_bias = memory.new_zeros(src_mask.shape).masked_fill_(~src_mask, float("-inf"))
-            mask_bias = mask_bias[:, None, None, :].expand(-1, heads, -1, -1).reshape(-1, 1, src_mask.size(1))
-            empty = ~src_mask.any(-1)  # (B,)
-            cross_attends = [
-                partial(
-                    self._cached_cross_attention,
-                    layer.multihead_attn,
-                    *self._project_memory(layer.multihead_attn, memory),
-                    mask_bias,
-                    empty,
-                )
-                for layer, _ in layers
-            ]
+        self_attends = self._step_self_attentions(memory, steps)
+        cross_attends = self._step_cross_attentions(memory, src_mask)
         outputs, weights = [], []
         for t in range(steps):
             x = self._embed(self.tgt_embedding, tokens, start=t)  # (B, 1, d)
-            for (layer, _), self_attend, cross_attend in zip(layers, self_attends, cross_attends):
+            for layer, self_attend, cross_attend in zip(self.transformer.decoder.layers, self_attends, cross_attends):
                 # the newest position attends to every step so far: the causal mask, with nothing to mask
                 x, step_weights = self._decoder_layer(layer, x, self_attend(x, t), cross_attend)
             tokens = self.out(self.transformer.decoder.norm(x)).argmax(-1)  # (B, 1)

@@ -68,6 +68,26 @@ def set_numeric_axis(axis: Axes, values: list[float]) -> None:
     axis.minorticks_off()
 
 
+def draw_mean(
+    axis: Axes, series: pd.DataFrame, x: str, metric: str, colour: str, style: tuple[str, str], name: str
+) -> None:
+    """`series`' mean `metric` against `x` in % (line style and marker `style`), its 95% interval as a
+    band, or as an error bar where there is one point (a band over one point is not drawn at all)."""
+    linestyle, marker = style
+    mean, low, high = (
+        100 * series[metric],
+        100 * series[f"{metric}_lo"].clip(lower=0),
+        100 * series[f"{metric}_hi"].clip(upper=1),
+    )
+    if len(series) > 1:
+        axis.plot(series[x], mean, linestyle=linestyle, marker=marker, color=colour, label=name)
+        axis.fill_between(series[x], low, high, color=colour, alpha=0.2, linewidth=0)
+    else:
+        # arrays: pandas 2.x warns at matplotlib's float() of a Series
+        spread = None if low.isna().all() else [(mean - low).to_numpy(), (high - mean).to_numpy()]
+        axis.errorbar(series[x], mean, yerr=spread, marker=marker, capsize=4, color=colour, label=name)
+
+
 def plot_accuracy(
     summary: pd.DataFrame, settings: list[str], x: str, stem: Path, per_length: pd.DataFrame
 ) -> list[Path]:
@@ -93,24 +113,9 @@ def plot_accuracy(
             for (attention, *style_value), series in rows.groupby(
                 ["attention", *([style_key] if style_key else [])], sort=False
             ):
-                series = series.sort_values(x)
-                linestyle, marker = style[style_value[0] if style_key else None]
+                line = style[style_value[0] if style_key else None]
                 name = f"{attention}, {style_key}={setting_value(style_value[0])}" if style_key else attention
-                mean, low, high = (
-                    100 * series[metric],
-                    100 * series[f"{metric}_lo"].clip(lower=0),
-                    100 * series[f"{metric}_hi"].clip(upper=1),
-                )
-                if len(series) > 1:
-                    axis.plot(series[x], mean, linestyle=linestyle, marker=marker, color=colour[attention], label=name)
-                    axis.fill_between(series[x], low, high, color=colour[attention], alpha=0.2, linewidth=0)
-                else:  # a band over one point is not drawn at all: an error bar is
-                    spread = (
-                        None if low.isna().all() else [(mean - low).to_numpy(), (high - mean).to_numpy()]
-                    )  # arrays: pandas 2.x warns at matplotlib's float() of a Series
-                    axis.errorbar(
-                        series[x], mean, yerr=spread, marker=marker, capsize=4, color=colour[attention], label=name
-                    )
+                draw_mean(axis, series.sort_values(x), x, metric, colour[attention], line, name)
             if x == "length" and not others:
                 plot_per_length(axis, per_length, metric, colour)
             if metric == "token_acc":

@@ -22,7 +22,8 @@ from .. import store
 from ..figures import draw_chance, panels, save
 from ..store.runs import OBJECTIVE, SWEEP_RECORD, GridRun
 from . import tables
-from .report import REPORT_DIR, markdown_table
+from .report import REPORT_DIR
+from .tables import markdown_table
 
 TRIALS_CSV = "trials.csv"
 BY_TRIAL_FIGURE = "search_objective_by_trial.png"

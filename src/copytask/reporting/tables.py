@@ -289,3 +289,10 @@ def table_note(tasks: list[str]) -> str:
         "train.target_acc greedy token accuracy on the validation set, "
         "over the seeds that reached it (k/n where not all did)"
     )
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    """`frame` as a markdown table, its columns as the header."""
+    lines = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)

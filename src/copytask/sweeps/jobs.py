@@ -323,95 +323,123 @@ class SweepSummary(Callback):
             raise SystemExit(1) from error
 
     def summarise(self, config: DictConfig) -> None:
-        from ..evaluation import analysis  # pandas, matplotlib, the model: only once the jobs are done
-        from ..reporting import report, search, tables
-        from ..training import devices
-
+        """The end of a sweep: its failed jobs named, every run analysed, sweep.json, results.csv and
+        the report written, and one closing line. SweepFailed where a job failed."""
         self.progress.close()
-
         trials = search_trials(config) if proposes_jobs(config.hydra) else None
         runs = expand(config) if trials is None else trial_runs(config, trials)
-        runs_dir = Path(config.runs_dir)
-        statuses = [run.status() for run in runs]
-        # Runs another process is training are neither failures of this sweep nor results yet.
-        elsewhere = [run for run, status in zip(runs, statuses) if status == "running"]
-        unfinished = [run for run, status in zip(runs, statuses) if status not in ("complete", "running")]
-        for run in unfinished:  # first: nothing after this may hide which jobs failed
-            console.log.error(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}")
-        for run in elsewhere:
-            console.warn(
-                f"{run.label or run.folder.name}: {run.failure()}; "
-                "not in these results (run the sweep again once it ends)"
-            )
-        trained_on = [
-            store.read_json(run.folder / store.METRICS).get("device")
-            for run, status in zip(runs, statuses)
-            if status == "complete"
-        ]
-        if warning := devices.cpu_despite_gpus(config.hydra.launcher.get("gpus_per_node"), trained_on):
-            console.warn(warning)
+        unfinished, elsewhere = check_statuses(runs, config.hydra.launcher.get("gpus_per_node"))
         trained = sum(
             store.is_complete(run.folder) and (run.folder / store.METRICS).stat().st_mtime >= self.started_at
             for run in runs
         )
-        analysis_started = time.perf_counter()
-        analysed = analysis.analyze(
-            [run.folder for run in runs],
-            lengths=list(config.analysis.lengths or sorted({run.config.task.length for run in runs})),
-            eval_size=config.analysis.eval_size,
-            threads=config.analysis.threads,
-            progress=config.train.progress,
-            device=analysis_device(config.train.device, config.hydra.launcher.get("_target_")),
-        )
-        analysis_seconds = time.perf_counter() - analysis_started
-        console.log.info(
-            f"analysis: {analysed} runs analysed in {analysis_seconds:.1f} s (eval_size {config.analysis.eval_size})"
-        )
+        analysis_seconds = analyse(runs, config)
         wall_seconds = time.perf_counter() - self.started
-        store.write_json(
-            runs_dir / SWEEP_RECORD,
-            self.record(config)
-            | self.begun
-            | {
-                "jobs": len(runs),
-                "trained": trained,
-                "failed": len(unfinished),
-                "training_elsewhere": len(elsewhere),
-                "wall_seconds": round(wall_seconds, 1),
-                "analysis_seconds": round(analysis_seconds, 1),
-                "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "launcher": config.hydra.runtime.choices.get("hydra/launcher"),
-                "machine": cpu_model(),
-                "cpus": os.cpu_count(),
-                "gpu": gpu_name(),
-                "python": platform.python_version(),
-            }
-            | ({"trials": trials} if trials is not None else {}),
-        )
-        loaded = tables.load(runs)
-        if not loaded.table.empty:
-            tables.save(loaded, runs_dir)
-            report_started = time.perf_counter()
-            if trials is not None:
-                written = search.write_report(trials, loaded, runs_dir)
-            else:
-                try:
-                    report.x_column(config.report.x, loaded)
-                    x = config.report.x
-                except ConfigError as error:
-                    console.warn(f"{error}; the report puts task.length on the x axis")
-                    x = "task.length"
-                written = report.write_report(runs, loaded, runs_dir, x)
-            console.log.info(report.written_line(written, time.perf_counter() - report_started))
-            trackers.log_report(config, written)
-        if trials is not None:
-            console.log.info(f"search: {search.best_line(search.trial_table(trials, loaded), loaded.settings)}")
+        outcome = {
+            "jobs": len(runs),
+            "trained": trained,
+            "failed": len(unfinished),
+            "training_elsewhere": len(elsewhere),
+            "wall_seconds": round(wall_seconds, 1),
+            "analysis_seconds": round(analysis_seconds, 1),
+        }
+        record = self.record(config) | self.begun | ended(config, outcome, trials)
+        store.write_json(Path(config.runs_dir) / SWEEP_RECORD, record)
+        results = write_results(runs, trials, config)
         console.log.info(
             f"sweep: {len(runs) - len(unfinished) - len(elsewhere)}/{len(runs)} runs complete ({trained} trained now), "
             f"{len(unfinished)} failed"
             + (f", {len(elsewhere)} being trained by another process" if elsewhere else "")
             + f"; {wall_seconds:.1f} s wall time"
-            + (f"; results in {runs_dir / tables.RESULTS_CSV}" if not loaded.table.empty else "")
+            + (f"; results in {results}" if results else "")
         )
         if unfinished:
             raise SweepFailed()
+
+
+def check_statuses(runs: list[GridRun], gpus_per_node: int | None) -> tuple[list[GridRun], list[GridRun]]:
+    """The runs that failed (each logged as an error first: nothing after may hide which jobs failed)
+    and those another process is training (each warned: neither failures of this sweep nor results
+    yet); a warning where runs trained on CPU although the jobs had GPUs."""
+    from ..training import devices
+
+    statuses = [run.status() for run in runs]
+    elsewhere = [run for run, status in zip(runs, statuses) if status == "running"]
+    unfinished = [run for run, status in zip(runs, statuses) if status not in ("complete", "running")]
+    for run in unfinished:
+        console.log.error(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}")
+    for run in elsewhere:
+        console.warn(
+            f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)"
+        )
+    trained_on = [
+        store.read_json(run.folder / store.METRICS).get("device")
+        for run, status in zip(runs, statuses)
+        if status == "complete"
+    ]
+    if warning := devices.cpu_despite_gpus(gpus_per_node, trained_on):
+        console.warn(warning)
+    return unfinished, elsewhere
+
+
+def analyse(runs: list[GridRun], config: DictConfig) -> float:
+    """Each complete run's analysis.json (`evaluation.analysis.analyze`), logged. -> its seconds."""
+    from ..evaluation import analysis  # pandas, matplotlib, the model: only once the jobs are done
+
+    started = time.perf_counter()
+    analysed = analysis.analyze(
+        [run.folder for run in runs],
+        lengths=list(config.analysis.lengths or sorted({run.config.task.length for run in runs})),
+        eval_size=config.analysis.eval_size,
+        threads=config.analysis.threads,
+        progress=config.train.progress,
+        device=analysis_device(config.train.device, config.hydra.launcher.get("_target_")),
+    )
+    seconds = time.perf_counter() - started
+    console.log.info(f"analysis: {analysed} runs analysed in {seconds:.1f} s (eval_size {config.analysis.eval_size})")
+    return seconds
+
+
+def ended(config: DictConfig, outcome: dict[str, Any], trials: list[dict] | None) -> dict[str, Any]:
+    """What sweep.json adds at the end: the sweep's `outcome` (counts and seconds), when and where it
+    ran, and a search's trials."""
+    return (
+        outcome
+        | {
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "launcher": config.hydra.runtime.choices.get("hydra/launcher"),
+            "machine": cpu_model(),
+            "cpus": os.cpu_count(),
+            "gpu": gpu_name(),
+            "python": platform.python_version(),
+        }
+        | ({"trials": trials} if trials is not None else {})
+    )
+
+
+def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictConfig) -> Path | None:
+    """results.csv and the report (a search's, for `trials`) of the runs that are complete, logged,
+    and handed to the tracker. -> results.csv's path; None where no run is complete."""
+    from ..reporting import report, search, tables
+
+    runs_dir = Path(config.runs_dir)
+    loaded = tables.load(runs)
+    results = None
+    if not loaded.table.empty:
+        results = tables.save(loaded, runs_dir)
+        started = time.perf_counter()
+        if trials is not None:
+            written = search.write_report(trials, loaded, runs_dir)
+        else:
+            try:
+                report.x_column(config.report.x, loaded)
+                x = config.report.x
+            except ConfigError as error:
+                console.warn(f"{error}; the report puts task.length on the x axis")
+                x = "task.length"
+            written = report.write_report(runs, loaded, runs_dir, x)
+        console.log.info(report.written_line(written, time.perf_counter() - started))
+        trackers.log_report(config, written)
+    if trials is not None:
+        console.log.info(f"search: {search.best_line(search.trial_table(trials, loaded), loaded.settings)}")
+    return results

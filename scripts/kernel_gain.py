@@ -1,26 +1,28 @@
-"""What each fused CPU kernel buys in a training step (and the Transformer's greedy evaluation).
+"""What each fused CPU kernel buys where users run it: a training step of every model whose preset uses
+the kernel, and the Transformer's greedy evaluation.
 
-    python scripts/kernel_gain.py [--rounds 7] [--warmup 2] [--lengths 5 20 80] [--eval-lengths 20 80]
+    python scripts/kernel_gain.py [--rounds 7] [--warmup 2] [--lengths 5 10 20 40 80] [--eval-lengths 5 10 20 40 80]
 
 docs/bench.md (Speed levers) gives its figures and the rule a kernel is kept by.
 
-For every (model, length) it times `training.loop.train_step` (batch 64, default configs) with all kernels on
-and with ONE kernel switched off at its call site (torch's ops for that part, the other kernels still on),
-one thread, every variant once per round (the order rotated each round), several steps per timing; the
-table gives the medians over the timed rounds and the gain = median over rounds of (off / on) within the
-round. Before timing, each variant's call counts of every kernel are checked (the switched-off kernel is
-never called, the others are, as in the on variant) and its loss and gradients are compared with the
-model's fused=False (all-torch) numbers.
+The lengths are those the presets sweep (the default sweep, capacity, attention_zoo, architectures: 5-80;
+budget and extrapolation stay within them), each model in its default config (batch 64), so every setup
+timed is one a preset trains. For every (model, length) it times `training.loop.train_step` with all
+kernels on and with ONE kernel switched off at its call site (torch's ops for that part, the other
+kernels still on), one thread, every variant once per round (the order rotated each round), several
+steps per timing; gain = median over rounds of (off / on) within the round. Before timing, each
+variant's kernel calls are counted: the switched-off kernel is never called, and every other kernel
+the on variant calls is called too; its loss and gradients are compared with the model's fused=False
+(all-torch) numbers. The summary gives each kernel's median gain over the lengths, with its range.
 
 Switches (per model instance, no source edited):
 - GRU:               every kernels.GRU module's `fused` = False (torch's nn.GRU);
 - bahdanau_decode:   BahdanauDecoder.fused = False (the per-step torch loop; the encoder's GRU stays fused);
 - additive_scores:   the Luong concat decoder's Attention.fused = False (chunked torch additive score);
-- transformer_layer: the model's `_layer_fused` -> False (the layers' ops in Python, attention still in
-                     kernels.attention);
-- attention:         with the layers in Python, model.fused = False (torch's batched products), compared with
-                     the layers in Python and kernels.attention on (layers.cpp calls the attention kernel in C++,
-                     so the attention kernel cannot be off with the layer kernel on);
+- transformer_layer: model.fused = False: the layers' ops in Python with torch's attention. The layer
+                     kernel calls the attention kernel from C++, and with the default `model.dropout=0` no
+                     training step calls the attention kernel from Python, so the two are measured together,
+                     as they run;
 - attention_step:    greedy evaluation (models.greedy.evaluate, 512 sequences) with model.fused = False except in
                      `encode` (the encoder keeps kernels.transformer_layer), so only the decoder steps' attention
                      changes (kernels.attention_step vs torch's cached attention).
@@ -44,6 +46,7 @@ from copytask.api import compose
 from copytask.data.splits import sample_batch
 from copytask.data.vocab import PAD
 from copytask.kernels import ops as kernels
+from copytask.kernels import transformer_ops
 from copytask.models.build import build_model
 from copytask.models.greedy import evaluate
 from copytask.training.loop import train_step
@@ -62,7 +65,8 @@ KERNEL_FUNCTIONS = (
 def count_calls() -> tuple[Counter, callable]:
     """Wrap the kernels' Python entry points (looked up as module attributes at every call) with counters."""
     calls: Counter = Counter()
-    originals = {name: getattr(kernels, name) for name in KERNEL_FUNCTIONS}
+    modules = {name: kernels if hasattr(kernels, name) else transformer_ops for name in KERNEL_FUNCTIONS}
+    originals = {name: getattr(module, name) for name, module in modules.items()}
 
     def wrap(name, fn):
         def counted(*args, **kwargs):
@@ -72,11 +76,11 @@ def count_calls() -> tuple[Counter, callable]:
         return counted
 
     for name, fn in originals.items():
-        setattr(kernels, name, wrap(name, fn))
+        setattr(modules[name], name, wrap(name, fn))
 
     def restore():
         for name, fn in originals.items():
-            setattr(kernels, name, fn)
+            setattr(modules[name], name, fn)
 
     return calls, restore
 
@@ -98,13 +102,8 @@ def additive_off(model):
     model.decoder.attention.fused = False
 
 
-def layers_off(model):
-    model._layer_fused = lambda x: False  # instance attribute: the layers' ops in Python, kernels.attention inside
-
-
-def layers_and_attention_off(model):
-    layers_off(model)
-    model.fused = False  # _attend: torch's batched products
+def transformer_off(model):
+    model.fused = False  # the layers' ops in Python and torch's batched attention products
 
 
 def attention_step_off(model):
@@ -128,6 +127,7 @@ def all_off(model):
             module.fused = False
 
 
+PRESET_LENGTHS = [5, 10, 20, 40, 80]  # every preset's lengths (configs/config.yaml, configs/experiment/)
 MODELS = {  # name -> overrides
     "none": ["attention=none"],
     "bahdanau": ["attention=bahdanau"],
@@ -135,19 +135,17 @@ MODELS = {  # name -> overrides
     "luong_concat": ["attention=luong_concat"],
     "transformer": ["model=transformer"],
 }
-# (kernel, model, on-variant switch or None, off-variant switch)
+# (kernel, model, off-variant switch): against all kernels on
 COMPARISONS = [
-    ("GRU", "none", None, gru_off),
-    ("GRU", "bahdanau", None, gru_off),
-    ("GRU", "luong_general", None, gru_off),
-    ("bahdanau_decode", "bahdanau", None, bahdanau_off),
-    ("additive_scores", "luong_concat", None, additive_off),
-    ("transformer_layer", "transformer", None, layers_off),
-    ("attention", "transformer", layers_off, layers_and_attention_off),
-    ("layer+attention", "transformer", None, layers_and_attention_off),
+    ("GRU", "none", gru_off),
+    ("GRU", "bahdanau", gru_off),
+    ("GRU", "luong_general", gru_off),
+    ("bahdanau_decode", "bahdanau", bahdanau_off),
+    ("additive_scores", "luong_concat", additive_off),
+    ("transformer_layer", "transformer", transformer_off),
 ]
-# greedy evaluation: (kernel, model, off-variant switch); the Transformer's is what the brief asks, the GRU
-# models' are extra (the GRU kernel also runs a greedy step's T=1 recurrence in the plain and Luong decoders)
+# greedy evaluation: (kernel, model, off-variant switch); the GRU kernel also runs a greedy step's T=1
+# recurrence in the plain and Luong decoders
 EVAL_COMPARISONS = [
     ("attention_step", "transformer", attention_step_off),
     ("GRU", "none", gru_off),
@@ -158,13 +156,12 @@ FORBIDDEN = {
     gru_off: "gru_forward",
     bahdanau_off: "bahdanau_decode",
     additive_off: "additive_scores",
-    layers_off: "transformer_layer",
-    layers_and_attention_off: ("transformer_layer", "attention"),
+    transformer_off: ("transformer_layer", "attention"),
     attention_step_off: "attention_step",
 }
 
 
-def grads_of(model, batch, clip):
+def grads_of(model, batch):
     """Loss and flat gradient of one forward/backward on `batch` (no optimiser step), in a copy."""
     model = copy.deepcopy(model)
     logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
@@ -173,23 +170,36 @@ def grads_of(model, batch, clip):
     return loss.detach(), torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
-def check(name, model, reference, batch, forbidden, calls):
-    """Kernel calls of one forward/backward of `model`, and its numbers against `reference` (fused=False)."""
+def check(name, model, reference, batch, forbidden, calls, expected=None):
+    """Kernel calls of one forward/backward of `model` and its numbers against `reference` (fused=False):
+    SystemExit where it calls a `forbidden` kernel, leaves out one of the kernels `expected` (the on
+    variant's calls) other than those, or its gradients differ. -> the calls made."""
     calls.clear()
-    loss, grad = grads_of(model, batch, 1.0)
+    loss, grad = grads_of(model, batch)
     made = dict(calls)
-    ref_loss, ref_grad = grads_of(reference, batch, 1.0)
+    ref_loss, ref_grad = grads_of(reference, batch)
     forbidden = (forbidden,) if isinstance(forbidden, str) else (forbidden or ())
     bad = [k for k in forbidden if made.get(k)]
+    missing = [k for k in (expected or {}) if k not in forbidden and not made.get(k)]
     rel = ((grad - ref_grad).norm() / ref_grad.norm()).item()
     print(
         f"  check {name:32s} kernel calls {made}  |loss-ref| {abs(loss - ref_loss).item():.1e}  "
-        f"grad rel.diff vs fused=False {rel:.1e}" + (f"  FAILED: called {bad}" if bad else ""),
+        f"grad rel.diff vs fused=False {rel:.1e}"
+        + (f"  FAILED: called {bad}" if bad else "")
+        + (f"  FAILED: did not call {missing}" if missing else ""),
         flush=True,
     )
-    if bad or rel > 1e-3:
+    if bad or missing or rel > 1e-3:
         raise SystemExit(f"check failed for {name}")
     return made
+
+
+def group_gains(rows: list[dict]) -> dict[tuple[str, str, str], list[float]]:
+    """Each (kernel, model, what)'s gains, one per length."""
+    gains: dict[tuple[str, str, str], list[float]] = {}
+    for row in rows:
+        gains.setdefault((row["kernel"], row["model"], row["what"]), []).append(row["gain"])
+    return gains
 
 
 def timed_steps(setup, steps):
@@ -202,8 +212,8 @@ def timed_steps(setup, steps):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lengths", type=int, nargs="+", default=[5, 20, 80])
-    parser.add_argument("--eval-lengths", type=int, nargs="+", default=[20, 80])
+    parser.add_argument("--lengths", type=int, nargs="+", default=PRESET_LENGTHS)
+    parser.add_argument("--eval-lengths", type=int, nargs="+", default=PRESET_LENGTHS)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--block-ms", type=float, default=200.0, help="about this long per timing (steps repeated)")
@@ -229,8 +239,9 @@ def main() -> int:
         calls, restore = count_calls()  # counters during the checks only, not the timing
         # one setup per distinct (model, switch); shared base weights and batch per model
         variants = {}  # key (model, switch name) -> setup
-        for kernel, model_name, on_switch, off_switch in COMPARISONS:
-            for switch in (on_switch, off_switch):
+        on_calls = {}  # model -> the kernels its all-on variant calls
+        for kernel, model_name, off_switch in COMPARISONS:
+            for switch in (None, off_switch):
                 key = (model_name, switch.__name__ if switch else "all_on")
                 if key in variants:
                     continue
@@ -243,7 +254,9 @@ def main() -> int:
                     switch(model)
                 reference = copy.deepcopy(base)
                 all_off(reference)
-                check(f"L={length} {model_name}/{key[1]}", model, reference, batch, FORBIDDEN.get(switch), calls)
+                name = f"L={length} {model_name}/{key[1]}"
+                made = check(name, model, reference, batch, FORBIDDEN.get(switch), calls, on_calls.get(model_name))
+                on_calls.setdefault(model_name, made)
                 variants[key] = (model, adam(model, cfg.train.lr, torch.device("cpu")), batch, cfg.train.clip)
         restore()
         # steps per timing: ~block_ms each, from one probe step per variant
@@ -259,8 +272,8 @@ def main() -> int:
                 t = timed_steps(variants[key], steps[key])
                 if round_ >= args.warmup:
                     seconds[key].append(t)
-        for kernel, model_name, on_switch, off_switch in COMPARISONS:
-            on = seconds[(model_name, on_switch.__name__ if on_switch else "all_on")]
+        for kernel, model_name, off_switch in COMPARISONS:
+            on = seconds[(model_name, "all_on")]
             off = seconds[(model_name, off_switch.__name__)]
             ratios = [b / a for a, b in zip(on, off)]
             row = {
@@ -301,20 +314,22 @@ def main() -> int:
             off_switch(off)
             reference = copy.deepcopy(base)
             all_off(reference)
-            results = {}
+            results, made = {}, {}
             calls, restore = count_calls()
             for name, model in (("on", on), ("off", off), ("fused=False", reference)):
                 calls.clear()
                 results[name] = evaluate(model, batch)
+                made[name] = dict(calls)
                 print(
-                    f"  check L={length} {model_name} greedy {name:12s} kernel calls {dict(calls)}  "
+                    f"  check L={length} {model_name} greedy {name:12s} kernel calls {made[name]}  "
                     f"token_acc {results[name]['token_acc']:.4f}",
                     flush=True,
                 )
-                forbidden = FORBIDDEN[off_switch]
-                if name == "off" and calls.get(forbidden):
-                    raise SystemExit(f"{off_switch.__name__} still calls {forbidden}")
             restore()
+            forbidden = FORBIDDEN[off_switch]
+            missing = [k for k in made["on"] if k != forbidden and not made["off"].get(k)]
+            if made["off"].get(forbidden) or missing:
+                raise SystemExit(f"{off_switch.__name__} calls {forbidden} or leaves out {missing}")
             agree = (results["on"]["tokens"] == results["off"]["tokens"]).float().mean().item()
             print(
                 f"  greedy tokens on vs off agree on {agree:.4%} of positions; off vs fused=False "
@@ -361,16 +376,11 @@ def main() -> int:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print("\nverdicts on the training step (keep if gain >= 1.10 at some length); attention_step on greedy evaluation:")
-    for kernel in dict.fromkeys(r["kernel"] for r in rows):
-        mine = [r for r in rows if r["kernel"] == kernel and r["what"] == "train_step"] or [
-            r for r in rows if r["kernel"] == kernel
-        ]
-        best = max(mine, key=lambda r: r["gain"])
-        print(
-            f"  {kernel}: best {best['gain']:.3f} ({best['model']}, L={best['length']}, {best['what']}) "
-            f"-> {'keep' if best['gain'] >= 1.10 else 'does not pay'}"
-        )
+    print("\nmedian gain over the lengths (range over the lengths); kept if at least 1.10 on the training step:")
+    for (kernel, model_name, what), gains in group_gains(rows).items():
+        median = statistics.median(gains)
+        verdict = ("keep" if median >= 1.10 else "does not pay") if what == "train_step" else ""
+        print(f"  {kernel} | {model_name} | {what} | {median:.2f} | {min(gains):.2f}-{max(gains):.2f} | {verdict}")
     return 0
 
 

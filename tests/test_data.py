@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import copytask
-from copytask.data.batches import copied_source_positions, make_batch, task_batch
+from copytask.data.batches import copied_positions, copied_source_positions, make_batch, task_batch
 from copytask.data.tasks import TASKS
 from copytask.data.vocab import BOS, EOS, NUM_SPECIAL, PAD
 
@@ -70,3 +70,33 @@ def test_an_unknown_task_is_refused_in_one_line():
 
 def test_every_registered_task_has_its_config_and_every_task_config_its_entry():
     assert {option.name for option in TASK_OPTIONS.values()} == set(TASKS)
+
+
+@pytest.mark.parametrize(
+    "positions, returned",
+    [
+        (lambda steps, lengths: steps, "shape (1, 5) for 3 sequences of 5 output steps"),
+        (lambda steps, lengths: (steps + 1).expand(3, -1), "position 5 at output step 4 of a source of length 5"),
+        (lambda steps, lengths: lengths - 2 - steps, "position -1 at output step 4 of a source of length 5"),
+        (lambda steps, lengths: (steps + 0.0).expand(3, -1), "positions of dtype torch.float32"),
+        (lambda steps, lengths: [0, 1], "a list"),
+    ],
+    ids=["one_row_for_the_batch", "past_the_source", "before_the_source", "float", "not_a_tensor"],
+)
+def test_a_task_that_breaks_the_registrys_contract_is_refused_by_name(monkeypatch, positions, returned):
+    """Issue 70: a task returns one row of positions per sequence, each inside that sequence's
+    source for t < length; anything else is refused naming the task and what it returned, never
+    broadcast into one row for all or clamped into wrong targets."""
+    monkeypatch.setitem(TASKS, "broken", positions)
+    symbols, lengths = torch.tensor([[3, 4, 5, 6, 7]] * 3), torch.tensor([5, 5, 5])
+    for draw in (lambda: task_batch("broken", symbols, lengths), lambda: copied_positions("broken", lengths, 5)):
+        with pytest.raises(ValueError, match="task 'broken' returned ") as refused:
+            draw()
+        assert returned in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_positions_past_a_sequences_length_are_not_read():
+    """Only steps t < length are the task's: reverse's negative positions past a shorter sequence's
+    end give PAD there, not an error."""
+    batch = task_batch("reverse", torch.tensor([[3, 4, 5], [6, 7, 8]]), torch.tensor([3, 1]))
+    assert batch.tgt_out.tolist() == [[5, 4, 3, EOS], [6, EOS, PAD, PAD]]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .tasks import task_positions
+from .tasks import source_positions, task_positions
 from .vocab import BOS, EOS, NUM_SPECIAL, PAD, total_vocab
 
 
@@ -118,7 +118,7 @@ def task_batch(task: str, symbols: Tensor, lengths: Tensor) -> Batch:
     positions = torch.arange(symbols.size(1), device=device)
     valid = positions[None, :] < lengths[:, None]  # (B, L)
     src = symbols.masked_fill(~valid, PAD)
-    source_index = task_positions(task)(positions[None, :], lengths[:, None]).clamp(0, symbols.size(1) - 1)  # (B, L)
+    source_index = source_positions(task, positions[None, :], lengths[:, None])  # (B, L)
     target = src.gather(1, source_index).masked_fill(~valid, PAD)
     pad_column = torch.full((len(src), 1), PAD, dtype=torch.long, device=device)
     tgt_out = torch.cat([target, pad_column], dim=1).scatter(1, lengths[:, None], EOS)
@@ -132,10 +132,8 @@ def task_batch(task: str, symbols: Tensor, lengths: Tensor) -> Batch:
 
 def copied_positions(task: str, lengths: Tensor, steps: int) -> Tensor:
     """(B,) lengths -> (B, steps) the source position whose symbol output step t must produce
-    (`tasks`: t for copy, length - 1 - t for reverse); meaningful only for t < length."""
-    t = torch.arange(steps, device=lengths.device)[None, :]  # (1, steps)
-    positions = task_positions(task)(t, lengths[:, None])
-    return positions.clamp(min=0, max=int(lengths.max()) - 1)
+    (`tasks`: t for copy, length - 1 - t for reverse); meaningful only for t < length (0 past it)."""
+    return source_positions(task, torch.arange(steps, device=lengths.device)[None, :], lengths[:, None])
 
 
 def copied_source_positions(task: str, length: int) -> list[int]:

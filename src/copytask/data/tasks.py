@@ -3,8 +3,10 @@ follows from it (output step t is the source symbol at that position, then EOS).
 config check can name the registered tasks without importing torch.
 
 A task takes `steps` (1, T) the output steps 0 .. T-1 and `lengths` (B, 1) the source lengths, and
-returns (B, T) the copied source position of each step; only steps t < length are read. Add one
-with `@task("name")` and a `configs/task/<name>.yaml` whose `name:` is it.
+returns (B, T) int64 the copied source position of each step: one row per sequence, and for t < length
+a position inside that sequence's source, 0 .. length - 1 (what it returns past the length is not
+read). `source_positions` holds every task to that contract. Add one with `@task("name")` and a
+`configs/task/<name>.yaml` whose `name:` is it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,32 @@ def task_positions(name: str) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
     return TASKS[name]
+
+
+def source_positions(name: str, steps: Tensor, lengths: Tensor) -> Tensor:
+    """Task `name`'s positions for `steps` (1, T) and `lengths` (B, 1) -> (B, T), 0 past each length
+    (a valid index that nothing reads). A ValueError naming the task and what it returned where it
+    breaks the contract: a silent broadcast or clamp would make wrong targets."""
+    import torch  # here, not at the top: a config check reads TASKS without torch
+
+    positions = task_positions(name)(steps, lengths)
+    expected = (lengths.size(0), steps.size(1))
+    if not isinstance(positions, torch.Tensor):
+        raise ValueError(f"task {name!r} returned a {type(positions).__name__}, not a tensor of positions")
+    if positions.dtype != torch.long or tuple(positions.shape) != expected:
+        raise ValueError(
+            f"task {name!r} returned positions of dtype {positions.dtype} and shape {tuple(positions.shape)} for "
+            f"{expected[0]} sequences of {expected[1]} output steps; a task returns one int64 row per sequence"
+        )
+    read = steps < lengths  # (B, T) the steps the task answers for
+    outside = read & ((positions < 0) | (positions >= lengths))
+    if bool(outside.any()):
+        row, step = (int(i) for i in outside.nonzero()[0])
+        raise ValueError(
+            f"task {name!r} returned position {int(positions[row, step])} at output step {step} of a source of "
+            f"length {int(lengths[row, 0])}; a position must be inside the source, 0 .. length - 1"
+        )
+    return positions.masked_fill(~read, 0)
 
 
 @task("copy")

@@ -338,6 +338,118 @@ def test_attention_kernels_propagate_non_finite_as_torch(kernel, attention):
         assert_same_non_finite(a, b)
 
 
+def nan_at(where: torch.Tensor):
+    """A forward hook that makes its module's output NaN at the (B, T) positions `where`."""
+
+    def hook(module, inputs, output):
+        return output.masked_fill(where[..., None], float("nan"))
+
+    return hook
+
+
+def gradients_through_nan(model, batch, module_name: str, where: torch.Tensor) -> list[torch.Tensor]:
+    """One forward and backward with `module_name`'s output NaN at `where`, under a loss that weights
+    each logit and attention weight by a fixed random number, zero at padded target positions (as
+    cross-entropy's ignore_index does): -> the logits and every parameter's gradient."""
+    handle = model.get_submodule(module_name).register_forward_hook(nan_at(where))
+    logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
+    handle.remove()
+    draws = torch.Generator().manual_seed(3)
+    real = batch.target_mask[..., None].float()
+    loss = (logits * torch.randn(logits.shape, generator=draws) * real).sum()
+    if weights is not None:  # the Transformer's training step returns none
+        loss = loss + (weights * torch.randn(weights.shape, generator=draws) * real).sum()
+    loss.backward()
+    return [logits.detach(), *(p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters())]
+
+
+def transformer_pair(layers_in_one_call: bool = True) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A small Transformer on the kernels (each layer in one call, or its attention alone in the
+    kernel), and the same on torch's ops."""
+    from copytask.models.transformer import TransformerSeq2Seq
+
+    torch.manual_seed(0)
+    fused = TransformerSeq2Seq(total_vocab(9), d_model=16, heads=2, layers=2, ff_size=24)
+    plain = copy.deepcopy(fused)
+    plain.fused = False
+    if not layers_in_one_call:
+        fused._layer_fused = lambda x: False
+    return fused, plain
+
+
+def gru_pair(attention: str, score: str):
+    return lambda: small_model(attention, score)[:2]
+
+
+# Each case: the models, the module whose output is made NaN and where (padded source positions: keys
+# the attention masks, whose scores get a zero gradient; padded decoder inputs: steps the loss
+# ignores), and the kernels it runs forward and backward.
+GRU = {"gru_forward", "gru_backward"}
+NAN_THROUGH_BACKWARD = {
+    "gru": (gru_pair("luong", "general"), "decoder.embedding", "target padding", GRU),
+    "bahdanau_decoder": (
+        gru_pair("bahdanau", "additive"),
+        "decoder.attention.key_proj",
+        "source padding",
+        GRU | {"bahdanau_forward", "bahdanau_backward"},
+    ),
+    "additive_score": (
+        gru_pair("luong", "additive"),
+        "decoder.attention.key_proj",
+        "source padding",
+        GRU | {"additive_forward", "additive_backward"},
+    ),
+    "transformer_layer": (transformer_pair, "src_embedding", "source padding", {"transformer_layer"}),
+    "transformer_attention": (
+        lambda: transformer_pair(layers_in_one_call=False),
+        "src_embedding",
+        "source padding",
+        {"attention_forward", "attention_backward"},
+    ),
+}
+FORWARD_ONLY = {"attention_step"}  # a decoding step's, under no_grad (tests/test_transformer.py)
+
+
+class Recording:
+    """The kernels' library, recording the name of each function called."""
+
+    def __init__(self, library, calls: set[str]):
+        self.library, self.calls = library, calls
+
+    def __getattr__(self, name: str):
+        self.calls.add(name)
+        return getattr(self.library, name)
+
+
+@pytest.mark.parametrize("case", NAN_THROUGH_BACKWARD, ids=list(NAN_THROUGH_BACKWARD))
+def test_nan_propagates_through_every_kernels_backward_as_torch(kernel, monkeypatch, case):
+    """Issue 70: a NaN in the forward pass reaches the gradients where it does through torch's ops
+    (0 * NaN is NaN), even where the upstream gradient is zero, as on padding: no kernel skips a row
+    whose gradient is zero. The logits and every parameter's gradient, NaN for NaN."""
+    models, module_name, padding, kernels = NAN_THROUGH_BACKWARD[case]
+    fused, plain = models()
+    batch = make_batch("copy", 4, 6, 9, torch.Generator().manual_seed(0), min_length=3)
+    where = ~batch.src_mask if padding == "source padding" else ~batch.target_mask
+    assert where.any()
+    calls = set()
+    monkeypatch.setattr(ops, "_library", lambda: Recording(kernel, calls))
+    got = gradients_through_nan(fused, batch, module_name, where)
+    assert calls == kernels
+    want = gradients_through_nan(plain, batch, module_name, where)
+    assert len(calls) == len(kernels) and any(g.isnan().any() for g in want[1:]), "torch's gradients carry the NaN"
+    for (name, _), a, b in zip([("logits", None), *fused.named_parameters()], got, want, strict=True):
+        try:
+            assert_same_non_finite(a, b)
+        except AssertionError as error:
+            raise AssertionError(f"{case}: {name}: {error}") from None
+
+
+def test_every_kernel_with_a_backward_has_a_nan_case(kernel):
+    """A kernel added to csrc/ without a case above fails here."""
+    covered = set().union(*(kernels for *_, kernels in NAN_THROUGH_BACKWARD.values()))
+    assert covered | FORWARD_ONLY == {name for name in dir(kernel) if not name.startswith("_")}
+
+
 def small_model(attention: str, score: str) -> tuple[Seq2Seq, Seq2Seq, object]:
     """A model on the ops, the same on torch's ops, and a batch."""
     torch.manual_seed(0)

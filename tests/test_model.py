@@ -120,6 +120,35 @@ def test_bahdanau_queries_the_state_before_the_step():
     torch.testing.assert_close(queries[1], s1)
 
 
+class WeightUses(torch.overrides.TorchFunctionMode):
+    """Counts the torch functions called with `weight` among their arguments (its products)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight, self.uses = weight, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.uses += any(arg is self.weight for arg in (*args, *kwargs.values()))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "torch_ops"])
+def test_bahdanau_computes_u_a_h_once_per_sequence(fused):
+    """U_a h_i does not depend on the decoder step: one product with U_a per forward pass, under
+    teacher forcing and in greedy decoding, not one per step (DESIGN.md)."""
+    torch.manual_seed(0)
+    model = Seq2Seq(total_vocab(9), "bahdanau", "additive", attention_size=16, fused=fused)
+    batch = make_batch("copy", 4, 7, 9, torch.Generator().manual_seed(0), min_length=3)
+    for forward in (
+        lambda: model(batch.src, batch.src_lengths, batch.tgt_in),
+        lambda: model.greedy(batch.src, batch.src_lengths, batch.tgt_in.size(1)),
+    ):
+        with WeightUses(model.attention.key_proj.weight) as counted:
+            forward()
+        assert counted.uses == 1
+
+
 def test_luong_queries_the_state_after_the_step():
     model = make_model("luong_general")
     batch = make_batch("copy", 2, 5, 6, torch.Generator().manual_seed(3))

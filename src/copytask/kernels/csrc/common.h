@@ -141,13 +141,13 @@ static inline void additive_row(const float* __restrict q, const float* __restri
   }
 }
 
-// Its backward: grad_scores (S) -> adds to grad_q (A), grad_keys (S, A) and grad_v (A).
+// Its backward: grad_scores (S) -> adds to grad_q (A), grad_keys (S, A) and grad_v (A). Every row,
+// also one whose gradient is zero (padding): 0 times a NaN in u is NaN, as through torch's ops.
 static inline void additive_row_backward(const float* __restrict grad_scores, const float* __restrict u,
                                          const float* __restrict v, int64_t S, int64_t A, float* __restrict grad_q,
                                          float* __restrict grad_keys, float* __restrict grad_v) {
   for (int64_t i = 0; i < S; ++i) {
     const float g = grad_scores[i];
-    if (g == 0.f) continue;  // padding (zero weight) and positions no loss reaches
     const float* __restrict ui = u + i * A;
     float* __restrict dk = grad_keys + i * A;
     for (int64_t a = 0; a < A; ++a) {

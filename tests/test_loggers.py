@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from copytask import cli, store
+from copytask.store.provenance import COMPUTATION, PROVENANCE_KEYS, PYTHON_KEY
 from copytask.training import checkpoints, trackers
 from copytask.training.loop import train
 
@@ -27,9 +28,11 @@ def trained(make_config, *extra: str) -> tuple[dict, pd.DataFrame, dict]:
     return cfg, pd.read_csv(store.run_dir(cfg) / store.HISTORY), metrics
 
 
-def logged_params(cfg) -> dict:
-    """What a tracker is given as hyperparameters: the run's flattened identity, less the null values."""
-    return {key: value for key, value in store.flat_identity(cfg).items() if value is not None}
+def logged_params(cfg, metrics: dict) -> dict:
+    """What a tracker is given as hyperparameters: the run's flattened identity and what made it
+    (metrics.json's provenance: issue 70), less the null values."""
+    made_by = {key: metrics[key] for key in (*PROVENANCE_KEYS, PYTHON_KEY)}
+    return {key: value for key, value in (store.flat_identity(cfg) | made_by).items() if value is not None}
 
 
 @TENSORBOARD
@@ -55,7 +58,8 @@ def test_tensorboard_logs_the_history_the_identity_and_the_attention_map(make_co
     sessions = events.PluginTagToContent(metadata.PLUGIN_NAME)
     start = plugin_data_pb2.HParamsPluginData.FromString(sessions[metadata.SESSION_START_INFO_TAG]).session_start_info
     hparams = MessageToDict(start)["hparams"]
-    assert hparams == logged_params(cfg)  # every identity key: a sweep's swept keys are HParams columns
+    assert hparams == logged_params(cfg, metrics)  # every identity key: a sweep's swept keys are HParams columns
+    assert hparams["computation"] == COMPUTATION
     assert hparams["attention.name"] == "bahdanau" and hparams["task.length"] == 4
     assert metadata.SESSION_END_INFO_TAG in sessions  # finished
     (image,) = events.Images("attention")
@@ -129,7 +133,8 @@ def test_mlflow_logs_the_history_the_identity_and_the_attention_map(make_config)
         assert [value for _, value in logged] == pytest.approx(history[column].tolist(), rel=1e-12)
     for name, key in trackers.FINAL_METRICS.items():
         assert run.data.metrics[name] == pytest.approx(store.read_json(store.run_dir(cfg) / store.METRICS)[key])
-    assert run.data.params == {key: str(value) for key, value in logged_params(cfg).items()}
+    assert run.data.params == {key: str(value) for key, value in logged_params(cfg, metrics).items()}
+    assert run.data.params["computation"] == str(COMPUTATION)
     artifacts = [artifact.path for artifact in client.list_artifacts(run.info.run_id, "figures")]
     assert artifacts == ["figures/attention.png"]
     assert (runs_dir / "mlflow-artifacts").is_dir()  # beside the database, not ./mlruns

@@ -37,6 +37,7 @@ from ..config.checks import analysis_device, remote_launcher
 from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
 from ..config.schema import config_dir
 from ..console import ConfigError
+from ..store.provenance import computed_here, retrained_line
 from ..store.runs import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun
 from ..training import trackers
 from ..training.devices import cpu_model, gpu_name
@@ -90,7 +91,9 @@ def run_job(cfg: DictConfig, multirun: bool) -> float | None:
     if multirun:
         with open_dict(cfg):
             cfg.train.progress = False  # the sweep has one bar for all its runs (SweepProgress)
-    skipped = store.is_complete(folder) and not cfg.retrain
+    skipped = store.is_complete(folder) and not cfg.retrain and computed_here(folder)
+    if not multirun and not cfg.retrain and (line := retrained_line([folder])):  # a sweep's: on_multirun_start
+        console.log.info(line)
     try:
         metrics = train(cfg)  # validates first: a trial a search proposes that cannot run fails here, before training
     except RunInProgress as busy:
@@ -295,7 +298,10 @@ class SweepSummary(Callback):
                 Path(config.hydra.sweep.dir), config.hydra.sweeper.get("n_trials"), enabled=config.train.progress
             )
         else:
-            self.progress = SweepProgress(expand(config), enabled=config.train.progress)
+            runs = expand(config)
+            if not config.get("retrain", False) and (line := retrained_line([run.folder for run in runs])):
+                console.log.info(f"sweep: {line}")
+            self.progress = SweepProgress(runs, enabled=config.train.progress)
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that run jobs in other processes (joblib, submitit) pickle the callbacks with

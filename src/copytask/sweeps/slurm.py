@@ -37,6 +37,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
 from .. import store
 from ..config.hydra_internals import compose_job
+from ..store.provenance import computed_here
 from ..store.runs import OBJECTIVE
 
 LOG = "slurm.log"  # in hydra.sweep.dir: each job's id, run and end, and submitit's messages
@@ -88,7 +89,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         submit = []  # (job number, overrides, run folder)
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             folder, retrain = run_folder(config, overrides)
-            if store.is_complete(folder) and not retrain:
+            if store.is_complete(folder) and computed_here(folder) and not retrain:
                 say(f"#{idx}: {folder.name} complete, not submitted")
                 returns.append(
                     JobReturn(

@@ -6,7 +6,8 @@ What is saved: the model, the optimizer, the LR schedule, the training data gene
 global random state (dropout draws from it) and the run's own progress (step, history, the
 early-stopping counter, training seconds so far). The held-out (and validation) sets, which
 training excludes, are not: they are drawn again from the config's own seeds, as at the start.
-The run's identity is saved beside them, so a checkpoint is only ever read by the run that wrote it.
+The run's identity and `computation` are saved beside them, so a checkpoint is only ever read by the
+run that wrote it, computing what this code computes.
 
 A checkpoint that cannot be read (cut off, not a checkpoint, another run's, a model of another
 shape) is set aside as store.UNREADABLE_RESUME with a warning, and the run starts from step 0.
@@ -22,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from .. import console, store
+from ..store.provenance import COMPUTATION
 
 FORMAT = 1  # what a checkpoint holds; one of another format is not read
 PROGRESS = {
@@ -48,6 +50,7 @@ def save(
     state = {
         "format": FORMAT,
         "identity": store.identity(cfg),
+        "computation": COMPUTATION,
         "progress": progress,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -73,6 +76,10 @@ def load(folder: Path, cfg: DictConfig) -> dict[str, Any] | None:
             raise ValueError("not a copytask checkpoint of this version")
         if state["identity"] != store.identity(cfg):
             raise ValueError("it was written by a run with another config")
+        if state.get("computation") != COMPUTATION:
+            raise ValueError(
+                f"it was computed by other code (computation {state.get('computation')}, not {COMPUTATION})"
+            )
         if missing := PROGRESS - set(state["progress"]):
             raise ValueError(f"its progress has no {', '.join(sorted(missing))}")
     except Exception as error:  # noqa: BLE001 - torch.load and unpickling raise many types for a damaged file

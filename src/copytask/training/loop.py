@@ -29,6 +29,7 @@ from ..kernels.ops import runs_fused
 from ..models.build import build_model, check_buildable
 from ..models.greedy import evaluate, rounded
 from ..models.recurrent import Seq2Seq, count_parameters
+from ..store.provenance import computed_here, provenance
 from . import checkpoints, trackers
 from .devices import host, resolve_device, run_settings, torch_state
 from .optimizer import FlatAdam, adam, lr_schedule
@@ -59,8 +60,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
 
 def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
     """Train one run and write its folder; returns metrics.json's content. A run whose complete
-    results already exist is read, not trained again, unless `retrain=true`, and then its old folder
-    is kept until the new results are complete (and put back if training fails). Raises
+    results already exist is read, not trained again, unless `retrain=true` or it was computed by other
+    code (it records another `computation`, or none); then its old folder is kept until the new
+    results are complete (and put back if training fails). Raises
     RunInProgress if another process is training the run now, NonFiniteLoss if it diverges.
     Torch's thread count and random state are as they were when it returns. `model_class`: see
     `build.build_model`."""
@@ -74,7 +76,7 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
         previous = None
         retrain = cfg.get("retrain", False)
         if store.is_complete(folder):
-            if not retrain:
+            if not retrain and computed_here(folder):
                 return store.read_json(folder / store.METRICS)
             previous = folder.with_name(f".{folder.name}.replaced")  # a dot folder: no listing of runs sees it
             shutil.rmtree(previous, ignore_errors=True)
@@ -140,6 +142,7 @@ class Run:
     test: Batch
     validation: Batch
     fused: bool  # the model runs in the C++ kernels
+    provenance: dict  # what made the run (`store.provenance`): code, libraries, `computation`
     step: int = 0  # the last step trained
     history: list[dict] = field(default_factory=list)  # one entry per evaluation: what history.csv holds
     hits: int = 0  # evaluations in a row at the target accuracy (early stopping)
@@ -179,13 +182,16 @@ def set_up(
         torch.cuda.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     model = build_model(cfg, model_class).to(device)
-    tracker.log_params(store.flat_identity(cfg))
+    made_by = provenance()
+    tracker.log_params(store.flat_identity(cfg) | made_by)
     fused = runs_fused(model)  # loads the kernels (builds them on first use) before the clock starts
     test, validation, excluded = heldout_keys(cfg)  # training draws again every sequence of either
     test, validation = test.to(device), validation.to(device)
     optimizer = adam(model, cfg.train.lr, device)
     schedule = lr_schedule(optimizer, cfg.train)
-    return Run(cfg, folder, device, tracker, model, optimizer, schedule, generator, excluded, test, validation, fused)
+    return Run(
+        cfg, folder, device, tracker, model, optimizer, schedule, generator, excluded, test, validation, fused, made_by
+    )
 
 
 def resume(run: Run) -> None:
@@ -292,7 +298,7 @@ def finish(run: Run) -> dict:
 
 def run_metrics(run: Run, result: dict, train_seconds: float) -> dict:
     """metrics.json's content: what the run was, the test set's scores (`result`), the last
-    evaluation's, and what training took."""
+    evaluation's, what training took, and what made the run."""
     cfg, final = run.cfg, run.history[-1]
     return {
         "attention": store.architecture(cfg),
@@ -319,7 +325,7 @@ def run_metrics(run: Run, result: dict, train_seconds: float) -> dict:
         "fused": run.fused,
         "resumed_from": run.resumed_from,
         "run": run.folder.name,
-    }
+    } | run.provenance
 
 
 def log_heatmap(tracker: trackers.RunLogger, sample: dict, cfg: DictConfig, metrics: dict) -> None:

@@ -1,0 +1,135 @@
+"""What made a run: the code and libraries that computed it, recorded in its metrics.json and given
+to its tracker (`provenance`); whether a complete run was computed by this code (`computed_here`);
+and which runs of a table differ in it (`mixed_line`).
+
+A run's identity (its folder's name) is its config; what it records here is not part of it, so an
+upgrade keeps every run's name. `COMPUTATION` is what decides whether a complete run is reused: a
+run that records another one, or none (made before copytask recorded it), is trained again.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from .folders import METRICS, is_complete, read_json
+
+# The version of what a run computes: training, data, models and scoring. Raise it with any change
+# to the numbers a run produces; tests/test_computation.py records a few runs' numbers and fails,
+# saying so, when they change without it.
+COMPUTATION = 1
+# metrics.json's keys that say what made the run, in the order a mixed table names them.
+PROVENANCE_KEYS = ("computation", "copytask_version", "commit", "uncommitted_changes", "torch_version", "torch_build")
+PYTHON_KEY = "python_version"
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # src/copytask in a checkout
+
+
+def provenance() -> dict[str, Any]:
+    """What makes a run trained now: this code's `computation`, the copytask version, the git commit
+    and whether tracked files had uncommitted changes (both None where copytask is not run from a
+    checkout, as from a wheel), torch's version and build, and the Python version."""
+    import torch  # here: reading a run's provenance needs no torch
+
+    commit, dirty = checkout_state(PACKAGE_DIR)
+    return {
+        "computation": COMPUTATION,
+        "copytask_version": installed_version(),
+        "commit": commit,
+        "uncommitted_changes": dirty,
+        "torch_version": torch.__version__,
+        "torch_build": torch_build(torch.version),
+        PYTHON_KEY: platform.python_version(),
+    }
+
+
+def installed_version() -> str | None:
+    """copytask's version as installed (importlib.metadata), None where it is not installed."""
+    try:
+        return importlib.metadata.version("copytask")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def torch_build(version: Any) -> str:
+    """`torch.version` -> what torch was built for: "cuda 12.8", "rocm 6.3" or "cpu"."""
+    if getattr(version, "cuda", None):
+        return f"cuda {version.cuda}"
+    if getattr(version, "hip", None):
+        return f"rocm {version.hip}"
+    return "cpu"
+
+
+def checkout_state(package_dir: Path) -> tuple[str | None, bool | None]:
+    """The commit of the git checkout that `package_dir` is the `src/copytask` of, and whether its
+    tracked files have uncommitted changes; (None, None) where there is no such checkout (an installed
+    wheel, even one inside another repository's tree), no git, or git fails. The caller's GIT_*
+    variables are left out: they could point git at another repository."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GIT_")}
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=package_dir, env=env, capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+
+    try:
+        top = Path(git("rev-parse", "--show-toplevel"))
+        if (top / "src" / "copytask").resolve() != package_dir.resolve():
+            return None, None
+        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):  # no git, not a checkout, or git failed
+        return None, None
+
+
+def recorded_computation(folder: Path) -> Any:
+    """The `computation` a complete run's metrics.json records; None where it records none."""
+    metrics = read_json(folder / METRICS)
+    return metrics.get("computation") if isinstance(metrics, dict) else None
+
+
+def computed_here(folder: Path) -> bool:
+    """Whether the complete run in `folder` was computed by this code: it records `COMPUTATION`."""
+    return recorded_computation(folder) == COMPUTATION
+
+
+def computed_elsewhere(computations: list[Any]) -> str:
+    """Why runs that record `computations` (None: none) are not this code's, in a few words."""
+    counts = {value: computations.count(value) for value in dict.fromkeys(computations)}
+    parts = [
+        f"{count} {'run records' if count == 1 else 'runs record'} "
+        + ("no computation (made before copytask recorded it)" if value is None else f"computation {value}")
+        for value, count in counts.items()
+    ]
+    return f"{', '.join(parts)}; this code's is {COMPUTATION}"
+
+
+def retrained_line(folders: list[Path]) -> str | None:
+    """Where complete runs among `folders` were computed by other code, the line that says how many
+    (or which one, for one folder) are trained again, and why; None where there are none."""
+    elsewhere = [folder for folder in folders if is_complete(folder) and not computed_here(folder)]
+    if not elsewhere:
+        return None
+    what = elsewhere[0].name if len(folders) == 1 else f"{len(elsewhere)} complete runs"
+    why = computed_elsewhere([recorded_computation(folder) for folder in elsewhere])
+    return f"{what}: computed by other code ({why}): trained again, old results kept until the new ones are complete"
+
+
+def mixed_line(runs: dict[str, dict]) -> str | None:
+    """run name -> its metrics.json: where the runs were made by different computations, copytask
+    versions, commits or torch versions and builds, one line that says so and names the runs made by
+    each; None where they agree. A run from before provenance was recorded has none of it."""
+    differ = [key for key in PROVENANCE_KEYS if len({metrics.get(key) for metrics in runs.values()}) > 1]
+    if not differ:
+        return None
+    groups: dict[tuple, list[str]] = {}
+    for name, metrics in runs.items():
+        groups.setdefault(tuple(metrics.get(key) for key in differ), []).append(name)
+    made_by = "; ".join(
+        ", ".join(f"{key} {'none' if value is None else value}" for key, value in zip(differ, values))
+        + f": {', '.join(sorted(names))}"
+        for values, names in groups.items()
+    )
+    return f"note: these runs were made by different code ({made_by})"

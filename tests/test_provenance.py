@@ -1,0 +1,165 @@
+"""Issue 70: a run records what made it (copytask version, commit, torch, Python, `computation`), a
+complete run computed by other code is trained again (saying so, in one line), and a table of runs
+made by different code says so."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import copytask
+from copytask import store
+from copytask.store import provenance
+from copytask.store.provenance import COMPUTATION, checkout_state, mixed_line
+from copytask.training import checkpoints, loop
+from copytask.training.loop import train
+
+from .conftest import TINY, run_cli
+
+
+def record_computation(folder: Path, computation: int | None) -> None:
+    """Make the complete run in `folder` look computed by other code: another `computation`, or none
+    (a run from before copytask recorded it)."""
+    metrics = store.read_json(folder / store.METRICS)
+    if computation is None:
+        for key in (*provenance.PROVENANCE_KEYS, provenance.PYTHON_KEY):
+            del metrics[key]
+    else:
+        metrics["computation"] = computation
+    store.write_json(folder / store.METRICS, metrics)
+
+
+def test_a_run_records_what_made_it_and_its_name_does_not_change(make_config):
+    cfg = make_config(*TINY)
+    metrics = train(cfg)
+    assert metrics["computation"] == COMPUTATION
+    assert metrics["copytask_version"] == importlib.metadata.version("copytask")
+    assert metrics["torch_version"] == torch.__version__
+    assert metrics["torch_build"] == (f"cuda {torch.version.cuda}" if torch.version.cuda else "cpu")
+    assert metrics["python_version"] == platform.python_version()
+    assert (metrics["commit"], metrics["uncommitted_changes"]) == checkout_state(provenance.PACKAGE_DIR)
+    assert store.read_json(store.run_dir(cfg) / store.METRICS) == metrics
+    assert metrics["run"] == store.run_name(cfg)  # provenance is recorded, not part of the name
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def checkout(tmp_path) -> Path:
+    """A git repository whose src/copytask is committed: copytask run from a checkout."""
+    package = tmp_path / "repo" / "src" / "copytask"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    repo = tmp_path / "repo"
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    return repo
+
+
+def test_the_commit_and_uncommitted_changes_of_a_checkout_and_none_elsewhere(checkout, monkeypatch):
+    package = checkout / "src" / "copytask"
+    assert checkout_state(package) == (git(checkout, "rev-parse", "HEAD"), False)
+    (checkout / "notes.txt").write_text("untracked: not part of the code")
+    assert checkout_state(package)[1] is False
+    (package / "__init__.py").write_text("x = 1\n")
+    assert checkout_state(package)[1] is True
+    # an installed copy inside someone's repository (a virtual environment in a project) is no checkout of copytask
+    installed = checkout / ".venv" / "site-packages" / "copytask"
+    installed.mkdir(parents=True)
+    assert checkout_state(installed) == (None, None)
+    assert checkout_state(checkout.parent) == (None, None)  # not in a repository
+    monkeypatch.setenv("GIT_DIR", str(checkout / ".git"))  # the caller's git variables point elsewhere
+    assert checkout_state(installed) == (None, None)
+    monkeypatch.setenv("PATH", "")  # no git at all
+    assert checkout_state(package) == (None, None)
+
+
+@pytest.mark.parametrize("recorded", [0, None], ids=["another_computation", "none_recorded"])
+def test_a_run_computed_by_other_code_is_trained_again_and_a_failed_retrain_loses_nothing(
+    make_config, monkeypatch, recorded
+):
+    cfg = make_config(*TINY)
+    first = train(cfg)
+    folder = store.run_dir(cfg)
+    record_computation(folder, recorded)
+    old = (folder / store.METRICS).read_text()
+
+    def fail(*args):
+        assert not (folder / store.METRICS).exists()  # training, not reading the old results
+        raise RuntimeError("killed mid-training")
+
+    monkeypatch.setattr(loop, "_train_locked", fail)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(cfg)
+    assert (folder / store.METRICS).read_text() == old  # the old results stay until new ones are complete
+    monkeypatch.undo()
+    again = train(cfg)
+    assert again["computation"] == COMPUTATION and again["token_acc"] == first["token_acc"]
+    assert store.read_json(folder / store.METRICS) == again
+    assert not list(folder.parent.glob(".*.replaced"))
+
+
+def test_train_says_in_one_line_why_it_trains_a_complete_run_again(make_config):
+    cfg = make_config(*TINY)
+    train(cfg)
+    record_computation(store.run_dir(cfg), 0)
+    done = run_cli("train", *TINY, f"runs_dir={cfg.runs_dir}")
+    assert done.returncode == 0, done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if "computed by other code" in line]
+    assert line.endswith(
+        f"{store.run_name(cfg)}: computed by other code (1 run records computation 0; this code's is "
+        f"{COMPUTATION}): trained again, old results kept until the new ones are complete"
+    )
+    assert store.read_json(store.run_dir(cfg) / store.METRICS)["computation"] == COMPUTATION
+
+
+def test_a_sweep_trains_runs_computed_by_other_code_again_and_says_how_many_and_why(tmp_path, caplog):
+    grid = [*TINY, "attention=none", "task.length=3", "seed=0,1,2"]
+    copytask.sweep(grid, runs_dir=tmp_path)
+    folders = sorted(folder for folder in tmp_path.iterdir() if store.is_complete(folder))
+    record_computation(folders[0], 0)
+    record_computation(folders[1], None)
+    kept = (folders[2] / store.METRICS).stat().st_mtime_ns
+    with caplog.at_level("INFO", logger="copytask"):
+        table = copytask.sweep(grid, runs_dir=tmp_path)
+    lines = [record.getMessage() for record in caplog.records if "computed by other code" in record.getMessage()]
+    assert lines == [
+        "sweep: 2 complete runs: computed by other code (1 run records computation 0, 1 run records no "
+        f"computation (made before copytask recorded it); this code's is {COMPUTATION}): trained again, old "
+        "results kept until the new ones are complete"
+    ]
+    assert (table["computation"] == COMPUTATION).all() and len(table) == 3
+    assert (folders[2] / store.METRICS).stat().st_mtime_ns == kept  # this code's run is reused
+
+
+def test_a_checkpoint_of_other_code_is_set_aside_not_resumed(make_config, monkeypatch):
+    cfg = make_config(*TINY)
+    folder = store.run_dir(cfg)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    progress = {"step": 5, "history": [], "hits": 0, "seconds": 1.0}
+    checkpoints.save(folder, cfg, progress, model, optimizer, schedule, torch.Generator(), torch.device("cpu"))
+    monkeypatch.setattr(checkpoints, "COMPUTATION", COMPUTATION + 1)
+    with pytest.warns(UserWarning, match=f"computed by other code \\(computation {COMPUTATION}, not"):
+        assert checkpoints.load(folder, cfg) is None
+    assert (folder / store.UNREADABLE_RESUME).is_file()
+
+
+def test_the_mixed_line_names_the_runs_made_by_each_code():
+    same = {"computation": 1, "copytask_version": "0.1", "commit": "abc", "torch_version": "2.13"}
+    assert mixed_line({"a": same, "b": dict(same)}) is None
+    runs = {"a": same, "b": same | {"torch_version": "2.9"}, "c": {"run": "c"}, "d": same}
+    assert mixed_line(runs) == (
+        "note: these runs were made by different code (computation 1, copytask_version 0.1, commit abc, "
+        "torch_version 2.13: a, d; computation 1, copytask_version 0.1, commit abc, torch_version 2.9: b; "
+        "computation none, copytask_version none, commit none, torch_version none: c)"
+    )

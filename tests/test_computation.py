@@ -1,0 +1,84 @@
+"""Issue 70: `store.provenance.COMPUTATION` says which complete runs are reused, so it must change
+whenever what a run computes changes. This test keeps it honest: a tiny deterministic run of each
+model (every attention config, and the Transformer) trains for a few steps on the CPU, and its loss
+and accuracies must equal the values recorded here, to a tolerance that float rounding across torch
+versions and builds (and the kernels against torch's ops) stays inside.
+
+When a change to training, data, models or scoring makes this fail on purpose: raise COMPUTATION and
+record the new values here, in the same commit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import copytask
+from copytask.config.schema import config_dir
+from copytask.store.provenance import COMPUTATION
+
+from .conftest import TINY
+
+RECORDED_WITH = 1  # the COMPUTATION the values below were recorded with
+LENGTH, EVAL_SIZE, VAL_SIZE = 4, 64, 16
+BUDGET = [
+    f"task.length={LENGTH}",
+    "train.steps=60",
+    "train.eval_every=20",
+    f"train.eval_size={EVAL_SIZE}",
+    f"train.val_size={VAL_SIZE}",
+    "train.lr=0.02",
+    "model.hidden_size=16",
+    "model.embedding_size=16",
+]
+TRANSFORMER = ["model=transformer", "model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=16"]
+MODELS = {path.stem: [f"attention={path.stem}"] for path in sorted((Path(config_dir()) / "attention").glob("*.yaml"))}
+MODELS["transformer"] = TRANSFORMER
+# model -> (final_loss, token_acc, seq_acc, val_token_acc), with the fused CPU kernels, torch 2.13.0+cpu
+RECORDED = {
+    "bahdanau": (1.1897293090820313, 0.375, 0.0, 0.359375),
+    "luong_concat": (1.331733512878418, 0.3671875, 0.03125, 0.484375),
+    "luong_dot": (1.1632448196411134, 0.35546875, 0.03125, 0.546875),
+    "luong_general": (1.0842575073242187, 0.4609375, 0.03125, 0.515625),
+    "luong_local": (1.0964394569396974, 0.4453125, 0.0625, 0.546875),
+    "luong_local_m": (1.0842575073242187, 0.4609375, 0.03125, 0.515625),
+    "multihead": (1.1400159835815429, 0.41796875, 0.015625, 0.453125),
+    "none": (1.6291921615600586, 0.2890625, 0.0, 0.328125),
+    "rnnencdec": (1.392359161376953, 0.31640625, 0.0, 0.296875),
+    "scaled_dot": (1.3924771308898927, 0.3359375, 0.0, 0.375),
+    "transformer": (1.8155441284179688, 0.2421875, 0.0, 0.1875),
+}
+KEYS = ("final_loss", "token_acc", "seq_acc", "val_token_acc")
+# Float rounding moves the loss in its sixth digit (the kernels against torch's ops: 2e-7); it may tip
+# one near-tied argmax, so an accuracy may move by one token or one sequence of its set, no more.
+TOLERANCE = {
+    "final_loss": {"rel": 1e-4},
+    "token_acc": {"abs": 1.5 / (EVAL_SIZE * LENGTH)},
+    "seq_acc": {"abs": 1.5 / EVAL_SIZE},
+    "val_token_acc": {"abs": 1.5 / (VAL_SIZE * LENGTH)},
+}
+CHANGE = (
+    "what a run computes has changed. If that is meant, raise COMPUTATION in src/copytask/store/provenance.py "
+    "and record this test's values anew, together (complete runs of the old computation are then trained "
+    "again); if not, the change broke something"
+)
+
+
+def test_the_values_were_recorded_with_this_computation():
+    assert COMPUTATION == RECORDED_WITH, (
+        f"COMPUTATION is {COMPUTATION}, but tests/test_computation.py's values were recorded with "
+        f"{RECORDED_WITH}: record them anew with the new code and set RECORDED_WITH"
+    )
+    assert set(RECORDED) == set(MODELS), f"record the values of {sorted(set(MODELS) - set(RECORDED))}"
+
+
+@pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["as_trained", "torch_ops"])
+@pytest.mark.parametrize("model", MODELS)
+def test_a_tiny_run_of_each_model_computes_the_recorded_numbers(tmp_path, model, fused):
+    overrides = [*TINY, *MODELS[model], *BUDGET, f"train.fused={str(fused).lower()}", f"runs_dir={tmp_path}"]
+    metrics = copytask.train(copytask.compose(overrides))
+    recorded = dict(zip(KEYS, RECORDED[model], strict=True))
+    for key in KEYS:
+        assert metrics[key] == pytest.approx(recorded[key], **TOLERANCE[key]), (
+            f"{model}: {key} is {metrics[key]}, recorded {recorded[key]}: {CHANGE}"
+        )

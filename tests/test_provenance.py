@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -163,3 +164,36 @@ def test_the_mixed_line_names_the_runs_made_by_each_code():
         "torch_version 2.13: a, d; computation 1, copytask_version 0.1, commit abc, torch_version 2.9: b; "
         "computation none, copytask_version none, commit none, torch_version none: c)"
     )
+
+
+def test_a_table_of_runs_made_by_different_code_says_so_naming_them(tmp_path, recwarn):
+    """compare and report (a line under the table, and in report.md) and the library's results and
+    compare (a CopytaskWarning) name the runs made by each code; a table of one code says nothing."""
+    grid = [*TINY, "attention=none", "task.length=3", "seed=0,1,2"]
+    copytask.sweep(grid, runs_dir=tmp_path)
+    copytask.results(tmp_path)
+    assert not [w for w in recwarn if issubclass(w.category, copytask.CopytaskWarning)]
+    first, second, third = sorted(folder.name for folder in tmp_path.iterdir() if store.is_complete(folder))
+    record_computation(tmp_path / first, 0)
+    record_computation(tmp_path / second, None)
+    made_by = [(0, first), (None, second), (COMPUTATION, third)]
+
+    def names_each_code(line: str) -> bool:
+        return line.startswith("note: these runs were made by different code (") and all(
+            re.search(rf"(\(|; )computation {'none' if value is None else value}, [^;]*: {run}[;)]", line)
+            for value, run in made_by
+        )
+
+    for read in (copytask.results, copytask.compare):
+        with pytest.warns(copytask.CopytaskWarning) as said:
+            read(tmp_path)
+        assert [names_each_code(str(w.message)) for w in said if "different code" in str(w.message)] == [True]
+    compared = run_cli("compare", f"runs_dir={tmp_path}")
+    assert compared.returncode == 0, compared.stderr
+    assert names_each_code(compared.stdout.splitlines()[-1])  # under the table
+    reported = run_cli("report", f"runs_dir={tmp_path}")
+    assert reported.returncode == 0, reported.stderr
+    assert sum(map(names_each_code, reported.stdout.splitlines())) == 1
+    markdown = (tmp_path / "report" / "report.md").read_text().splitlines()
+    (at,) = [i for i, text in enumerate(markdown) if names_each_code(text)]
+    assert markdown[at - 1] == "" and markdown[at - 2].startswith("|")  # under the comparison table

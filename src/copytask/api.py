@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from .console import ConfigError
+from .console import ConfigError, warn
 from .sweeps.grid import Selection, check_grid, nothing_done, select_runs
 
 if TYPE_CHECKING:  # heavy imports happen where they are needed: `import copytask` stays fast
@@ -109,8 +109,16 @@ def load(selection: Selection, command: str = "read") -> Loaded:
 
 def results(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False) -> pd.DataFrame:
     """One row per complete run of the selection (`select`): its metrics, steps to the target
-    accuracy, alignment where analysed, and a column per setting that varies between the runs."""
-    return load(select(runs_dir, overrides, all_runs), "read").table
+    accuracy, alignment where analysed, and a column per setting that varies between the runs. Where
+    the runs were made by different code (`store.provenance`), a CopytaskWarning says so, naming them."""
+    return said_if_mixed(load(select(runs_dir, overrides, all_runs), "read")).table
+
+
+def said_if_mixed(loaded: Loaded) -> Loaded:
+    """`loaded`, once a CopytaskWarning has given its `mixed` line where its runs were made by different code."""
+    if loaded.mixed:
+        warn(loaded.mixed)
+    return loaded
 
 
 def summary(loaded: Loaded) -> pd.DataFrame:
@@ -124,9 +132,10 @@ def summary(loaded: Loaded) -> pd.DataFrame:
 def compare(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False) -> pd.DataFrame:
     """`python -m copytask compare`'s table as numbers: `summary` of the selection (`select`); for
     a search (`hparams_search=baseline`), its trials best first (`search.trial_table`: objective,
-    best so far, the searched settings, the run's accuracies)."""
+    best so far, the searched settings, the run's accuracies). Where the runs were made by different
+    code, a CopytaskWarning says so, naming them."""
     selection = select(runs_dir, overrides, all_runs)
-    return comparison(selection, load(selection, "compare"))
+    return comparison(selection, said_if_mixed(load(selection, "compare")))
 
 
 def comparison(selection: Selection, loaded: Loaded) -> pd.DataFrame:

@@ -257,9 +257,11 @@ def compare(overrides: list[str], flags: set[str]) -> int:
             "(the objective), in %; every trial: report's trials.csv"
         )
         print(best_table(table, loaded.settings).to_string(index=False))
-        return status
-    print(table_note(list(dict.fromkeys(loaded.table["task"]))))
-    print(comparison_table(table, loaded.settings).to_string(index=False))
+    else:
+        print(table_note(list(dict.fromkeys(loaded.table["task"]))))
+        print(comparison_table(table, loaded.settings).to_string(index=False))
+    if loaded.mixed:  # under the table
+        print(loaded.mixed)
     return status
 
 
@@ -276,6 +278,8 @@ def report(overrides: list[str], flags: set[str]) -> int:
     if loaded.missing:
         print(describe_missing(loaded.missing, len(selection.runs)))
     results_csv, *written = api.write_report(selection, loaded)
+    if loaded.mixed:
+        print(loaded.mixed)
     print(f"results: {results_csv}")
     print(written_line(written, time.perf_counter() - started))
     return 0

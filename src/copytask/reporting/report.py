@@ -135,7 +135,7 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
     variable_analyses = [analysis for analysis in variable.values() if analysis is not None]
     per_length = analysis_tables.per_length_table(variable_analyses)
 
-    accuracy = accuracy_section(summary, settings, x, per_length, out)
+    accuracy = accuracy_section(summary, settings, x, per_length, out, loaded.mixed)
     setting_grid = setting_grid_section(summary, settings, x, out)
     evidence = evidence_section(loaded, out)
     analysis = analysis_section(loaded, variable_analyses, runs_dir, out)
@@ -179,10 +179,11 @@ def opening(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path) -> list[
 
 
 def accuracy_section(
-    summary: pd.DataFrame, settings: list[str], x: str, per_length: pd.DataFrame, out: Path
+    summary: pd.DataFrame, settings: list[str], x: str, per_length: pd.DataFrame, out: Path, mixed: str | None
 ) -> Section:
     """The accuracy figure against `x` (with the variable-length runs' `per_length` curves) and the
-    comparison table: mean over seeds, interval, gap to the baseline."""
+    comparison table: mean over seeds, interval, gap to the baseline; under it, the `mixed` line
+    where the runs were made by different code."""
     stem = out / f"accuracy_vs_{x}"
     figures = plot_accuracy(summary, settings, x, stem, per_length)
     lines = [
@@ -197,6 +198,7 @@ def accuracy_section(
         "",
         markdown_table(tables.comparison_table(summary, settings)),
         "",
+        *([mixed, ""] if mixed else []),
     ]
     return Section(lines, figures)
 

@@ -23,6 +23,7 @@ import pandas as pd
 from scipy import stats
 
 from .. import console, store
+from ..store.provenance import mixed_line
 from ..store.runs import GridRun
 
 RESULTS_CSV = "results.csv"
@@ -48,6 +49,8 @@ class Loaded:
     missing: list[tuple[GridRun, str]]
     analyses: dict[str, dict]  # run folder name -> its analysis.json, for the rows of `table` that have one
     settings: list[str]  # the config keys that vary between the rows, dotted, in config order (see `setting_keys`)
+    # where the rows were made by different code, the line that says so under a table of them (`provenance.mixed_line`)
+    mixed: str | None = None
 
 
 def read_analysis(folder: Path) -> dict | None:
@@ -129,7 +132,7 @@ def load(grid: list[GridRun]) -> Loaded:
         table = pd.concat([table, configs[settings]], axis=1)
         first = [*COLUMNS, TARGET_STEP, *ALIGNMENT_COLUMNS, *settings]
         table = table.reindex(columns=[*first, *(c for c in table.columns if c not in first)])
-    return Loaded(table, runs, missing, analyses, settings)
+    return Loaded(table, runs, missing, analyses, settings, mixed_line({row["run"]: row for row in rows}))
 
 
 def save(loaded: Loaded, runs_dir: Path) -> Path:

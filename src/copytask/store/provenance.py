@@ -128,8 +128,14 @@ def mixed_line(runs: dict[str, dict]) -> str | None:
     for name, metrics in runs.items():
         groups.setdefault(tuple(metrics.get(key) for key in differ), []).append(name)
     made_by = "; ".join(
-        ", ".join(f"{key} {'none' if value is None else value}" for key, value in zip(differ, values))
-        + f": {', '.join(sorted(names))}"
+        ", ".join(f"{key} {shown(key, value)}" for key, value in zip(differ, values)) + f": {', '.join(sorted(names))}"
         for values, names in groups.items()
     )
     return f"note: these runs were made by different code ({made_by})"
+
+
+def shown(key: str, value: Any) -> str:
+    """A provenance value as a line shows it: a commit by its first 12 digits, as git abbreviates it."""
+    if value is None:
+        return "none"
+    return value[:12] if key == "commit" else str(value)

@@ -1,7 +1,7 @@
 """The run store: a run's identity and folder name (`identity`), the files of a run folder with
-atomic writes and locks (`folders`), and the runs a grid or folder holds with their status and the
-records a sweep leaves (`runs`). Training writes through it; compare, report and the API read
-through it.
+atomic writes and locks (`folders`), the runs a grid or folder holds with their status and the
+records a sweep leaves (`runs`), and what made a run (`provenance`, which decides which complete runs
+are reused). Training writes through it; compare, report and the API read through it.
 
 `store.X` is `folders.X` or `identity.X`: the two halves of one concept, read together."""
 

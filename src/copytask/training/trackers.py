@@ -3,11 +3,12 @@ curves, final metrics and attention map, and a sweep's report figures, in Tensor
 
 A tracker only sees what the run folders hold: `history.csv`'s values at every evaluation, the run's
 identity config (`store.flat_identity`, so a sweep's swept keys are columns of TensorBoard's HParams
-view or MLflow's run table) and metrics.json's numbers. A run logs from its own process (every
-launcher alike), the sweep's figures at the sweep's end. A run trained again replaces its tracker
-run, so each copytask run is one tracker run. TensorBoard and MLflow are imported only when chosen
-(`checks.check_logger` has made sure they are installed), and nothing process-wide is set: MLflow
-through its client, never its active run or environment.
+view or MLflow's run table) with what made the run (`store.provenance`), and metrics.json's
+numbers. A run logs from its own process (every launcher alike), the sweep's figures at the sweep's
+end. A run trained again replaces its tracker run, so each copytask run is one tracker run.
+TensorBoard and MLflow are imported only when chosen (`checks.check_logger` has made sure they are
+installed), and nothing process-wide is set: MLflow through its client, never its active run or
+environment.
 """
 
 from __future__ import annotations

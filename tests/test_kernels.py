@@ -378,6 +378,7 @@ def transformer_pair(layers_in_one_call: bool = True) -> tuple[torch.nn.Module, 
 
 
 def gru_pair(attention: str, score: str):
+    """-> a function that builds `small_model`'s two models (on the kernels, on torch's ops)."""
     return lambda: small_model(attention, score)[:2]
 
 

@@ -22,7 +22,8 @@ from .folders import METRICS, is_complete, read_json
 # to the numbers a run produces; tests/test_computation.py records a few runs' numbers and fails,
 # saying so, when they change without it.
 COMPUTATION = 1
-# metrics.json's keys that say what made the run, in the order a mixed table names them.
+# metrics.json's keys that say what made the run, in the order a mixed table names them; beside them
+# PYTHON_KEY, recorded but not compared (the Python version changes no number a run computes).
 PROVENANCE_KEYS = ("computation", "copytask_version", "commit", "uncommitted_changes", "torch_version", "torch_build")
 PYTHON_KEY = "python_version"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # src/copytask in a checkout

@@ -9,15 +9,12 @@ record the new values here, in the same commit."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 import copytask
-from copytask.config.schema import config_dir
 from copytask.store.provenance import COMPUTATION
 
-from .conftest import TINY
+from .conftest import ATTENTION_OPTIONS, TINY
 
 RECORDED_WITH = 1  # the COMPUTATION the values below were recorded with
 LENGTH, EVAL_SIZE, VAL_SIZE = 4, 64, 16
@@ -32,7 +29,7 @@ BUDGET = [
     "model.embedding_size=16",
 ]
 TRANSFORMER = ["model=transformer", "model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=16"]
-MODELS = {path.stem: [f"attention={path.stem}"] for path in sorted((Path(config_dir()) / "attention").glob("*.yaml"))}
+MODELS = {name: [f"attention={name}"] for name in sorted(ATTENTION_OPTIONS)}
 MODELS["transformer"] = TRANSFORMER
 # model -> (final_loss, token_acc, seq_acc, val_token_acc), with the fused CPU kernels, torch 2.13.0+cpu
 RECORDED = {

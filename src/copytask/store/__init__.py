@@ -3,8 +3,10 @@ atomic writes and locks (`folders`), the runs a grid or folder holds with their 
 records a sweep leaves (`runs`), and what made a run (`provenance`, which decides which complete runs
 are reused). Training writes through it; compare, report and the API read through it.
 
-`store.X` is `folders.X` or `identity.X`: the two halves of one concept, read together."""
+`store.X` is `folders.X` or `identity.X`: the two halves of one concept, read together;
+`store.provenance` is its own."""
 
+from . import provenance
 from .folders import (
     ANALYSIS,
     ATTENTION,

@@ -37,7 +37,6 @@ from ..config.checks import analysis_device, remote_launcher
 from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
 from ..config.schema import config_dir
 from ..console import ConfigError
-from ..store.provenance import computed_here, retrained_line
 from ..store.runs import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun
 from ..training import trackers
 from ..training.devices import cpu_model, gpu_name
@@ -91,9 +90,9 @@ def run_job(cfg: DictConfig, multirun: bool) -> float | None:
     if multirun:
         with open_dict(cfg):
             cfg.train.progress = False  # the sweep has one bar for all its runs (SweepProgress)
-    skipped = store.is_complete(folder) and not cfg.retrain and computed_here(folder)
-    if not multirun and not cfg.retrain and (line := retrained_line([folder])):  # a sweep's: on_multirun_start
+    elif not cfg.retrain and (line := store.provenance.retrained_line([folder])):  # a sweep's: on_multirun_start
         console.log.info(line)
+    skipped = store.is_complete(folder) and not cfg.retrain and store.provenance.computed_here(folder)
     try:
         metrics = train(cfg)  # validates first: a trial a search proposes that cannot run fails here, before training
     except RunInProgress as busy:
@@ -298,10 +297,9 @@ class SweepSummary(Callback):
                 Path(config.hydra.sweep.dir), config.hydra.sweeper.get("n_trials"), enabled=config.train.progress
             )
         else:
-            runs = expand(config)
-            if not config.get("retrain", False) and (line := retrained_line([run.folder for run in runs])):
+            self.progress = SweepProgress(expand(config), enabled=config.train.progress)
+            if not config.retrain and (line := store.provenance.retrained_line([r.folder for r in self.progress.runs])):
                 console.log.info(f"sweep: {line}")
-            self.progress = SweepProgress(runs, enabled=config.train.progress)
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that run jobs in other processes (joblib, submitit) pickle the callbacks with

@@ -15,7 +15,7 @@ import torch
 
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import total_vocab
-from copytask.kernels import build, ops
+from copytask.kernels import build, ops, transformer_ops
 from copytask.models.recurrent import Seq2Seq
 
 from .conftest import pythonpath, run_cli
@@ -433,7 +433,8 @@ def test_nan_propagates_through_every_kernels_backward_as_torch(kernel, monkeypa
     where = ~batch.src_mask if padding == "source padding" else ~batch.target_mask
     assert where.any()
     calls = set()
-    monkeypatch.setattr(ops, "_library", lambda: Recording(kernel, calls))
+    for module in (ops, transformer_ops):  # each reads the library through its own `_library`
+        monkeypatch.setattr(module, "_library", lambda: Recording(kernel, calls))
     got = gradients_through_nan(fused, batch, module_name, where)
     assert calls == kernels
     want = gradients_through_nan(plain, batch, module_name, where)

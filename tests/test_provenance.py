@@ -77,8 +77,10 @@ def test_the_commit_and_uncommitted_changes_of_a_checkout_and_none_elsewhere(che
     installed.mkdir(parents=True)
     assert checkout_state(installed) == (None, None)
     assert checkout_state(checkout.parent) == (None, None)  # not in a repository
-    monkeypatch.setenv("GIT_DIR", str(checkout / ".git"))  # the caller's git variables point elsewhere
-    assert checkout_state(installed) == (None, None)
+    commit = git(checkout, "rev-parse", "HEAD")
+    monkeypatch.setenv("GIT_DIR", str(checkout.parent / "elsewhere" / ".git"))  # the caller's git variables
+    monkeypatch.setenv("GIT_WORK_TREE", str(checkout.parent / "elsewhere"))  # point at another repository
+    assert checkout_state(package) == (commit, True)
     monkeypatch.setenv("PATH", "")  # no git at all
     assert checkout_state(package) == (None, None)
 

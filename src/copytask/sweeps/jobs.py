@@ -297,9 +297,10 @@ class SweepSummary(Callback):
                 Path(config.hydra.sweep.dir), config.hydra.sweeper.get("n_trials"), enabled=config.train.progress
             )
         else:
-            self.progress = SweepProgress(expand(config), enabled=config.train.progress)
-            if not config.retrain and (line := store.provenance.retrained_line([r.folder for r in self.progress.runs])):
-                console.log.info(f"sweep: {line}")
+            runs = expand(config)
+            if not config.retrain and (line := store.provenance.retrained_line([run.folder for run in runs])):
+                console.log.info(f"sweep: {line}")  # before the bar: why runs it counts as done train again
+            self.progress = SweepProgress(runs, enabled=config.train.progress)
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that run jobs in other processes (joblib, submitit) pickle the callbacks with

@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = bench_config(ATTENTIONS[0], args.lengths[0], args.overrides)
     with torch_threads(cfg.train.threads):
         device = resolve_device(cfg.train.device)
-        fused = ops.runs_fused(build_model(cfg).to(device))
+        with torch.random.fork_rng(devices=[]):  # a model built only to ask: its initialisation draws
+            fused = ops.runs_fused(build_model(cfg).to(device))
         project = f"fused CPU kernels ({build.build_name_and_flags()[0]})" if fused else "torch ops"
         description = (
             f"{machine(device)}; torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -136,7 +136,8 @@ def step_flops(setup: Setup) -> int:
 
 def matmul_rate(device: torch.device, size: int, repeats: int = 5) -> float:
     """FLOP/s of the best of `repeats` float32 (size x size) @ (size x size) products."""
-    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    generator = torch.Generator(device).manual_seed(0)  # not the caller's global one
+    a, b = (torch.randn(size, size, device=device, generator=generator) for _ in range(2))
     torch.mm(a, b)  # warm-up
     best = float("inf")
     for _ in range(repeats):

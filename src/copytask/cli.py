@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import api, console, store
+from .config.checks import check_analysis
 from .config.model_keys import Refused, check_lengths
 from .config.schema import DETERMINISTIC_CUBLAS, config_help
 from .console import ConfigError, refuse
@@ -170,12 +171,14 @@ def analyze(overrides: list[str]) -> int:
     try:
         master, _ = compose_grid(overrides, expand_grid=False)  # read-only: no Hydra output
         check_lengths(master.analysis.lengths)
+        check_analysis(master.analysis)
     except (ConfigError, Refused) as error:
         return refuse(error)
     runs_dir = Path(master.runs_dir)
     if not runs_dir.is_dir():
         return refuse(f"runs_dir {str(runs_dir)!r} does not exist")
     from .evaluation.analysis import analyze
+    from .evaluation.breakdown import Settings
     from .reporting.analysis_tables import summary
     from .reporting.tables import load
 
@@ -189,6 +192,7 @@ def analyze(overrides: list[str]) -> int:
             threads=master.analysis.threads,
             progress=master.train.progress,
             device=master.train.device,
+            settings=Settings.from_config(master.analysis),
         )
     except ConfigError as error:  # a device this machine does not have
         return refuse(error)
@@ -258,8 +262,9 @@ def compare(overrides: list[str], flags: set[str]) -> int:
         )
         print(best_table(table, loaded.settings).to_string(index=False))
     else:
-        print(table_note(list(dict.fromkeys(loaded.table["task"]))))
-        print(comparison_table(table, loaded.settings).to_string(index=False))
+        compared = comparison_table(table, loaded.settings)
+        print(table_note(list(dict.fromkeys(loaded.table["task"])), any(c.startswith("teacher") for c in compared)))
+        print(compared.to_string(index=False))
     if loaded.mixed:  # under the table
         print(loaded.mixed)
     return status

@@ -389,7 +389,7 @@ def check_statuses(runs: list[GridRun], gpus_per_node: int | None) -> tuple[list
 
 def analyse(runs: list[GridRun], config: DictConfig) -> float:
     """Each complete run's analysis.json (`evaluation.analysis.analyze`), logged. -> its seconds."""
-    from ..evaluation import analysis  # pandas, matplotlib, the model: only once the jobs are done
+    from ..evaluation import analysis, breakdown  # pandas, matplotlib, the model: only once the jobs are done
 
     started = time.perf_counter()
     analysed = analysis.analyze(
@@ -399,6 +399,7 @@ def analyse(runs: list[GridRun], config: DictConfig) -> float:
         threads=config.analysis.threads,
         progress=config.train.progress,
         device=analysis_device(config.train.device, config.hydra.launcher.get("_target_")),
+        settings=breakdown.Settings.from_config(config.analysis),
     )
     seconds = time.perf_counter() - started
     console.log.info(f"analysis: {analysed} runs analysed in {seconds:.1f} s (eval_size {config.analysis.eval_size})")

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from copytask.console import ConfigError
 from copytask.data.batches import make_batch
 from copytask.data.splits import heldout_keys, sequence_keys
 from copytask.data.vocab import EOS, total_vocab
@@ -87,3 +88,25 @@ def test_the_untrained_control_is_the_model_training_starts_from_and_leaves_the_
     torch.manual_seed(5)  # as training seeds the model's initialisation (training.loop.set_up)
     for mine, trained_from in zip(control.parameters(), build_model(cfg).parameters()):
         assert torch.equal(mine, trained_from)
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("analysis.beam_widths=[4,0]", "analysis.beam_widths must be an integer from 1 to 64, got 0"),
+        ("analysis.beam_widths=[65]", "analysis.beam_widths must be an integer from 1 to 64, got 65"),
+        ("analysis.beam_widths=[2.5]", "analysis.beam_widths"),
+        ("analysis.probe_size=1", "analysis.probe_size must be an integer >= 2, got 1"),
+        ("analysis.probe_size=10000000", "analysis.probe_size must be an integer from 2 to 1000000, got 10000000"),
+        ("analysis.probe_ridge=-1", "analysis.probe_ridge must be a finite number >= 0, got -1.0"),
+        ("analysis.probe_ridge=nan", "analysis.probe_ridge must be a finite number >= 0, got nan"),
+        ("analysis.probe_seed=-1", "analysis.probe_seed must be an integer >= 0, got -1"),
+    ],
+)
+def test_bad_breakdown_settings_are_refused_in_one_line_naming_the_value(tmp_path, override, says):
+    from copytask.api import compose
+
+    with pytest.raises(ConfigError) as refused:
+        compose([*TINY, f"runs_dir={tmp_path}", override])
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "runs").exists()

@@ -58,7 +58,7 @@ commands:
   decode   a trained run's greedy output on symbols given by hand or drawn at random (any length),
            input, output and target aligned with wrong symbols marked, and its attention as text
              python -m copytask decode runs/<run folder> "g d d c i h"
-             python -m copytask decode runs/<run folder> --random 3 --length 40 [--png map.png]
+             python -m copytask decode runs/<run folder> --random 3 --length 40 [--png map.png] [--beam 4]
   build    compile the fused CPU kernels now (else the first CPU run does) and say where
   bench    training speed, memory and time to target against the classical reference
              python -m copytask bench [--quick] [--time-to-target] [train.threads=1]

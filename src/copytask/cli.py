@@ -180,6 +180,8 @@ def analyze(overrides: list[str]) -> int:
     from .evaluation.analysis import analyze
     from .evaluation.breakdown import Settings
     from .reporting.analysis_tables import summary
+    from .reporting.breakdown_section import breakdown_summary
+    from .reporting.breakdown_tables import breakdown_table
     from .reporting.tables import load
 
     folders = store.complete_runs(runs_dir)
@@ -197,7 +199,16 @@ def analyze(overrides: list[str]) -> int:
     except ConfigError as error:  # a device this machine does not have
         return refuse(error)
     loaded = load(folder_runs(folders))  # each run's settings: the keys that vary between the runs
-    print(summary(list(loaded.analyses.values()), loaded.table[["run", *loaded.settings]] if loaded.settings else None))
+    settings = loaded.table[["run", *loaded.settings]] if loaded.settings else None
+    print(summary(list(loaded.analyses.values()), settings))
+    breakdown = breakdown_table(list(loaded.analyses.values()))
+    if not breakdown.empty:
+        table = breakdown if settings is None else breakdown.merge(settings, on="run")
+        print(
+            "\nwhere the accuracy is lost: greedy, teacher-forced and beam-search token accuracy on the same "
+            "held-out sequences, and the probe of the summary vector (mean over source positions), in %\n"
+            + breakdown_summary(table, loaded.settings).to_string(index=False)
+        )
     return 0
 
 

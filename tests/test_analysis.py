@@ -327,9 +327,9 @@ def test_analyze_writes_the_breakdown_and_the_report_draws_it(analysed_runs, tmp
 
     folders = {f.name.split("-")[0]: f for f in store.complete_runs(analysed_runs)}
     attended = store.read_json(folders["luong_general"] / store.ANALYSIS)["breakdown"]
-    assert attended["settings"]["beam_widths"] == [1, 4, 16]
+    assert attended["settings"]["beam_widths"] == [1, 4]
     assert attended["greedy"]["token_acc"] == pytest.approx(attended_metrics(folders)["token_acc"])
-    assert [row["width"] for row in attended["beam"]] == [1, 4, 16]
+    assert [row["width"] for row in attended["beam"]] == [1, 4]
     assert attended["beam"][0]["token_acc"] == attended["greedy"]["token_acc"]
     for decoding in ("greedy", "teacher_forced"):
         by_position = attended[decoding]["by_position"]
@@ -343,7 +343,7 @@ def test_analyze_writes_the_breakdown_and_the_report_draws_it(analysed_runs, tmp
     lines, figures = breakdown_section(analyses, None, tmp_path)
     assert [path.name for path in figures] == ["accuracy_by_position.png", PROBE_FIGURE]
     assert all(path.stat().st_size > 0 for path in figures)
-    assert any("teacher-forced % [95% CI]" in line and "beam 16 %" in line for line in lines)
+    assert any("teacher-forced % [95% CI]" in line and "beam 4 %" in line for line in lines)
 
     runs_dir = tmp_path / "runs"
     shutil.copytree(analysed_runs, runs_dir)

@@ -35,7 +35,7 @@ BEAM_ROWS = 512  # decoder rows (sequences x beams) a beam search runs at once o
 class Settings:
     """What `measure` computes: the analysis.* keys of the same names (configs/config.yaml)."""
 
-    beam_widths: tuple[int, ...] = (1, 4, 16)  # empty: no beam search
+    beam_widths: tuple[int, ...] = (1, 4)  # empty: no beam search
     length_normalise: bool = False
     probe_size: int | None = 2048  # None: no probe
     probe_ridge: float = 1e-3

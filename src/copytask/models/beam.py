@@ -28,7 +28,9 @@ from .build import Model
 class Beams(NamedTuple):
     tokens: Tensor  # (B, steps) each sequence's best hypothesis, PAD after its EOS
     scores: Tensor  # (B,) its log-probability (not normalised)
-    weights: Tensor | None  # (B, steps, T_enc) the attention that produced it, zero after the search stopped; or None
+    # (B, steps, T_enc) the attention that produced it (past its EOS: of the PAD steps, no part of the output; zero
+    # past the last step searched), or None
+    weights: Tensor | None
 
 
 @torch.no_grad()

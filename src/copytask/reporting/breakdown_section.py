@@ -84,7 +84,7 @@ def breakdown_summary(table: pd.DataFrame, settings: list[str]) -> pd.DataFrame:
     rows = []
     for values, group in table.groupby(keys, dropna=False, sort=False):
         row = {key: tables.setting_value(value) for key, value in zip(keys, values)} | {"seeds": len(group)}
-        tokens = round(group["breakdown_sequences"].min() * int(str(values[-2]).split("-")[-1]))
+        tokens = tables.scored(group, "breakdown_sequences")["token_acc"]
         for column, name in (("greedy_token_acc", "greedy"), ("tf_token_acc", "teacher-forced")):
             row[f"{name} % [95% CI]"] = tables.with_interval(*tables.interval(group[column], tokens))
         row |= {f"beam {c[4:-10]} %": tables.percent(group[c].mean()) for c in beams}

@@ -44,7 +44,7 @@ def breakdown_table(analyses: Iterable[dict]) -> pd.DataFrame:
         if "breakdown" in a:
             greedy = a["breakdown"]["greedy"]
             scores = {"greedy_token_acc": greedy["token_acc"], "greedy_seq_acc": greedy["seq_acc"]}
-            rows.append(run_columns(a) | scores | breakdown_columns(a))
+            rows.append(run_columns(a) | {"min_length": a["min_length"]} | scores | breakdown_columns(a))
     return pd.DataFrame(rows)
 
 

@@ -167,11 +167,10 @@ def expected_cost(run: GridRun) -> float:
 
 
 class SweepProgress:
-    """One progress bar for a whole sweep: the work done, each finished run (complete, or failed
-    during this sweep) weighted by its `expected_cost` and each run in training by the share of
-    its steps done, so that the ETA follows the work left rather than the runs left; the runs
-    finished of the grid beside it. A thread polls the run folders, so it works the same under
-    every launcher, in-process or not."""
+    """One progress bar for a whole sweep: the work done, each finished run (complete, or failed during this sweep)
+    weighted by its `expected_cost` and each run in training by the share of its steps done, so that the ETA follows
+    the work left rather than the runs left; the runs finished of the grid beside it. A thread polls the run folders,
+    so it works the same under every launcher, in-process or not."""
 
     def __init__(self, runs: list[GridRun], enabled: bool, interval: float = 2.0) -> None:
         self.runs, self.started_at = runs, time.time()

@@ -318,3 +318,39 @@ def test_counterfactual_figure_is_in_percent_with_a_chance_line(monkeypatch, tmp
     chance = lines["chance (25.0%)"]
     assert chance.get_linestyle() == "--" and list(chance.get_ydata()) == [25, 25]
     assert "chance (25.0%)" in [text.get_text() for text in ax.get_legend().get_texts()]
+
+
+def test_analyze_writes_the_breakdown_and_the_report_draws_it(analysed_runs, tmp_path):
+    """Greedy, teacher-forced, beam and by-position accuracy for every run, the probe for GRU models;
+    width 1 is greedy; other settings analyse the runs again."""
+    from copytask.reporting.breakdown_section import PROBE_FIGURE, breakdown_section
+
+    folders = {f.name.split("-")[0]: f for f in store.complete_runs(analysed_runs)}
+    attended = store.read_json(folders["luong_general"] / store.ANALYSIS)["breakdown"]
+    assert attended["settings"]["beam_widths"] == [1, 4]
+    assert attended["greedy"]["token_acc"] == pytest.approx(attended_metrics(folders)["token_acc"])
+    assert [row["width"] for row in attended["beam"]] == [1, 4]
+    assert attended["beam"][0]["token_acc"] == attended["greedy"]["token_acc"]
+    for decoding in ("greedy", "teacher_forced"):
+        by_position = attended[decoding]["by_position"]
+        assert len(by_position) == 4 and sum(by_position) / 4 == pytest.approx(attended[decoding]["token_acc"])
+    probe = attended["probe"]
+    assert len(probe["trained"]) == len(probe["untrained"]) == 4 and probe["chance"] == pytest.approx(1 / 9)
+    variable = store.read_json(folders["none"] / store.ANALYSIS)["breakdown"]
+    assert len(variable["probe"]["trained"]) == 3  # sources of lengths 2 and 3: positions 1-3
+
+    analyses = [store.read_json(folder / store.ANALYSIS) for folder in folders.values()]
+    lines, figures = breakdown_section(analyses, None, tmp_path)
+    assert [path.name for path in figures] == ["accuracy_by_position.png", PROBE_FIGURE]
+    assert all(path.stat().st_size > 0 for path in figures)
+    assert any("teacher-forced % [95% CI]" in line and "beam 4 %" in line for line in lines)
+
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(analysed_runs, runs_dir)
+    assert cli.main(["analyze", f"runs_dir={runs_dir}", "analysis.beam_widths=[2]", "analysis.probe_size=null"]) == 0
+    again = store.read_json(store.complete_runs(runs_dir)[0] / store.ANALYSIS)["breakdown"]
+    assert [row["width"] for row in again["beam"]] == [2] and "probe" not in again
+
+
+def attended_metrics(folders: dict) -> dict:
+    return store.read_json(folders["luong_general"] / store.METRICS)

@@ -17,6 +17,7 @@ from copytask.bench.measures import (
     QUICK,
     REFERENCED,
     bench_config,
+    decoding_speed,
     memory,
     setups,
     speed,
@@ -125,3 +126,11 @@ def test_flops_count_the_products_inside_the_fused_kernels(attention):
         counted[fused] = step_flops(project)
         assert all(module.fused == (fused == "true") for module in project[0].modules() if hasattr(module, "fused"))
     assert counted["true"] == counted["false"] > 0
+
+
+def test_the_decoding_table_times_greedy_and_each_beam_width_in_the_same_run():
+    state = torch.random.get_rng_state()
+    table = decoding_speed(["none", "transformer"], 4, QUICK["overrides"], [2, 3], 8, torch.device("cpu"))
+    assert sorted(zip(table.attention, table.width)) == [(a, w) for a in ("none", "transformer") for w in (1, 2, 3)]
+    assert (table.seconds > 0).all() and table[table.width == 1].vs_greedy.tolist() == [1.0, 1.0]
+    assert torch.equal(torch.random.get_rng_state(), state)  # the models' initialisation drew from a fork

@@ -165,6 +165,20 @@ def test_random_sequences_at_another_length_and_a_png_through_the_cli(runs, tmp_
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.parametrize("attention", ["none", "bahdanau", "multihead"])
+def test_beam_search_decodes_through_the_cli_and_the_api(runs, capsys, attention):
+    """--beam K prints each sequence's best beam, as `copytask.decode(..., beam=K)` returns it."""
+    import copytask
+
+    folder = runs[f"{attention}-copy"]
+    lines = decoded(capsys, folder, "--random", "3", "--beam", "4", "--length-normalise")
+    assert "beam search of width 4" in lines[0]
+    beams = copytask.decode(folder, random=3, beam=4, length_normalise=True)
+    assert beams.beam == 4 and (beams.weights is None) == (attention == "none")
+    printed_outputs = [line.split()[1:] for line in lines if line.startswith("output")]
+    assert printed_outputs == [beams.text(i)["output"] for i in range(3)]
+
+
 def test_the_help_lists_decode(capsys):
     assert cli.main(["--help"]) == 0
     assert "decode" in capsys.readouterr().out
@@ -191,6 +205,9 @@ def no_checkpoint(runs: dict[str, Path], tmp_path: Path) -> Path:
         (lambda runs, tmp: [runs["luong_general-copy"], "abc", "--random", "2"], r"not both"),
         (lambda runs, tmp: [runs["luong_general-copy"], "--random", "0"], r"--random must be at least 1"),
         (lambda runs, tmp: [runs["luong_general-copy"], "--random", "two"], r"--random: invalid int value"),
+        (lambda runs, tmp: [runs["luong_general-copy"], "abc", "--beam", "0"], r"--beam must be .* to 64, got 0"),
+        (lambda runs, tmp: [runs["luong_general-copy"], "abc", "--beam", "65"], r"--beam must be .* to 64, got 65"),
+        (lambda runs, tmp: [runs["luong_general-copy"], "abc", "--beam", "2.5"], r"--beam: invalid int value: '2.5'"),
     ],
 )
 def test_refusals_are_one_line_and_exit_status_2(runs, tmp_path, args, says):

@@ -120,6 +120,12 @@ VALID = {
     "analysis.lengths": st.lists(st.integers(1, 9), min_size=1, max_size=3).map(
         lambda lengths: f"[{','.join(map(str, lengths))}]"
     ),
+    "analysis.beam_widths": st.lists(st.integers(1, 64), max_size=3).map(lambda w: f"[{','.join(map(str, w))}]")
+    | st.just("null"),
+    "analysis.length_normalise": st.booleans().map(str).map(str.lower),
+    "analysis.probe_size": st.integers(2, 4096).map(str) | st.just("null"),
+    "analysis.probe_ridge": st.floats(0, 10).map(number),
+    "analysis.probe_seed": st.integers(0, 2**32),
     "train.batch_size": st.integers(1, 8),
     "train.eval_size": st.integers(1, 16),
     "train.val_size": st.integers(1, 16),
@@ -236,6 +242,8 @@ PROPERTY = settings(max_examples=80, deadline=None, derandomize=True, suppress_h
 @example(["seed=" + "1" + "0" * 30])  # torch's generators take 64 bits
 @example(["train.eval_seed=18446744073709551616"])
 @example(["train.steps=2", "train.warmup=0.5"])  # a 1-step warm-up: ZeroDivisionError in OneCycleLR
+@example(["analysis.beam_widths=[4,65]"])  # past the widest beam
+@example(["analysis.probe_ridge=nan"])
 def test_every_override_list_trains_or_is_refused_in_one_line_before_anything_is_written(overrides):
     with tempfile.TemporaryDirectory() as scratch, time_limit(60):
         runs_dir = Path(scratch) / "runs"
@@ -391,6 +399,8 @@ NEUTRAL = [
     ("model.d_model", "16"),
     ("model.layers", "3"),
     ("analysis.lengths", "[5,9]"),
+    ("analysis.beam_widths", "[2]"),
+    ("analysis.probe_size", "null"),
 ]  # model=gru reads no Transformer key
 
 

@@ -90,14 +90,17 @@ def test_compare_numbers_match_the_results_table(swept, capsys):
     assert "running the sweep" not in output  # every run exists: nothing is trained
 
     table = pd.read_csv(runs_dir / "results.csv")
-    means = table.groupby(["length", "attention"])[["token_acc", "seq_acc"]].mean()
+    means = table.groupby(["length", "attention"])[["token_acc", "seq_acc", "tf_token_acc"]].mean()
     rows = parse_compare(output)
     assert set(rows) == set(means.index)
     for (length, attention), numbers in rows.items():
-        seeds, token, token_lo, token_hi, seq, seq_lo, seq_hi, chance, params, *gaps = numbers
+        seeds, token, token_lo, token_hi, seq, seq_lo, seq_hi, tf, tf_lo, tf_hi, chance, params, *gaps = numbers
         assert seeds == 2
         assert float(token) == pytest.approx(100 * means.loc[(length, attention), "token_acc"], abs=0.051)
         assert float(seq) == pytest.approx(100 * means.loc[(length, attention), "seq_acc"], abs=0.051)
+        # the analysis' teacher-forced accuracy (issue 69), with its interval
+        assert float(tf) == pytest.approx(100 * means.loc[(length, attention), "tf_token_acc"], abs=0.051)
+        assert float(tf_lo) <= float(tf) <= float(tf_hi)
         assert float(token_lo) <= float(token) <= float(token_hi)
         assert float(chance) == pytest.approx(100 / 9, abs=0.051)
         assert int(params.replace(",", "")) == table[table["attention"] == attention]["params"].iloc[0]

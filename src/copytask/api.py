@@ -181,13 +181,21 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Model, DictConfi
 
 
 def decode(
-    run_dir: str | Path, symbols: str | None = None, random: int | None = None, length: int | None = None, seed: int = 0
+    run_dir: str | Path,
+    symbols: str | None = None,
+    random: int | None = None,
+    length: int | None = None,
+    seed: int = 0,
+    beam: int = 1,
+    length_normalise: bool = False,
 ) -> Decoded:
     """Greedy-decode `symbols` (`"g d d c"` or `gddc`), or `random` sequences of `length` symbols,
-    with a finished run's model: token ids, scores and attention weights as arrays (`evaluation.decode.Decoded`)."""
+    with a finished run's model (`beam` K > 1: beam search of width K, its hypotheses ranked by
+    log-probability / length with `length_normalise`): token ids, scores and attention weights as
+    arrays (`evaluation.decode.Decoded`)."""
     from .evaluation.decode import decode as decode_run
 
-    return decode_run(run_dir, symbols, random, length, seed)
+    return decode_run(run_dir, symbols, random, length, seed, beam, length_normalise)
 
 
 def runs_dir_override(runs_dir: str | Path) -> str:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import api, console, store
+from .config.checks import check_analysis
 from .config.model_keys import Refused, check_lengths
 from .config.schema import DETERMINISTIC_CUBLAS, config_help
 from .console import ConfigError, refuse
@@ -57,7 +58,7 @@ commands:
   decode   a trained run's greedy output on symbols given by hand or drawn at random (any length),
            input, output and target aligned with wrong symbols marked, and its attention as text
              python -m copytask decode runs/<run folder> "g d d c i h"
-             python -m copytask decode runs/<run folder> --random 3 --length 40 [--png map.png]
+             python -m copytask decode runs/<run folder> --random 3 --length 40 [--png map.png] [--beam 4]
   build    compile the fused CPU kernels now (else the first CPU run does) and say where
   bench    training speed, memory and time to target against the classical reference
              python -m copytask bench [--quick] [--time-to-target] [train.threads=1]
@@ -170,13 +171,17 @@ def analyze(overrides: list[str]) -> int:
     try:
         master, _ = compose_grid(overrides, expand_grid=False)  # read-only: no Hydra output
         check_lengths(master.analysis.lengths)
+        check_analysis(master.analysis)
     except (ConfigError, Refused) as error:
         return refuse(error)
     runs_dir = Path(master.runs_dir)
     if not runs_dir.is_dir():
         return refuse(f"runs_dir {str(runs_dir)!r} does not exist")
     from .evaluation.analysis import analyze
+    from .evaluation.breakdown import Settings
     from .reporting.analysis_tables import summary
+    from .reporting.breakdown_section import breakdown_summary
+    from .reporting.breakdown_tables import breakdown_table
     from .reporting.tables import load
 
     folders = store.complete_runs(runs_dir)
@@ -189,11 +194,21 @@ def analyze(overrides: list[str]) -> int:
             threads=master.analysis.threads,
             progress=master.train.progress,
             device=master.train.device,
+            settings=Settings.from_config(master.analysis),
         )
     except ConfigError as error:  # a device this machine does not have
         return refuse(error)
     loaded = load(folder_runs(folders))  # each run's settings: the keys that vary between the runs
-    print(summary(list(loaded.analyses.values()), loaded.table[["run", *loaded.settings]] if loaded.settings else None))
+    settings = loaded.table[["run", *loaded.settings]] if loaded.settings else None
+    print(summary(list(loaded.analyses.values()), settings))
+    breakdown = breakdown_table(list(loaded.analyses.values()))
+    if not breakdown.empty:
+        table = breakdown if settings is None else breakdown.merge(settings, on="run")
+        print(
+            "\nwhere the accuracy is lost: greedy, teacher-forced and beam-search token accuracy on the same "
+            "held-out sequences, and the probe of the summary vector (mean over source positions), in %\n"
+            + breakdown_summary(table, loaded.settings).to_string(index=False)
+        )
     return 0
 
 
@@ -258,8 +273,9 @@ def compare(overrides: list[str], flags: set[str]) -> int:
         )
         print(best_table(table, loaded.settings).to_string(index=False))
     else:
-        print(table_note(list(dict.fromkeys(loaded.table["task"]))))
-        print(comparison_table(table, loaded.settings).to_string(index=False))
+        compared = comparison_table(table, loaded.settings)
+        print(table_note(list(dict.fromkeys(loaded.table["task"])), any(c.startswith("teacher") for c in compared)))
+        print(compared.to_string(index=False))
     if loaded.mixed:  # under the table
         print(loaded.mixed)
     return status

@@ -17,6 +17,9 @@ The key=value overrides are the training configs' (`train.threads=1`, `train.dev
   kernels do the same products) and the fraction of this machine's matmul rate (a large
   `torch.mm`) the step reaches;
 - at the longest length, peak memory of a short training run in a fresh process;
+- with --beams K ..., at the longest length, the time to decode 512 held-out sequences (`--beam-sequences`)
+  greedily and by beam search of each width K (the analysis' `breakdown.beam_tokens`), in the same
+  run, with each width's time over greedy's (`vs_greedy`), in <csv>_decoding.csv;
 - with --time-to-target, wall time and steps to the target greedy token accuracy at the
   longest length for Bahdanau and Luong general, with patience 1, so a run stops at the first
   hit. Each implementation trains with its own usual settings (TARGET_SETTINGS): the project with

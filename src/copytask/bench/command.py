@@ -23,6 +23,7 @@ from .measures import (
     TARGET_ATTENTIONS,
     TARGET_SETTINGS,
     bench_config,
+    decoding_speed,
     matmul_rate,
     memory,
     speed,
@@ -82,6 +83,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default="own",
         help="own: each implementation its usual optimiser settings; same: both the project's",
     )
+    parser.add_argument(
+        "--beams", type=int, nargs="+", default=[], metavar="K", help="also time beam search of these widths"
+    )
+    parser.add_argument("--beam-sequences", type=int, default=512, help="held-out sequences decoded per width")
     parser.add_argument("--csv", type=Path, default=Path("runs/bench/bench.csv"))
     parser.add_argument("--quick", action="store_true", help=f"a smoke run of seconds: {QUICK}")
     # Overrides first: argparse would take one after a list option (--memory-attentions a b key=value)
@@ -173,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"copytask bench on {description}", file=sys.stderr)
         long, rate = measure(args, device)
+        if args.beams:
+            with run_settings(device):
+                decoding = decoding_speed(
+                    args.attentions, max(args.lengths), args.overrides, args.beams, args.beam_sequences, device
+                )
     table = table_of(long, rate, description)
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     store.atomic_write(args.csv, table.to_csv(index=False))
@@ -187,5 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"\n{description}; matmul rate {rate / 1e9:.1f} GFLOP/s ({args.gemm_size}^3 float32)")
     print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.3g}", na_rep="-"))
+    if args.beams:
+        path = args.csv.with_name(f"{args.csv.stem}_decoding.csv")
+        store.atomic_write(path, decoding.assign(machine=description).to_csv(index=False))
+        print(f"\ndecoding {args.beam_sequences} held-out sequences at length {max(args.lengths)}: greedy, beam search")
+        print(decoding.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+        print(f"written to {path}")
     print(f"\nwritten to {args.csv}")
     return 0

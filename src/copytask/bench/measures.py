@@ -27,8 +27,10 @@ from tqdm.auto import tqdm
 from .. import store
 from ..config.schema import config_dir
 from ..data.batches import Batch
-from ..data.splits import sample_batch
+from ..data.splits import sample_batch, test_batch
+from ..evaluation.breakdown import beam_tokens
 from ..models.build import build_model
+from ..models.greedy import evaluate
 from ..models.recurrent import Seq2Seq
 from ..models.transformer import TransformerSeq2Seq
 from ..training.devices import fused_adam, resolve_device
@@ -280,3 +282,33 @@ def time_to_target(
                 }
             )
     return pd.DataFrame(rows)
+
+
+def decoding_speed(
+    attentions: list[str], length: int, overrides: list[str], widths: list[int], sequences: int, device: torch.device
+) -> pd.DataFrame:
+    """Seconds to decode the first `sequences` test sequences at `length` greedily (width 1) and by beam
+    search of each of `widths` (the analysis' decoders), with the project's model of each attention type
+    (untrained: it rarely emits EOS, so every search runs its full length, as a trained model's does until
+    the EOS at the end), and each time over greedy's (`vs_greedy`)."""
+    rows = []
+    for attention in attentions:
+        cfg = bench_config(attention, length, [*overrides, f"train.eval_size={max(sequences, 1)}"])
+        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+            torch.manual_seed(cfg.seed)
+            model = build_model(cfg).to(device).eval()
+        batch = test_batch(cfg).select(slice(0, sequences)).to(device)
+        decoders = {1: lambda: evaluate(model, batch)} | {
+            width: lambda width=width: beam_tokens(model, batch, width) for width in widths
+        }
+        for width, decode in decoders.items():
+            synchronize(device)
+            started = time.perf_counter()
+            decode()
+            synchronize(device)
+            rows.append(
+                {"attention": attention, "length": length, "width": width, "seconds": time.perf_counter() - started}
+            )
+    table = pd.DataFrame(rows)
+    greedy = table[table.width == 1].set_index("attention").seconds
+    return table.assign(vs_greedy=table.seconds / table.attention.map(greedy))

@@ -29,6 +29,7 @@ from .schema import (
     DEVICES,
     LOCAL,
     LOGGERS,
+    MAX_BEAM,
     MAXIMUM,
     MINIMUM,
     REMOTE_LAUNCHERS,
@@ -54,6 +55,7 @@ def validate(cfg: DictConfig) -> None:
         model_keys.check_lengths(cfg.analysis.get("lengths"))
     except model_keys.Refused as refused:
         raise ConfigError(str(refused)) from None
+    check_analysis(cfg.analysis)
     check_gru(cfg)
     check_training(cfg.train)
     check_memory(cfg)
@@ -369,6 +371,21 @@ def check_device(name: str, here: bool = True) -> None:
 def remote_launcher(target: str | None) -> bool:
     """Whether a Hydra launcher (its `_target_`) runs the jobs on other machines than the one composing them."""
     return (target or "").endswith(REMOTE_LAUNCHERS)
+
+
+def check_beam_width(width: object, name: str) -> None:
+    """ConfigError unless `width` (the value of `name`) is an integer from 1 to MAX_BEAM."""
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_BEAM:
+        raise ConfigError(f"{name} must be an integer from 1 to {MAX_BEAM}, got {width!r}")
+
+
+def check_analysis(analysis: DictConfig) -> None:
+    """The breakdown's keys (`evaluation.breakdown`) that the schema's types and MINIMUM leave: each
+    beam width from 1 to MAX_BEAM, and a finite ridge >= 0 (nan refused)."""
+    for width in analysis.beam_widths or ():
+        check_beam_width(width, "each of analysis.beam_widths")
+    if not 0 <= analysis.probe_ridge < math.inf:
+        raise ConfigError(f"analysis.probe_ridge must be a finite number >= 0, got {analysis.probe_ridge!r}")
 
 
 def analysis_device(device: str, target: str | None) -> str:

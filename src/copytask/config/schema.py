@@ -115,6 +115,11 @@ class AnalysisConfig:
     eval_size: int | None = MISSING
     threads: int | None = MISSING
     lengths: list[int] | None = None
+    beam_widths: list[int] | None = MISSING
+    length_normalise: bool = MISSING
+    probe_size: int | None = MISSING
+    probe_ridge: float = MISSING
+    probe_seed: int = MISSING
 
 
 @dataclass
@@ -170,6 +175,8 @@ MINIMUM = {
     "train.attention_samples": 0,
     "analysis.eval_size": 1,
     "analysis.threads": 1,
+    "analysis.probe_size": 2,  # a mean and a spread
+    "analysis.probe_seed": 0,
     **model_keys.MINIMUM,
 }
 # The largest value of an integer key where there is one: torch's generators take 64-bit seeds,
@@ -180,7 +187,10 @@ MAXIMUM = {
     "train.val_seed": 2**64 - 1,
     "train.threads": 1024,
     "analysis.threads": 1024,
+    "analysis.probe_size": 1_000_000,  # a summary vector (up to a few hundred numbers) of each, in memory at once
+    "analysis.probe_seed": 2**64 - 1,
 }
+MAX_BEAM = 64  # the widest beam search the analysis and decode take: B x 64 decoder rows, 64^2 candidates a sequence
 TYPES = {"Integer": "an integer", "Float": "a number", "bool": "true or false"}  # as OmegaConf names them
 
 

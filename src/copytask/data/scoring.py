@@ -1,5 +1,6 @@
-"""The one scoring rule of every number: a greedy output against its target. An output ends at its
-first EOS, and a content position after it is wrong whatever the decoder emits there."""
+"""The one scoring rule of every number: an output (greedy, beam search, the teacher-forced argmax)
+against its target. An output ends at its first EOS, and a content position after it is wrong
+whatever the decoder emits there."""
 
 from __future__ import annotations
 
@@ -22,17 +23,29 @@ class Scores(NamedTuple):
 
 
 def output_mask(tokens: torch.Tensor) -> torch.Tensor:
-    """Greedy output (B, T_dec) -> (B, T_dec) True up to and with each output's first EOS: the
+    """Output tokens (B, T_dec) -> (B, T_dec) True up to and with each output's first EOS: the
     output itself. An output without EOS runs to the end."""
     eos = tokens == EOS
     return (eos.cumsum(1) - eos.long()) == 0  # no EOS before this position
 
 
+def right(tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """(B, T_dec) True where the output `tokens` (B, T_dec) has the target's token and has not ended."""
+    return (tokens == batch.tgt_out) & output_mask(tokens)
+
+
+def position_scores(tokens: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output `tokens` (B, T_dec) against `batch`, by the same rule, per output position: content
+    symbols right and content symbols at each position -> (T_dec,), (T_dec,)."""
+    content = batch.content_mask
+    return (right(tokens, batch) & content).sum(0), content.sum(0)
+
+
 def sequence_scores(tokens: torch.Tensor, batch: Batch) -> Scores:
-    """Greedy output `tokens` (B, T_dec) against `batch`: an output ends at its first EOS, so a
+    """Output `tokens` (B, T_dec) against `batch`: an output ends at its first EOS, so a
     content position after it is wrong, whatever the decoder emitted there; an output that never
     emits EOS is scored over the target's length. The one scoring rule of every number."""
-    correct = (tokens == batch.tgt_out) & output_mask(tokens)
+    correct = right(tokens, batch)
     content = batch.content_mask
     early = ((tokens == EOS) & content).any(1)
     return Scores((correct & content).sum(1), content.sum(1), (correct | ~batch.target_mask).all(1), early)

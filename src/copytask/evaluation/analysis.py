@@ -48,6 +48,7 @@ from ..models.attention import Attention, Intervention
 from ..models.build import Model
 from ..models.greedy import evaluate, rounded
 from ..training.devices import resolve_device, run_settings, torch_threads
+from .breakdown import Settings, measure
 from .load import load_run
 
 COUNTERFACTUALS = ("uniform", "permuted", "fixed")  # what the analysis replaces the weights by
@@ -238,9 +239,16 @@ def per_length_accuracy(model: Model, batch: Batch) -> pd.DataFrame:
 # --- run folders ---------------------------------------------------------------------------------
 
 
-def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, device: str = "auto") -> dict:
-    """Everything above for one run folder, on `device` -> the content of its analysis.json. Fixed-length
-    evaluations use the first `eval_size` sequences of the run's held-out set (None: all)."""
+def analyze_run(
+    folder: Path,
+    lengths: list[int],
+    eval_size: int | None = None,
+    device: str = "auto",
+    settings: Settings = Settings(),
+) -> dict:
+    """Everything above for one run folder, on `device`, and where its accuracy is lost (`breakdown`, with
+    `settings`) -> the content of its analysis.json. Fixed-length evaluations use the first `eval_size`
+    sequences of the run's held-out set (None: all)."""
     model, cfg = load_run(folder, device)
     device = next(model.parameters()).device
     task = cfg.task
@@ -263,10 +271,11 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, 
         analysis["per_length"] = per_length.to_dict("records")
         analysis["per_length_notes"] = notes
         analysis["length_mix"] = training_length_mix(cfg)
-    if model.attention is None:
-        return analysis
     heldout = heldout_batch(cfg, eval_size).to(device)
     own = evaluate(model, heldout)
+    analysis["breakdown"] = measure(model, cfg, heldout, own["tokens"], settings)
+    if model.attention is None:
+        return analysis
     accuracy = {"own": own["token_acc"], **counterfactual_accuracy(model, heldout, seed=cfg.seed)}
     analysis["counterfactual"] = accuracy
     analysis["drop"] = {name: accuracy["own"] - accuracy[name] for name in COUNTERFACTUALS}
@@ -281,15 +290,20 @@ def analyze_run(folder: Path, lengths: list[int], eval_size: int | None = None, 
     return analysis
 
 
-def is_analysed(folder: Path, lengths: list[int], eval_size: int | None, device: str = "cpu") -> bool:
+def is_analysed(
+    folder: Path, lengths: list[int], eval_size: int | None, device: str = "cpu", settings: Settings = Settings()
+) -> bool:
     """Whether `folder` has an analysis.json made with `eval_size` on `device` (cpu | cuda; one
-    without a device was made on CPU) that covers every test length."""
+    without a device was made on CPU) and the breakdown's `settings` that covers every test length."""
     try:
         done = store.read_json(folder / store.ANALYSIS)
         tested = {row["test_length"] for row in done["length_generalisation"]}
-    except (OSError, ValueError, KeyError, TypeError):  # none yet, or corrupt: (re)analyse
+        same = done["breakdown"]["settings"] == settings.record()
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, from before the breakdown, or corrupt: (re)analyse
         return False
-    return tested >= set(lengths) and done.get("eval_size") == eval_size and done.get("device", "cpu") == device
+    return (
+        same and tested >= set(lengths) and done.get("eval_size") == eval_size and done.get("device", "cpu") == device
+    )
 
 
 def _trained_length(folder: Path) -> int | None:
@@ -311,9 +325,11 @@ def analyze(
     threads: int | None = 1,
     progress: bool = True,
     device: str = "auto",
+    settings: Settings = Settings(),
 ) -> int:
     """Write analysis.json into each complete run folder in `folders`, with length generalisation
-    at every length of `lengths` (default: the lengths the folders were trained at), using
+    at every length of `lengths` (default: the lengths the folders were trained at), the breakdown
+    with `settings` (`evaluation.breakdown`), using
     `threads` torch CPU threads (None: torch's default), on `device` (`train.device`'s values;
     ConfigError if this machine has no such device). A run already analysed that way is
     skipped; a run whose analysis fails is named in a warning and the others go on. Returns how
@@ -328,11 +344,11 @@ def analyze(
         for folder in tqdm(
             folders, desc="analyze", unit="run", disable=not progress, file=console.bar_stream(), dynamic_ncols=True
         ):
-            if is_analysed(folder, lengths, eval_size, device.type):
+            if is_analysed(folder, lengths, eval_size, device.type, settings):
                 continue
             try:
                 with run_settings(device):
-                    result = analyze_run(folder, lengths, eval_size, device.type)
+                    result = analyze_run(folder, lengths, eval_size, device.type, settings)
                 store.write_json(folder / store.ANALYSIS, result)
                 analysed += 1
             except Exception as error:  # noqa: BLE001 - one run's failure must not stop the others

@@ -1,5 +1,5 @@
-"""A trained run's greedy output: `decode` (values) and `python -m copytask decode RUN_DIR SYMBOLS |
---random N [--length L]` (text).
+"""A trained run's greedy output (or beam search's, `--beam K`): `decode` (values) and
+`python -m copytask decode RUN_DIR SYMBOLS | --random N [--length L] [--beam K]` (text).
 
 Loads a run folder's config and checkpoint and greedy-decodes sequences written by hand (`"g d d c"`
 or `gddc`) or drawn at random at any length (longer than trained too: length generalisation by
@@ -24,6 +24,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from .. import store
+from ..config.checks import check_beam_width
+from ..config.schema import MAX_BEAM
 from ..console import ConfigError, refuse
 from ..data.vocab import EOS, parse_symbols, symbol
 
@@ -57,6 +59,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="with --random: the seed they are drawn from (default 0)")
     parser.add_argument(
         "--png", type=Path, metavar="FILE", help="also draw the (first) sequence's attention as the report does"
+    )
+    parser.add_argument(
+        "--beam", type=int, default=1, metavar="K", help=f"beam search of width K, 1 to {MAX_BEAM} (default 1: greedy)"
+    )
+    parser.add_argument(
+        "--length-normalise", action="store_true", help="with --beam: rank hypotheses by log-probability / length"
     )
     return parser
 
@@ -117,6 +125,7 @@ class Decoded:
     symbols: np.ndarray  # (B,) content symbols
     exact: np.ndarray  # (B,) every symbol and the EOS right
     weights: np.ndarray | None  # (B, heads, T_dec, T_enc) attention weights; None without attention
+    beam: int = 1  # the beam search's width (1: greedy decoding)
 
     @property
     def token_acc(self) -> float:
@@ -137,13 +146,24 @@ class Decoded:
 
 
 def decode(
-    run_dir: Path | str, symbols: str | None = None, random: int | None = None, length: int | None = None, seed: int = 0
+    run_dir: Path | str,
+    symbols: str | None = None,
+    random: int | None = None,
+    length: int | None = None,
+    seed: int = 0,
+    beam: int = 1,
+    length_normalise: bool = False,
 ) -> Decoded:
     """Greedy-decode `symbols` (`"g d d c"` or `gddc`) with the model of the run in `run_dir`, or
     `random` sequences of `length` symbols (default: the trained length) drawn from `seed`, on
-    the CPU. DecodeError (a ConfigError) for a request that cannot be answered: a bad request
+    the CPU; with `beam` K > 1, beam search of width K (`models.beam`, `length_normalise` as there).
+    DecodeError (a ConfigError) for a request that cannot be answered: a bad request
     before torch loads, an unreadable checkpoint or a length the model is not defined at after."""
     run_dir = Path(run_dir)
+    try:
+        check_beam_width(beam, "--beam")
+    except ConfigError as error:
+        raise DecodeError(str(error)) from None
     cfg = read_run(run_dir)
     text = (symbols or "").strip()
     if text and random is not None:
@@ -157,16 +177,24 @@ def decode(
         for name, value in (("--random", random), ("--length", length)):
             if value is not None and value < 1:
                 raise DecodeError(f"{name} must be at least 1, got {value}")
-    return _decode(run_dir, cfg, sequences, random, length or cfg.task.length, seed)
+    return _decode(run_dir, cfg, sequences, random, length or cfg.task.length, seed, beam, length_normalise)
 
 
 def _decode(
-    run_dir: Path, cfg: DictConfig, sequences: list[list[int]] | None, count: int, length: int, seed: int
+    run_dir: Path,
+    cfg: DictConfig,
+    sequences: list[list[int]] | None,
+    count: int,
+    length: int,
+    seed: int,
+    beam: int,
+    length_normalise: bool,
 ) -> Decoded:
     import torch  # here, not at import: the checks above answer without it
 
     from ..data.batches import make_batch, task_batch
     from ..data.scoring import sequence_scores
+    from ..models.beam import beam_search
     from .analysis import head_weights
     from .load import load_run
 
@@ -187,11 +215,14 @@ def _decode(
         batch = make_batch(task, count, length, vocab_size, torch.Generator().manual_seed(seed))
     else:
         batch = task_batch(task, torch.tensor(sequences), torch.tensor([len(sequences[0])]))
-    tokens, weights = model.greedy(
-        batch.src, batch.src_lengths, steps=batch.tgt_out.size(1)
-    )  # weights: mean over heads
+    steps = batch.tgt_out.size(1)
+    if beam > 1:  # the best beam's tokens and weights (mean over heads)
+        tokens, _, weights = beam_search(model, batch.src, batch.src_lengths, steps, beam, length_normalise)
+    else:
+        tokens, weights = model.greedy(batch.src, batch.src_lengths, steps)  # weights: mean over heads
     heads = model.attention.heads if model.attention is not None else 1
-    maps = head_weights(model, batch) if heads > 1 else (weights[:, None] if weights is not None else None)
+    per_head = heads > 1 and beam == 1  # a beam's heads are not kept: its map is their mean
+    maps = head_weights(model, batch) if per_head else (weights[:, None] if weights is not None else None)
     scores = sequence_scores(tokens, batch)
     return Decoded(
         run_dir.name,
@@ -204,6 +235,7 @@ def _decode(
         scores.symbols.numpy(),
         scores.exact.numpy(),
         None if maps is None else maps.numpy(),
+        beam,
     )
 
 
@@ -216,7 +248,15 @@ def main(args: list[str]) -> int:
     except DecodeError as error:
         return refuse(error)
     try:
-        decoded = decode(options.run_dir, " ".join(options.symbols), options.random, options.length, options.seed)
+        decoded = decode(
+            options.run_dir,
+            " ".join(options.symbols),
+            options.random,
+            options.length,
+            options.seed,
+            options.beam,
+            options.length_normalise,
+        )
     except ValueError as error:  # DecodeError, and parse_symbols' refusals
         return refuse(error)
     print_decoded(decoded, options.png)
@@ -229,7 +269,8 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
     task, heads = cfg.task.name, 1 if weights is None else weights.shape[1]
     label = store.model_label(cfg)
     trained = f"{cfg.task.min_length}-{cfg.task.length}" if cfg.task.get("variable_length") else cfg.task.length
-    print(f"{decoded.run}: {label}, task {task}, trained at length {trained}")
+    search = f", beam search of width {decoded.beam}" if decoded.beam > 1 else ""
+    print(f"{decoded.run}: {label}, task {task}, trained at length {trained}{search}")
     if weights is None:
         print(f"no attention (attention={cfg.attention.name}): no heatmap")
     else:
@@ -269,7 +310,8 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
         sample = {"source": decoded.source[0].tolist(), "target": decoded.target[0].tolist(),
                   "output": decoded.output[0].tolist(),
                   "weights": (weights[0] if heads > 1 else weights[0, 0]).tolist()}  # fmt: skip
-        title = f"{label}, greedy (token acc {100 * decoded.hits[0] / decoded.symbols[0]:.1f}%)"
+        decoding = f"beam {decoded.beam}" if decoded.beam > 1 else "greedy"
+        title = f"{label}, {decoding} (token acc {100 * decoded.hits[0] / decoded.symbols[0]:.1f}%)"
         print(f"attention map: {plot_attention(sample, cfg.task.vocab_size, task, title, png)}")
     elif png is not None:
         print("no attention map to draw: the model has no attention")

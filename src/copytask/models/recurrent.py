@@ -14,9 +14,10 @@ from torch import Tensor, nn
 
 from ..config.schema import DECODERS
 from ..data.batches import length_mask
-from ..data.vocab import BOS, PAD
+from ..data.vocab import PAD
 from ..kernels import ops
 from .attention import AdditiveAttention, Attention, make_attention
+from .decoding import greedy_search
 
 Memory = tuple[Tensor, Tensor] | None  # (keys, values) the attention reads at every step
 
@@ -273,25 +274,41 @@ class Seq2Seq(nn.Module):
         src_mask = length_mask(src_lengths, src.size(1))
         return self.decoder(tgt_in, encoder_states, final, src_mask)
 
+    def decoding(self, src: Tensor, src_lengths: Tensor, steps: int) -> RecurrentDecoding:
+        """The encoder run on `src` (B, T_enc): a decoding of up to `steps` steps, fed one token a step
+        (`models.decoding`: greedy and beam search both drive it)."""
+        encoder_states, final = self.encoder(src, src_lengths)
+        src_mask = length_mask(src_lengths, src.size(1))
+        return RecurrentDecoding(
+            self.decoder, self.decoder.initial_state(final), self.decoder.memory(encoder_states), src_mask, steps
+        )
+
     @torch.no_grad()
     def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor | None]:
         """Greedy decoding, each step fed its own previous prediction:
         -> tokens (B, steps), weights (B, steps, T_enc) or None."""
-        encoder_states, final = self.encoder(src, src_lengths)
-        hidden = self.decoder.initial_state(final)
-        src_mask = length_mask(src_lengths, src.size(1))
-        memory = self.decoder.memory(encoder_states)
-        tokens = torch.full((src.size(0),), BOS, dtype=torch.long, device=src.device)
-        positions = torch.arange(
-            steps, device=src.device
-        )  # made once: a tensor per step would be a copy to the GPU per step
-        outputs, weights = [], []
-        for t in range(steps):
-            logits, step_weights, hidden = self.decoder.step(tokens, hidden, memory, src_mask, positions[t : t + 1])
-            tokens = logits.argmax(-1)
-            outputs.append(tokens)
-            weights.append(step_weights)
-        return torch.stack(outputs, 1), (torch.stack(weights, 1) if self.attention is not None else None)
+        return greedy_search(self.decoding(src, src_lengths, steps), src.size(0), steps, src.device)
+
+
+class RecurrentDecoding:
+    """A GRU decoder's state while it decodes: its hidden state (B, ...) changes every step; the
+    memory and the source mask stay. `reorder` follows beam search's choice of parents."""
+
+    def __init__(self, decoder: Decoder, hidden: Tensor, memory: Memory, src_mask: Tensor, steps: int):
+        self.decoder, self.hidden, self.memory, self.src_mask = decoder, hidden, memory, src_mask
+        # made once: a tensor per step would be a copy to the GPU per step
+        self.positions = torch.arange(steps, device=src_mask.device)
+
+    def step(self, tokens: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
+        """tokens (B,) fed at output step t -> logits (B, V), weights (B, T_enc) or None."""
+        logits, weights, self.hidden = self.decoder.step(
+            tokens, self.hidden, self.memory, self.src_mask, self.positions[t : t + 1]
+        )
+        return logits, weights
+
+    def reorder(self, rows: Tensor) -> None:
+        """Row i of the state becomes row `rows[i]` of the present one (rows (B,), within a sequence's beams)."""
+        self.hidden = self.hidden.index_select(0, rows)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -21,13 +21,12 @@ does not give:
   `attention.MultiHeadAttention` on that layer's nn.MultiheadAttention itself: the last layer's
   weights are the model's attention maps, and a counterfactual (`intervention`) replaces the weights
   of every layer, since cross-attention is the decoder's only way to the source;
-- an incremental cache for greedy decoding.
+- an incremental cache for greedy decoding and beam search (`decoding`).
 tests/test_transformer.py checks every path against torch's own nn.Transformer, forward and gradients.
 
-Greedy decoding caches each decoder layer's self-attention keys and values at the positions decoded
-so far: a step runs only the new position through every layer (the causal mask makes earlier
-positions' outputs independent of later ones, so nothing before is recomputed). Each layer's
-cross-attention keys and values of the memory are projected once per decode, not once per step.
+Decoding caches each decoder layer's self-attention keys and values at the positions decoded so far:
+a step runs only the new position through every layer (the causal mask makes earlier positions'
+outputs independent of later ones). The memory's cross-attention keys and values are projected once.
 On CPU (float32, fused) a step's attention runs in `transformer_ops.attention_step` on caches that hold the
 keys and values transposed: the tokens of nn.MultiheadAttention's ops (but where two logits tie
 to float rounding), the weights to float rounding. Elsewhere (GPU, `fused=False`) it runs
@@ -46,9 +45,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.batches import length_mask
-from ..data.vocab import BOS, PAD
+from ..data.vocab import PAD
 from ..kernels import ops, transformer_ops
 from .attention import MultiHeadAttention, masked_softmax
+from .decoding import greedy_search
 
 
 def scaled_dot_product(
@@ -359,24 +359,20 @@ class TransformerSeq2Seq(nn.Module):
         context, weights = transformer_ops.attention_step(query, cache[0], cache[1], mask, source)
         return attention.out_proj(context)[:, None], weights.mean(1, keepdim=True)
 
-    def _step_self_attentions(self, memory: Tensor, steps: int) -> list[Callable]:
-        """Each decoder layer's self-attention for one step at a time, its keys and values cached: on
-        CPU (fused) transposed, (B, heads, d / heads, C), else (B, heads, steps, d / heads)."""
+    def _step_self_attentions(self, memory: Tensor, steps: int) -> tuple[list[Callable], list[Tensor]]:
+        """Each decoder layer's self-attention for one step at a time, and its keys' and values' caches, filled a step
+        at a time: on CPU (fused) transposed, (2, B, heads, d / heads, C), else (2, B, heads, steps, d / heads)."""
         batch, heads = memory.size(0), self.cross_attentions[0].heads
         head_size = self.d_model // heads
+        layers = self.transformer.decoder.layers
         if self.fused and ops.usable(memory):
-            return [
-                partial(
-                    self._step_self_attention,
-                    layer.self_attn,
-                    memory.new_zeros(2, batch, heads, head_size, transformer_ops.cache_length(steps)),
-                )
-                for layer in self.transformer.decoder.layers
-            ]
-        return [
-            partial(self._cached_self_attention, layer.self_attn, memory.new_zeros(2, batch, heads, steps, head_size))
-            for layer in self.transformer.decoder.layers
-        ]
+            length = transformer_ops.cache_length(steps)
+            caches = [memory.new_zeros(2, batch, heads, head_size, length) for _ in layers]
+            attend = self._step_self_attention
+        else:
+            caches = [memory.new_zeros(2, batch, heads, steps, head_size) for _ in layers]
+            attend = self._cached_self_attention
+        return [partial(attend, layer.self_attn, cache) for layer, cache in zip(layers, caches)], caches
 
     def _step_cross_attentions(self, memory: Tensor, src_mask: Tensor) -> list[Callable]:
         """Each decoder layer's cross-attention for one step, the memory's keys and values projected
@@ -413,26 +409,42 @@ class TransformerSeq2Seq(nn.Module):
             for layer, _ in layers
         ]
 
-    @torch.no_grad()
-    def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor]:
-        """Greedy decoding, each step fed its own previous prediction, with each layer's
-        self-attention keys and values cached, and its cross-attention's keys and values of the
-        memory projected once: -> tokens (B, steps), weights (B, steps, T_enc). On CPU each step's
-        attention runs in transformer_ops.attention_step (fused, float32), elsewhere in
-        nn.MultiheadAttention's ops."""
+    def decoding(self, src: Tensor, src_lengths: Tensor, steps: int) -> TransformerDecoding:
+        """The encoder run on `src` (B, T_enc) and each decoder layer's step attentions for up to `steps` steps:
+        a decoding fed one token a step (`models.decoding`: greedy and beam search both drive it)."""
         if self.longest_source is not None and steps - 1 > self.longest_source:
             raise ValueError(f"learned positions cover sources up to {self.longest_source} symbols, not {steps - 1}")
         memory, src_mask = self.encode(src, src_lengths)
-        tokens = torch.full((src.size(0), 1), BOS, dtype=torch.long, device=src.device)
-        self_attends = self._step_self_attentions(memory, steps)
+        self_attends, caches = self._step_self_attentions(memory, steps)
         cross_attends = self._step_cross_attentions(memory, src_mask)
-        outputs, weights = [], []
-        for t in range(steps):
-            x = self._embed(self.tgt_embedding, tokens, start=t)  # (B, 1, d)
-            for layer, self_attend, cross_attend in zip(self.transformer.decoder.layers, self_attends, cross_attends):
-                # the newest position attends to every step so far: the causal mask, with nothing to mask
-                x, step_weights = self._decoder_layer(layer, x, self_attend(x, t), cross_attend)
-            tokens = self.out(self.transformer.decoder.norm(x)).argmax(-1)  # (B, 1)
-            outputs.append(tokens)
-            weights.append(step_weights)
-        return torch.cat(outputs, 1), torch.cat(weights, 1)
+        return TransformerDecoding(
+            self, caches, list(zip(self.transformer.decoder.layers, self_attends, cross_attends))
+        )
+
+    @torch.no_grad()
+    def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+        """Greedy decoding, each step fed its own previous prediction, on `decoding`'s caches:
+        -> tokens (B, steps), weights (B, steps, T_enc), the last layer's cross-attention."""
+        return greedy_search(self.decoding(src, src_lengths, steps), src.size(0), steps, src.device)
+
+
+class TransformerDecoding:
+    """A Transformer's decoder while it decodes (see the module); the self-attention caches hold the rows
+    along dimension 1, the memory's keys and values stay."""
+
+    def __init__(self, model: TransformerSeq2Seq, caches: list[Tensor], layers: list[tuple]):
+        self.model, self.caches, self.layers = model, caches, layers  # layers: (layer, self_attend, cross_attend)
+
+    def step(self, tokens: Tensor, t: int) -> tuple[Tensor, Tensor]:
+        """tokens (B,) fed at output step t -> logits (B, V), weights (B, T_enc) of the last layer."""
+        model = self.model
+        x = model._embed(model.tgt_embedding, tokens[:, None], start=t)  # (B, 1, d)
+        for layer, self_attend, cross_attend in self.layers:
+            # the newest position attends to every step so far: the causal mask, with nothing to mask
+            x, weights = model._decoder_layer(layer, x, self_attend(x, t), cross_attend)
+        return model.out(model.transformer.decoder.norm(x))[:, 0], weights[:, 0]
+
+    def reorder(self, rows: Tensor) -> None:
+        """Row i of every cache becomes row `rows[i]` (in place: the layers' partials hold the caches)."""
+        for cache in self.caches:
+            cache.copy_(cache.index_select(1, rows))

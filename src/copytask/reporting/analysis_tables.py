@@ -13,7 +13,7 @@ from ..evaluation.analysis import COUNTERFACTUALS
 ALIGNMENT = ("hit", "mass", "adjacent")  # how attention's argmax and mass fall on the copied position
 
 
-def _run_columns(analysis: dict) -> dict:
+def run_columns(analysis: dict) -> dict:
     """The columns that identify a run in every table; `train_length` reads 5-80 for a variable-length run."""
     low, high = analysis["min_length"], analysis["length"]
     identity = {key: analysis[key] for key in ("run", "attention", "task", "length", "seed")}
@@ -24,7 +24,7 @@ def analysis_table(analyses: Iterable[dict]) -> pd.DataFrame:
     """One row per analysed run with attention: accuracy under each counterfactual, the drops,
     and the alignment (hit rate and mass). Join on `run` with the results table."""
     rows = [
-        _run_columns(a)
+        run_columns(a)
         | {name: a["counterfactual"][name] for name in ("own", *COUNTERFACTUALS)}
         | {f"drop_{name}": a["drop"][name] for name in COUNTERFACTUALS}
         | {f"align_{key}": a["alignment"].get(key) for key in ALIGNMENT}
@@ -36,13 +36,13 @@ def analysis_table(analyses: Iterable[dict]) -> pd.DataFrame:
 
 def length_generalisation_table(analyses: Iterable[dict]) -> pd.DataFrame:
     """Long form: one row per (analysed run, test length) with token_acc and seq_acc."""
-    rows = [_run_columns(a) | row for a in analyses for row in a["length_generalisation"]]
+    rows = [run_columns(a) | row for a in analyses for row in a["length_generalisation"]]
     return pd.DataFrame(rows)
 
 
 def per_length_table(analyses: Iterable[dict]) -> pd.DataFrame:
     """Long form: one row per (variable-length run, test_length) with count, token_acc and seq_acc."""
-    rows = [_run_columns(a) | row for a in analyses if "per_length" in a for row in a["per_length"]]
+    rows = [run_columns(a) | row for a in analyses if "per_length" in a for row in a["per_length"]]
     return pd.DataFrame(rows)
 
 

@@ -26,6 +26,7 @@ from .analysis_figures import (
     plot_head_weights,
 )
 from .analysis_sections import Section, analysis_section, attention_section, evidence_section, missing_analysis
+from .breakdown_section import breakdown_section
 from .result_figures import (
     LONGEST_FIGURE,
     SETTING_GRID_FIGURE,
@@ -140,6 +141,8 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
     evidence = evidence_section(loaded, out)
     analysis = analysis_section(loaded, variable_analyses, runs_dir, out)
     curves = curves_section(loaded, out)
+    settings_table = loaded.table[["run", *settings]] if settings else None
+    breakdown = Section(*breakdown_section(list(loaded.analyses.values()), settings_table, out))
     heatmaps, head_heatmaps = plot_heatmaps(loaded, out), plot_head_heatmaps(loaded, out)
     lines = [
         *opening(grid, loaded, runs_dir),
@@ -151,10 +154,12 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
         *missing_runs_section(loaded),
         *curves.lines,
         *analysis.lines,
+        *breakdown.lines,
         *attention_section(evidence.lines, heatmaps, head_heatmaps),
     ]
     store.atomic_write(out / "report.md", "\n".join(lines))
-    figures = [figure for section in (accuracy, setting_grid, evidence, analysis, curves) for figure in section.figures]
+    sections = (accuracy, setting_grid, evidence, analysis, breakdown, curves)
+    figures = [figure for section in sections for figure in section.figures]
     return [out / "report.md", *figures, *(path for _, path in heatmaps + head_heatmaps)]
 
 

@@ -25,6 +25,7 @@ from scipy import stats
 from .. import console, store
 from ..store.provenance import mixed_line
 from ..store.runs import GridRun
+from .breakdown_tables import breakdown_columns
 
 RESULTS_CSV = "results.csv"
 COLUMNS = ("attention", "length", "seed", "token_acc", "seq_acc", "chance", "params", "steps", "train_seconds", "run")
@@ -34,6 +35,9 @@ ALIGNMENT_COLUMNS = (
     "align_adjacent",
 )  # from analysis.json, empty for runs without attention or analysis
 TARGET_STEP = "target_step"  # from history.csv: the first evaluation step at train.target_acc, empty if never reached
+# from analysis.json's breakdown, empty where there is none: the teacher-forced accuracy, then (`breakdown_columns`)
+# each beam width's and the probe's
+TEACHER_FORCED = ("tf_token_acc", "tf_seq_acc")
 BASELINE = "none"
 CONFIDENCE = 0.95
 # Identity keys that are columns of their own (`seed`, `length`), never settings.
@@ -118,6 +122,7 @@ def load(grid: list[GridRun]) -> Loaded:
             if analysis is not None:
                 analyses[metrics["run"]] = analysis
                 metrics |= {f"align_{key}": value for key, value in analysis.get("alignment", {}).items()}
+                metrics |= breakdown_columns(analysis)
             rows.append(metrics)
             configs.append(store.flat_identity(run.config))
             runs[metrics["run"]] = run
@@ -130,7 +135,7 @@ def load(grid: list[GridRun]) -> Loaded:
         configs = pd.DataFrame(configs)
         settings = setting_keys(configs, table["attention"])
         table = pd.concat([table, configs[settings]], axis=1)
-        first = [*COLUMNS, TARGET_STEP, *ALIGNMENT_COLUMNS, *settings]
+        first = [*COLUMNS, TARGET_STEP, *ALIGNMENT_COLUMNS, *TEACHER_FORCED, *settings]
         table = table.reindex(columns=[*first, *(c for c in table.columns if c not in first)])
     return Loaded(table, runs, missing, analyses, settings, mixed_line({row["run"]: row for row in rows}))
 
@@ -139,7 +144,10 @@ def save(loaded: Loaded, runs_dir: Path) -> Path:
     """runs_dir/results.csv, written atomically: one row per run, its settings, and `config`, the
     path of its resolved config.yaml relative to runs_dir."""
     path = Path(runs_dir) / RESULTS_CSV
-    table = loaded.table[[*COLUMNS, TARGET_STEP, *ALIGNMENT_COLUMNS, *loaded.settings]].copy()
+    breakdown = [c for c in loaded.table.columns if c.startswith(("beam", "probe"))]
+    table = loaded.table[
+        [*COLUMNS, TARGET_STEP, *ALIGNMENT_COLUMNS, *TEACHER_FORCED, *breakdown, *loaded.settings]
+    ].copy()
     table["config"] = [f"{run}/{store.CONFIG}" for run in table["run"]]
     store.atomic_write(path, table.to_csv(index=False))
     return path
@@ -170,13 +178,14 @@ def wilson(share: float, trials: int) -> tuple[float, float]:
     return ci.low, ci.high
 
 
-def scored(group: pd.DataFrame) -> dict[str, int | None]:
+def scored(group: pd.DataFrame, sequences: str = "eval_size") -> dict[str, int | None]:
     """How many tokens and sequences one evaluation of the runs in `group` scores (token_acc and
-    seq_acc are shares of them): train.eval_size sequences of task.length symbols, or with variable
-    lengths of (min_length + length) / 2 on average. None for a table without `eval_size`."""
-    if "eval_size" not in group or group["eval_size"].isna().any():
+    seq_acc are shares of them): train.eval_size sequences (the column `sequences`: `breakdown_sequences`
+    for the breakdown's) of task.length symbols, or with variable lengths of (min_length + length) / 2
+    on average. None for a table without the column."""
+    if sequences not in group or group[sequences].isna().any():
         return {"token_acc": None, "seq_acc": None}
-    sequences = int(group["eval_size"].min())
+    sequences = int(group[sequences].min())
     shortest = (
         group["min_length"].fillna(group["length"]) if "min_length" in group else group["length"]
     )  # older runs have none
@@ -197,6 +206,10 @@ def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
         trials = scored(group)
         for metric in ("token_acc", "seq_acc"):
             row[metric], row[f"{metric}_lo"], row[f"{metric}_hi"] = interval(group[metric], trials[metric])
+        if TEACHER_FORCED[0] in group and group[TEACHER_FORCED[0]].notna().all():
+            trials = scored(group, "breakdown_sequences")
+            for metric, share in zip(TEACHER_FORCED, ("token_acc", "seq_acc")):
+                row[metric], row[f"{metric}_lo"], row[f"{metric}_hi"] = interval(group[metric], trials[share])
         # the step's mean is over the seeds that got there; a table from before it was recorded has none
         reached = group.get(TARGET_STEP, pd.Series(dtype=float)).dropna()
         row[TARGET_STEP], row[f"{TARGET_STEP}_lo"], row[f"{TARGET_STEP}_hi"] = interval(reached)
@@ -266,6 +279,7 @@ def comparison_table(summary: pd.DataFrame, settings: list[str] = ()) -> pd.Data
                 with_interval(r.token_acc, r.token_acc_lo, r.token_acc_hi) for r in summary.itertuples()
             ],
             "seq acc % [95% CI]": [with_interval(r.seq_acc, r.seq_acc_lo, r.seq_acc_hi) for r in summary.itertuples()],
+            **teacher_forced_column(summary),
             "steps to target [95% CI]": [steps(r) for r in summary.itertuples()],
             "chance %": summary["chance"].map(percent),
             "params": summary["params"].map("{:,}".format),
@@ -275,6 +289,14 @@ def comparison_table(summary: pd.DataFrame, settings: list[str] = ()) -> pd.Data
     )
 
 
+def teacher_forced_column(summary: pd.DataFrame) -> dict[str, list[str]]:
+    """The teacher-forced token accuracy with its interval, where every row has one (all runs analysed)."""
+    if "tf_token_acc" not in summary or summary["tf_token_acc"].isna().any():
+        return {}
+    values = [with_interval(r.tf_token_acc, r.tf_token_acc_lo, r.tf_token_acc_hi) for r in summary.itertuples()]
+    return {"teacher-forced token acc % [95% CI]": values}
+
+
 def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
     """`N of M runs missing:` and one line per run (its overrides, folder and why)."""
     lines = [f"{len(missing)} of {total} runs missing:"]
@@ -282,9 +304,9 @@ def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
     return "\n".join(lines)
 
 
-def table_note(tasks: list[str]) -> str:
-    """The two lines `compare` prints above `comparison_table`."""
-    return (
+def table_note(tasks: list[str], teacher_forced: bool = False) -> str:
+    """The lines `compare` prints above `comparison_table` (`teacher_forced`: it has that column)."""
+    note = (
         f"{'/'.join(tasks)} task, test-set accuracies in %, mean over seeds with 95% t-interval "
         "(none with one seed; for accuracies never\n"
         "narrower than the test set's own 95% Wilson interval); "
@@ -292,6 +314,12 @@ def table_note(tasks: list[str]) -> str:
         "train.target_acc greedy token accuracy on the validation set, "
         "over the seeds that reached it (k/n where not all did)"
     )
+    if teacher_forced:
+        note += (
+            ";\nteacher-forced: the argmax given the true prefix, on the analysis' test sequences "
+            "(analysis.eval_size), scored up to the first EOS"
+        )
+    return note
 
 
 def markdown_table(frame: pd.DataFrame) -> str:

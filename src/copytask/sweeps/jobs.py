@@ -167,11 +167,10 @@ def expected_cost(run: GridRun) -> float:
 
 
 class SweepProgress:
-    """One progress bar for a whole sweep: the work done, each finished run (complete, or failed
-    during this sweep) weighted by its `expected_cost` and each run in training by the share of
-    its steps done, so that the ETA follows the work left rather than the runs left; the runs
-    finished of the grid beside it. A thread polls the run folders, so it works the same under
-    every launcher, in-process or not."""
+    """One progress bar for a whole sweep: the work done, each finished run (complete, or failed during this sweep)
+    weighted by its `expected_cost` and each run in training by the share of its steps done, so that the ETA follows
+    the work left rather than the runs left; the runs finished of the grid beside it. A thread polls the run folders,
+    so it works the same under every launcher, in-process or not."""
 
     def __init__(self, runs: list[GridRun], enabled: bool, interval: float = 2.0) -> None:
         self.runs, self.started_at = runs, time.time()
@@ -389,7 +388,7 @@ def check_statuses(runs: list[GridRun], gpus_per_node: int | None) -> tuple[list
 
 def analyse(runs: list[GridRun], config: DictConfig) -> float:
     """Each complete run's analysis.json (`evaluation.analysis.analyze`), logged. -> its seconds."""
-    from ..evaluation import analysis  # pandas, matplotlib, the model: only once the jobs are done
+    from ..evaluation import analysis, breakdown  # pandas, matplotlib, the model: only once the jobs are done
 
     started = time.perf_counter()
     analysed = analysis.analyze(
@@ -399,6 +398,7 @@ def analyse(runs: list[GridRun], config: DictConfig) -> float:
         threads=config.analysis.threads,
         progress=config.train.progress,
         device=analysis_device(config.train.device, config.hydra.launcher.get("_target_")),
+        settings=breakdown.Settings.from_config(config.analysis),
     )
     seconds = time.perf_counter() - started
     console.log.info(f"analysis: {analysed} runs analysed in {seconds:.1f} s (eval_size {config.analysis.eval_size})")

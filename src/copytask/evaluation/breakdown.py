@@ -1,0 +1,126 @@
+"""Where a model's accuracy is lost: in what the decoder knows, or in decoding on its own outputs.
+
+A collapse under greedy decoding mixes two causes: information missing from what the decoder gets
+from the encoder, and errors that compound once the decoder feeds on its own outputs (exposure
+bias). Three measurements on the same held-out sequences pull them apart:
+
+- teacher forcing: the argmax at each step given the true prefix. Every step gets the right history,
+  so nothing compounds; the output still ends at its first EOS (`data.scoring`).
+- beam search at several widths (`models.beam`): how much a search over the decoder's own
+  distribution recovers; width 1 is greedy decoding.
+- accuracy by output position, greedy and teacher-forced: where in the sequence the output goes wrong.
+
+Every output is scored by the one rule (`data.scoring`); what the summary vector holds is `probe`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from ..data.batches import Batch
+from ..data.scoring import position_scores, sequence_scores
+from ..models.beam import beam_search
+from ..models.build import Model
+from ..models.greedy import EVAL_CHUNK
+from .probe import probe_summary
+
+BEAM_ROWS = 512  # decoder rows (sequences x beams) a beam search runs at once on CPU: a step's tensors stay in cache
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What `measure` computes: the analysis.* keys of the same names (configs/config.yaml)."""
+
+    beam_widths: tuple[int, ...] = (1, 4)  # empty: no beam search
+    length_normalise: bool = False
+    probe_size: int | None = 2048  # None: no probe
+    probe_ridge: float = 1e-3
+    probe_seed: int = 1
+
+    @classmethod
+    def from_config(cls, analysis: DictConfig) -> Settings:
+        return cls(
+            tuple(analysis.beam_widths or ()),
+            analysis.length_normalise,
+            analysis.probe_size,
+            float(analysis.probe_ridge),
+            analysis.probe_seed,
+        )
+
+    def record(self) -> dict:
+        """As analysis.json records them (and `is_analysed` compares them)."""
+        return asdict(self) | {"beam_widths": list(self.beam_widths)}
+
+
+@torch.no_grad()
+def teacher_forced(model: Model, batch: Batch, chunk_size: int = EVAL_CHUNK) -> Tensor:
+    """The argmax at every step given the true prefix (`batch.tgt_in`) -> tokens (B, T_dec)."""
+    was_training = model.training
+    model.eval()
+    tokens = []
+    for start in range(0, len(batch), chunk_size):
+        part = batch.select(slice(start, start + chunk_size))
+        logits, _ = model(part.src, part.src_lengths, part.tgt_in)  # (b, T_dec, V)
+        tokens.append(logits.argmax(-1))
+    model.train(was_training)
+    return torch.cat(tokens)
+
+
+def beam_tokens(model: Model, batch: Batch, width: int, length_normalise: bool = False) -> Tensor:
+    """Beam search of `width` on `batch`, BEAM_ROWS decoder rows at a time (all at once on a GPU)
+    -> tokens (B, T_dec)."""
+    was_training = model.training
+    model.eval()
+    chunk_size = len(batch) if batch.src.is_cuda else max(1, BEAM_ROWS // width)
+    steps, tokens = batch.tgt_out.size(1), []
+    for start in range(0, len(batch), chunk_size):
+        part = batch.select(slice(start, start + chunk_size))
+        tokens.append(beam_search(model, part.src, part.src_lengths, steps, width, length_normalise).tokens)
+    model.train(was_training)
+    return torch.cat(tokens)
+
+
+def accuracy(tokens: Tensor, batch: Batch) -> dict:
+    """Output `tokens` (B, T_dec) scored against `batch`: token and exact-sequence accuracy, and the
+    token accuracy at each output position (content positions: a list of T_dec - 1 for a fixed length)."""
+    scores = sequence_scores(tokens, batch)
+    hits, symbols = position_scores(tokens, batch)
+    content = symbols > 0
+    return {
+        "token_acc": scores.hits.sum().item() / scores.symbols.sum().item(),
+        "seq_acc": scores.exact.float().mean().item(),
+        "by_position": (hits[content] / symbols[content]).tolist(),
+    }
+
+
+def breakdown(model: Model, batch: Batch, greedy: Tensor, widths: list[int], length_normalise: bool) -> dict:
+    """Greedy (its `greedy` tokens (B, T_dec) on `batch`), teacher-forced and beam-search accuracy on
+    `batch`: -> {"sequences": B, "greedy": ..., "teacher_forced": ... (each `accuracy`), "beam": [{"width",
+    "token_acc", "seq_acc"}, ...]}. Width 1 is greedy's output to the bit (tests/test_beam.py): its row is greedy's."""
+    result = {
+        "sequences": len(batch),
+        "greedy": accuracy(greedy, batch),
+        "teacher_forced": accuracy(teacher_forced(model, batch), batch),
+    }
+    rows = []
+    for width in widths:
+        scored = result["greedy"] if width == 1 else accuracy(beam_tokens(model, batch, width, length_normalise), batch)
+        rows.append({"width": width, "token_acc": scored["token_acc"], "seq_acc": scored["seq_acc"]})
+    result["beam"] = rows
+    return result
+
+
+def measure(model: Model, cfg: DictConfig, heldout: Batch, greedy: Tensor, settings: Settings) -> dict:
+    """`breakdown` on the held-out batch, and the probe of the summary vector (`probe.probe_summary`;
+    None for a Transformer or with no probe_size) -> analysis.json's `breakdown`, with its settings."""
+    result = {"settings": settings.record()}
+    result |= breakdown(model, heldout, greedy, list(settings.beam_widths), settings.length_normalise)
+    if settings.probe_size:
+        result["probe"] = probe_summary(
+            model, cfg, heldout, settings.probe_size, settings.probe_ridge, settings.probe_seed
+        )
+    return result

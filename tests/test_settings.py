@@ -63,14 +63,15 @@ def test_compare_never_pools_values_of_a_swept_key(settings_swept, capsys):
     groups = table.groupby(["model.hidden_size", "length", "attention"])
     assert set(rows) == set(groups.groups)  # one row per (hidden size, length, attention)
     for (size, length, attention), numbers in rows.items():
-        seeds, token, *_, params = numbers[:9]
+        # seeds, token [lo, hi], seq [lo, hi], teacher-forced [lo, hi], chance, params (no steps: never at target)
+        seeds, token, *_, params = numbers[:12]
         runs = groups.get_group((size, length, attention))
         assert seeds == 2 == runs["seed"].nunique()
         assert float(token) == pytest.approx(100 * runs["token_acc"].mean(), abs=0.051)
         assert int(params.replace(",", "")) == runs["params"].iloc[0]
         if attention != "none":  # the gap is taken against the baseline of the same hidden size
             baseline = groups.get_group((size, length, "none"))["token_acc"].mean()
-            assert float(numbers[9]) == pytest.approx(100 * (runs["token_acc"].mean() - baseline), abs=0.051)
+            assert float(numbers[12]) == pytest.approx(100 * (runs["token_acc"].mean() - baseline), abs=0.051)
     assert rows[8, 3, "none"][-1] != rows[16, 3, "none"][-1]  # params differ between the sizes
 
 

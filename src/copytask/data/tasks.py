@@ -41,7 +41,8 @@ def task_positions(name: str) -> Task:
 def source_positions(name: str, steps: Tensor, lengths: Tensor) -> Tensor:
     """Task `name`'s positions for `steps` (1, T) and `lengths` (B, 1) -> (B, T), 0 past each length
     (a valid index that nothing reads). A ValueError naming the task and what it returned where it
-    breaks the contract: a silent broadcast or clamp would make wrong targets."""
+    breaks the contract: a silent broadcast or clamp would make wrong targets. The positions' values
+    are checked on the host, where every batch is drawn; on a device only their shape and dtype."""
     import torch  # here, not at the top: a config check reads TASKS without torch
 
     positions = task_positions(name)(steps, lengths)
@@ -54,6 +55,8 @@ def source_positions(name: str, steps: Tensor, lengths: Tensor) -> Tensor:
             f"{expected[0]} sequences of {expected[1]} output steps; a task returns one int64 row per sequence"
         )
     read = steps < lengths  # (B, T) the steps the task answers for
+    if positions.device.type != "cpu":  # reading values would wait for the device (meta has none): checked where drawn
+        return positions.masked_fill(~read, 0)
     outside = read & ((positions < 0) | (positions >= lengths))
     if bool(outside.any()):
         row, step = (int(i) for i in outside.nonzero()[0])

@@ -9,10 +9,19 @@ from torch import nn
 
 from copytask.console import ConfigError
 from copytask.data.batches import make_batch
-from copytask.data.splits import heldout_keys, sequence_keys
+from copytask.data.splits import heldout_keys, sequence_keys, training_sequences
 from copytask.data.vocab import EOS, total_vocab
 from copytask.evaluation.breakdown import accuracy, teacher_forced
-from copytask.evaluation.probe import fit, fitting_set, one_hot_sources, position_accuracy, untrained
+from copytask.evaluation.probe import (
+    fit_probe,
+    fitting_set,
+    mean_accuracy,
+    one_hot,
+    position_accuracy,
+    ridge_path,
+    source_labels,
+    untrained,
+)
 
 from .conftest import TINY
 
@@ -48,19 +57,27 @@ def test_teacher_forced_accuracy_ends_each_output_at_its_first_eos():
     assert scored["by_position"] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
-def probe_accuracy(features_of, size: int = 2000) -> list[float]:
+RIDGES = [1e-6, 1e-4, 1e-2, 1.0]
+
+
+def probe_accuracy(features_of, size: int = 2000, labels_of=source_labels) -> list[float]:
     """Fit the probe on `size` sequences' features, score it on 1000 others -> accuracy by source position."""
     fitting, heldout = (
         make_batch("copy", n, L, V, torch.Generator().manual_seed(s)) for n, s in ((size, 1), (1000, 2))
     )
-    weights, bias = fit(features_of(fitting), one_hot_sources(fitting, V), ridge=1e-6)
-    return position_accuracy(weights, bias, features_of(heldout), heldout, V)
+    (fit_labels, fit_valid), (test_labels, test_valid) = labels_of(fitting), labels_of(heldout)
+    weights, bias, _ = fit_probe(features_of(fitting), fit_labels, fit_valid, V, RIDGES)
+    return position_accuracy(weights, bias, features_of(heldout), test_labels, test_valid, V)
+
+
+def linear_code(batch) -> torch.Tensor:
+    """States that hold each symbol linearly: the one-hot sources through a fixed random map."""
+    mixing = torch.randn(L * V, 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    return one_hot(*source_labels(batch), V) @ mixing
 
 
 def test_the_probe_reads_states_that_encode_each_symbol_linearly():
-    mixing = torch.randn(L * V, 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    accuracies = probe_accuracy(lambda batch: one_hot_sources(batch, V) @ mixing)
-    assert min(accuracies) > 0.99
+    assert min(probe_accuracy(linear_code)) > 0.99
 
 
 def test_the_probe_is_at_chance_on_noise():
@@ -69,13 +86,72 @@ def test_the_probe_is_at_chance_on_noise():
     assert all(abs(a - 1 / V) < 0.06 for a in accuracies), accuracies  # 1000 sequences: chance +- 4 sd
 
 
-def test_the_probes_fitting_sequences_are_in_neither_the_validation_nor_the_test_set(make_config):
-    """Two symbols, length 8: 256 sequences, of which the validation and test sets hold 96; a fitting
-    set of 400 drawn freely would hold most of them."""
+def test_each_penalty_of_the_path_is_the_ridge_solution():
+    generator = torch.Generator().manual_seed(5)
+    features = torch.randn(50, 8, generator=generator, dtype=torch.float64)
+    targets = torch.randn(50, 3, generator=generator, dtype=torch.float64)
+    for ridge, (weights, bias) in zip(RIDGES, ridge_path(features, targets, RIDGES)):
+        x, y = features - features.mean(0), targets - targets.mean(0)
+        expected = torch.linalg.solve(x.T @ x / 50 + ridge * torch.eye(8, dtype=torch.float64), x.T @ y / 50)
+        torch.testing.assert_close(weights, expected)
+        torch.testing.assert_close(bias, targets.mean(0) - features.mean(0) @ expected)
+
+
+def test_the_penalty_is_chosen_on_held_out_fitting_data():
+    """Few sequences, many noisy dimensions: the smallest penalty fits the noise and reads new sequences
+    worse than the one chosen on the held-out quarter."""
+    noise = torch.Generator().manual_seed(6)
+
+    def noisy(batch):
+        return linear_code(batch) + 3 * torch.randn(len(batch), 48, generator=noise, dtype=torch.float64)
+
+    fitting, heldout = (make_batch("copy", n, L, V, torch.Generator().manual_seed(s)) for n, s in ((80, 1), (1000, 2)))
+    features, test_features = noisy(fitting), noisy(heldout)
+    (labels, valid), (test_labels, test_valid) = source_labels(fitting), source_labels(heldout)
+    weights, bias, chosen = fit_probe(features, labels, valid, V, RIDGES)
+    assert chosen > RIDGES[0]
+    (smallest, smallest_bias), *_ = ridge_path(features, one_hot(labels, valid, V), RIDGES[:1])
+    read = mean_accuracy(position_accuracy(weights, bias, test_features, test_labels, test_valid, V))
+    overfitted = mean_accuracy(position_accuracy(smallest, smallest_bias, test_features, test_labels, test_valid, V))
+    assert read > overfitted + 0.05
+
+
+def control_task(batch):
+    """A control task's labels (Hewitt and Liang, 2019): a random label for each (position, symbol)."""
+    labels, valid = source_labels(batch)
+    control = torch.randint(V, (L, V), generator=torch.Generator().manual_seed(7))
+    return control[torch.arange(L), labels], valid
+
+
+def test_a_control_task_of_the_symbols_is_read_as_well_as_the_symbols_by_a_linear_probe():
+    """Its labels are a function of the symbol, so a least-squares probe reads them wherever it reads the
+    symbol (its scores are sums of the symbols' scores): selectivity near zero, by construction."""
+    assert min(probe_accuracy(linear_code, labels_of=control_task)) > 0.99
+
+
+def test_the_probes_fitting_sequences_are_none_the_run_has_seen_at_the_default_sweeps_seeds(make_config):
+    """Five symbols, length 6 (15,625 sequences): the fitting set (with the default analysis.probe_seed)
+    holds no sequence of the run's training batches, validation set or test set, for every seed of the
+    default sweep, the one equal to the probe's seed included."""
+    for seed in (0, 1, 2):
+        cfg = make_config(*TINY, "task.vocab_size=5", "task.length=6", "train.batch_size=64", f"seed={seed}")
+        test, validation, heldout = heldout_keys(cfg)
+        seen = training_sequences(cfg, cfg.train.steps, heldout)
+        fitting, note = fitting_set(cfg, 2048, seed=cfg.analysis.probe_seed, steps=cfg.train.steps)
+        keys = set(sequence_keys(fitting))
+        assert len(fitting) == len(keys) == 2048 and note is None
+        assert not keys & seen and not keys & heldout
+
+
+def test_a_length_with_too_few_unseen_sequences_fits_on_those_there_are_and_says_so(make_config):
+    """Two symbols, length 8: 256 sequences, 96 in the validation and test sets, and the training batches
+    draw most of the rest."""
     cfg = make_config(*TINY, "task.vocab_size=2", "task.length=8", "train.eval_size=48", "train.val_size=48")
-    test, validation, _ = heldout_keys(cfg)
-    fitting = set(sequence_keys(fitting_set(cfg, 400, seed=1)))
-    assert not fitting & set(sequence_keys(test)) and not fitting & set(sequence_keys(validation))
+    *_, heldout = heldout_keys(cfg)
+    seen = training_sequences(cfg, cfg.train.steps, heldout) | heldout
+    fitting, note = fitting_set(cfg, 400, seed=1, steps=cfg.train.steps)
+    assert len(fitting) == 256 - len(seen) and not set(sequence_keys(fitting)) & seen
+    assert note.startswith(f"fitted on {len(fitting)} sequences") and "asked for 400" in note
 
 
 def test_the_untrained_control_is_the_model_training_starts_from_and_leaves_the_random_state(make_config):
@@ -98,8 +174,10 @@ def test_the_untrained_control_is_the_model_training_starts_from_and_leaves_the_
         ("analysis.beam_widths=[2.5]", "analysis.beam_widths"),
         ("analysis.probe_size=1", "analysis.probe_size must be an integer >= 2, got 1"),
         ("analysis.probe_size=10000000", "analysis.probe_size must be an integer from 2 to 1000000, got 10000000"),
-        ("analysis.probe_ridge=-1", "analysis.probe_ridge must be a finite number >= 0, got -1.0"),
-        ("analysis.probe_ridge=nan", "analysis.probe_ridge must be a finite number >= 0, got nan"),
+        ("analysis.probe_ridges=[1,-1]", "each of analysis.probe_ridges must be a finite number > 0, got -1.0"),
+        ("analysis.probe_ridges=[0]", "each of analysis.probe_ridges must be a finite number > 0, got 0.0"),
+        ("analysis.probe_ridges=[nan]", "each of analysis.probe_ridges must be a finite number > 0, got nan"),
+        ("analysis.probe_ridges=[]", "analysis.probe_ridges must list at least one penalty, got []"),
         ("analysis.probe_seed=-1", "analysis.probe_seed must be an integer >= 0, got -1"),
     ],
 )
@@ -110,3 +188,28 @@ def test_bad_breakdown_settings_are_refused_in_one_line_naming_the_value(tmp_pat
         compose([*TINY, f"runs_dir={tmp_path}", override])
     assert says in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_share_of_the_gain_missing_given_the_true_prefix_pairs_seeds_and_has_an_interval():
+    """(attention greedy - baseline teacher-forced) / (attention greedy - baseline greedy), per seed
+    against the baseline's run of that seed; no share where there is no gain."""
+    import pandas as pd
+    from scipy import stats
+
+    from copytask.reporting.breakdown_section import missing_share, shown_share
+
+    rows = [
+        ("10", "none", seed, greedy, tf) for seed, greedy, tf in ((0, 0.90, 0.96), (1, 0.88, 0.95), (2, 0.90, 0.97))
+    ] + [("10", "bahdanau", seed, greedy, 1.0) for seed, greedy in ((2, 0.99), (0, 1.0), (1, 1.0))]
+    rows += [("5", "none", seed, 0.997, 0.998) for seed in range(3)]
+    rows += [("5", "bahdanau", seed, greedy, 1.0) for seed, greedy in ((0, 0.999), (1, 0.996), (2, 0.999))]
+    table = pd.DataFrame(rows, columns=["train_length", "attention", "seed", "greedy_token_acc", "tf_token_acc"])
+    shares = missing_share(table, ["train_length"]).set_index("train_length")
+    expected = [0.04 / 0.10, 0.05 / 0.12, 0.02 / 0.09]  # seeds 0, 1, 2
+    mean = sum(expected) / 3
+    half = stats.t.ppf(0.975, 2) * pd.Series(expected).std() / 3**0.5
+    ten = shares.loc["10"]
+    assert ten["pairs"] == 3 and ten["share"] == pytest.approx(mean)
+    assert (ten["share_lo"], ten["share_hi"]) == pytest.approx((mean - half, mean + half))
+    assert shown_share(ten) == f"{100 * mean:.1f} [{100 * (mean - half):.1f}, {100 * (mean + half):.1f}]"
+    assert shown_share(shares.loc["5"]) == "no gain"  # seed 1's gain is below zero

@@ -124,7 +124,7 @@ VALID = {
     | st.just("null"),
     "analysis.length_normalise": st.booleans().map(str).map(str.lower),
     "analysis.probe_size": st.integers(2, 4096).map(str) | st.just("null"),
-    "analysis.probe_ridge": st.floats(0, 10).map(number),
+    "analysis.probe_ridges": st.lists(st.floats(0, 10).map(number), max_size=3).map(lambda r: f"[{','.join(r)}]"),
     "analysis.probe_seed": st.integers(0, 2**32),
     "train.batch_size": st.integers(1, 8),
     "train.eval_size": st.integers(1, 16),
@@ -243,7 +243,8 @@ PROPERTY = settings(max_examples=80, deadline=None, derandomize=True, suppress_h
 @example(["train.eval_seed=18446744073709551616"])
 @example(["train.steps=2", "train.warmup=0.5"])  # a 1-step warm-up: ZeroDivisionError in OneCycleLR
 @example(["analysis.beam_widths=[4,65]"])  # past the widest beam
-@example(["analysis.probe_ridge=nan"])
+@example(["analysis.probe_ridges=[nan]"])
+@example(["analysis.probe_ridges=[]"])
 def test_every_override_list_trains_or_is_refused_in_one_line_before_anything_is_written(overrides):
     with tempfile.TemporaryDirectory() as scratch, time_limit(60):
         runs_dir = Path(scratch) / "runs"

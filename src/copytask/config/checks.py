@@ -381,11 +381,14 @@ def check_beam_width(width: object, name: str) -> None:
 
 def check_analysis(analysis: DictConfig) -> None:
     """The breakdown's keys (`evaluation.breakdown`) that the schema's types and MINIMUM leave: each
-    beam width from 1 to MAX_BEAM, and a finite ridge >= 0 (nan refused)."""
+    beam width from 1 to MAX_BEAM, and at least one ridge penalty, each finite and > 0 (nan refused)."""
     for width in analysis.beam_widths or ():
         check_beam_width(width, "each of analysis.beam_widths")
-    if not 0 <= analysis.probe_ridge < math.inf:
-        raise ConfigError(f"analysis.probe_ridge must be a finite number >= 0, got {analysis.probe_ridge!r}")
+    if not analysis.probe_ridges:
+        raise ConfigError(f"analysis.probe_ridges must list at least one penalty, got {analysis.probe_ridges}")
+    for ridge in analysis.probe_ridges:
+        if not 0 < ridge < math.inf:
+            raise ConfigError(f"each of analysis.probe_ridges must be a finite number > 0, got {ridge!r}")
 
 
 def analysis_device(device: str, target: str | None) -> str:

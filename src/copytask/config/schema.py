@@ -118,7 +118,7 @@ class AnalysisConfig:
     beam_widths: list[int] | None = MISSING
     length_normalise: bool = MISSING
     probe_size: int | None = MISSING
-    probe_ridge: float = MISSING
+    probe_ridges: list[float] = MISSING
     probe_seed: int = MISSING
 
 

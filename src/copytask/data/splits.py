@@ -128,9 +128,7 @@ def heldout_at_length(cfg: DictConfig, length: int, size: int, seen: set[bytes] 
     are plenty). `seen`: the run's `unscorable` sequences, needed where it trains at `length`.
 
     At the trained length of a fixed-length run this is the test set itself. Elsewhere the sequences
-    come from the test seed: where a length has at most ENUMERATED sequences they are listed and
-    `size` of those left drawn without repeats (all of them, each once, where fewer are left),
-    otherwise drawn at random and any excluded one drawn again."""
+    come from the test seed (`unseen_at_length`)."""
     task = cfg.task
     if not task.variable_length and length == task.length:
         return test_batch(cfg).select(slice(0, size)), size
@@ -140,10 +138,22 @@ def heldout_at_length(cfg: DictConfig, length: int, size: int, seen: set[bytes] 
         raise ValueError(f"length {length} is a trained length of the run: give its unscorable sequences")
     else:
         excluded = seen
-    fixed = at_length(cfg, length)
     generator = torch.Generator().manual_seed(cfg.train.eval_seed)
+    return unseen_at_length(cfg, length, size, generator, excluded, f"held-out set at length {length}")
+
+
+def unseen_at_length(
+    cfg: DictConfig, length: int, size: int, generator: torch.Generator, excluded: set[bytes], name: str
+) -> tuple[Batch, int]:
+    """Up to `size` sequences of exactly `length` symbols of the run's task, none of them in `excluded`,
+    from `generator`, and how many there are (`size` where there are plenty). Where a length has at
+    most ENUMERATED sequences they are listed and `size` of those left drawn without repeats (all of
+    them, each once, where fewer are left); otherwise they are drawn at random and any excluded one
+    drawn again (`draw_excluding`, which names the set, `name`)."""
+    task = cfg.task
+    fixed = at_length(cfg, length)
     if task.vocab_size**length > ENUMERATED:
-        return draw_excluding(fixed, size, generator, excluded, f"held-out set at length {length}"), size
+        return draw_excluding(fixed, size, generator, excluded, name), size
     every = (
         torch.arange(task.vocab_size**length)[:, None]
         // task.vocab_size ** torch.arange(length - 1, -1, -1)

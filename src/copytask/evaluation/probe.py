@@ -1,80 +1,146 @@
 """What the summary vector holds: a linear probe of it for the symbol at each source position.
 
-The summary vector is a GRU decoder's initial state (`decoder.initial_state` of the encoder's final
-state): all that the baseline's decoder sees of the source, and the same vector in the attention
-models. A linear map from it to one-hot symbols, one block of outputs per source position, is fitted
-by ridge regression in closed form (deterministic, no optimiser, no random number) on fresh sequences
-drawn as training batches are, none of them in the run's validation or test set, and scored by its
-argmax on the held-out set: accuracy by source position, chance 1 / vocab_size.
+The summary vector is what a model hands its decoder of the source, flattened (`model.summary_state`):
+a GRU decoder's initial state, all that the baseline's decoder sees of the source (the same vector
+in the attention models). A linear map from it to one-hot symbols, one block of outputs per source
+position, is fitted by ridge regression in closed form (deterministic, no optimiser) and scored by its
+argmax on the run's test set: accuracy by source position, chance 1 / vocab_size.
+
+The fitting sequences are drawn as the run's training batches are (its task, its lengths), from a
+stream of their own (`analysis.probe_seed`), and none of them is a sequence the run has seen: every
+one its training batches drew (replayed from its seed, for the steps it trained), its validation set
+and its test set are drawn again. Where a length has too few such sequences, the probe is fitted on
+those there are, and says so. The ridge penalty is chosen among `analysis.probe_ridges` by the
+probe's accuracy on a quarter of the fitting sequences held out of the fit, then refitted on all.
 
 A linear probe is a lower bound on what the vector holds: a symbol it cannot read may still be there
-in a form a non-linear read-out (such as the decoder) gets at. As a control (Hewitt and Liang, 2019)
-the same probe reads the vector of the run's model before training (its initial weights, from the
-run's seed): the gap is what training put there, not what a probe reads out of any random encoding.
-A Transformer's decoder reads every encoder state, and has no summary vector to probe.
+in a form a non-linear read-out (such as the decoder) gets at. Two controls, each for what it is:
+
+- the untrained model: the same probe on the vector of the run's model before training (its initial
+  weights, from the run's seed), as Conneau et al. (2018) read untrained encoders: the gap is what
+  training put there, not what a probe reads out of any random encoding;
+- a control task (Hewitt and Liang, 2019): the same probe on the trained vector, fitted to random
+  labels of the symbols, each (position, symbol) pair given a label drawn uniformly from the V
+  symbols, so that the labels depend on the symbol alone; selectivity is the task's accuracy minus
+  the control task's. Its chance is the commonest label's share at each position, above 1 / V.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
+from ..console import ConfigError
 from ..data.batches import Batch
-from ..data.splits import draw_excluding, heldout_keys
+from ..data.splits import draw_excluding, heldout_keys, training_sequences, unseen_at_length
 from ..data.vocab import NUM_SPECIAL
 from ..models.build import Model, build_model
 
 CHUNK = 1024  # sequences encoded at once
+CHOICE_SHARE = 0.25  # of the fitting sequences: held out of the fit to choose the ridge penalty
 
 
 @torch.no_grad()
 def summary_vectors(model: Model, batch: Batch) -> Tensor:
-    """The decoder's initial state for each sequence of `batch` -> (B, S), float64."""
+    """What the model hands its decoder of each sequence of `batch` -> (B, S), float64."""
     vectors = []
     for start in range(0, len(batch), CHUNK):
         part = batch.select(slice(start, start + CHUNK))
-        _, final = model.encoder(part.src, part.src_lengths)
-        vectors.append(model.decoder.initial_state(final).double())
+        vectors.append(model.summary_state(part.src, part.src_lengths).double())
     return torch.cat(vectors)
 
 
-def one_hot_sources(batch: Batch, vocab_size: int) -> Tensor:
-    """The source symbols as one-hot blocks, one per position -> (B, T_enc * vocab_size), float64; zero
-    past a sequence's length."""
-    symbols = (batch.src - NUM_SPECIAL).clamp(min=0)  # (B, T_enc) content symbol 0 .. V - 1 (PAD: masked below)
-    one_hot = torch.nn.functional.one_hot(symbols, vocab_size).double()
+def source_labels(batch: Batch) -> tuple[Tensor, Tensor]:
+    """The source symbols as labels 0 .. V - 1 -> labels (B, T_enc) (0 past a length) and valid (B, T_enc)."""
     valid = torch.arange(batch.src.size(1), device=batch.src.device) < batch.src_lengths[:, None]
-    return (one_hot * valid[..., None]).flatten(1)
+    return (batch.src - NUM_SPECIAL).clamp(min=0), valid
 
 
-def fit(features: Tensor, targets: Tensor, ridge: float) -> tuple[Tensor, Tensor]:
-    """Ridge regression with an intercept, in closed form: features (N, S), targets (N, K) ->
-    weights (S, K), bias (K,) minimising |X W + b - Y|^2 / N + ridge |W|^2."""
+def one_hot(labels: Tensor, valid: Tensor, classes: int) -> Tensor:
+    """labels (B, T_enc) -> one-hot blocks, one per position, (B, T_enc * classes), float64; zero where not valid."""
+    return (torch.nn.functional.one_hot(labels, classes).double() * valid[..., None]).flatten(1)
+
+
+def ridge_path(features: Tensor, targets: Tensor, ridges: list[float]) -> list[tuple[Tensor, Tensor]]:
+    """Ridge regression with an intercept, in closed form, at each penalty of `ridges` (> 0): features
+    (N, S), targets (N, K) -> [(weights (S, K), bias (K,))] minimising |X W + b - Y|^2 / N + ridge |W|^2.
+    One eigendecomposition of the centred Gram matrix serves every penalty."""
     mean_x, mean_y = features.mean(0), targets.mean(0)
     x, y = features - mean_x, targets - mean_y
-    gram = x.T @ x / len(x) + ridge * torch.eye(x.size(1), dtype=x.dtype, device=x.device)
-    weights = torch.linalg.lstsq(gram, x.T @ y / len(x)).solution  # lstsq: a singular gram (ridge 0) too
-    return weights, mean_y - mean_x @ weights
+    eigenvalues, eigenvectors = torch.linalg.eigh(x.T @ x / len(x))
+    projected = eigenvectors.T @ (x.T @ y / len(x))  # (S, K)
+    fits = []
+    for ridge in ridges:
+        weights = eigenvectors @ (projected / (eigenvalues.clamp(min=0) + ridge)[:, None])
+        fits.append((weights, mean_y - mean_x @ weights))
+    return fits
 
 
 def position_accuracy(
-    weights: Tensor, bias: Tensor, features: Tensor, batch: Batch, vocab_size: int
+    weights: Tensor, bias: Tensor, features: Tensor, labels: Tensor, valid: Tensor, classes: int
 ) -> list[float | None]:
-    """The probe's argmax against each source position's symbol: accuracy by position over the
-    sequences that have it (None where none does)."""
-    scores = (features @ weights + bias).view(len(features), -1, vocab_size)  # (B, T_enc, V)
-    right = scores.argmax(-1) == (batch.src - NUM_SPECIAL)
-    valid = torch.arange(batch.src.size(1), device=batch.src.device) < batch.src_lengths[:, None]
+    """The probe's argmax against each position's label: accuracy by position over the sequences
+    that have it (None where none does)."""
+    scores = (features @ weights + bias).view(len(features), -1, classes)  # (B, T_enc, classes)
+    right = scores.argmax(-1) == labels
     hits, counts = (right & valid).sum(0), valid.sum(0)
     return [None if n == 0 else h / n for h, n in zip(hits.tolist(), counts.tolist())]
 
 
-def fitting_set(cfg: DictConfig, size: int, seed: int) -> Batch:
-    """`size` sequences drawn as the run's training batches are (its lengths, its task), from `seed`,
-    none of them in its validation or test set."""
-    *_, heldout = heldout_keys(cfg)
-    return draw_excluding(cfg, size, torch.Generator().manual_seed(seed), heldout, "probe's fitting set")
+def mean_accuracy(accuracies: list[float | None]) -> float:
+    scored = [value for value in accuracies if value is not None]
+    return sum(scored) / len(scored)
+
+
+def fit_probe(features: Tensor, labels: Tensor, valid: Tensor, classes: int, ridges: list[float]):
+    """The probe of `features` (N, S) for `labels` (N, T_enc): the penalty of `ridges` whose fit on all
+    but the first CHOICE_SHARE of the sequences reads those best (mean accuracy over positions; the
+    larger penalty of a tie), refitted on all -> (weights, bias, ridge)."""
+    held = max(1, int(len(features) * CHOICE_SHARE))
+    targets = one_hot(labels, valid, classes)
+    fits = ridge_path(features[held:], targets[held:], ridges)
+    choice = [
+        mean_accuracy(position_accuracy(w, b, features[:held], labels[:held], valid[:held], classes)) for w, b in fits
+    ]
+    best = max(range(len(ridges)), key=lambda i: (choice[i], ridges[i]))
+    (weights, bias), *_ = ridge_path(features, targets, [ridges[best]])
+    return weights, bias, ridges[best]
+
+
+def probe_stream(seed: int, purpose: str) -> torch.Generator:
+    """A generator of the probe's own for `purpose` ("fitting set", "control task"): `seed` hashed with
+    it, so that no run's own streams (its `seed`, train.val_seed, train.eval_seed) draw the same numbers."""
+    digest = hashlib.sha256(f"copytask probe {purpose} {seed}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def fitting_set(cfg: DictConfig, size: int, seed: int, steps: int) -> tuple[Batch, str | None]:
+    """Up to `size` sequences drawn as the run's training batches are (its task, its lengths) from
+    `probe_stream(seed)`, none of them in its first `steps` training batches, its validation set or its
+    test set -> the batch and, where fewer than `size` such sequences exist, a note saying so."""
+    test, validation, heldout = heldout_keys(cfg)
+    seen = training_sequences(cfg, steps, heldout) | heldout
+    task = cfg.task
+    if task.variable_length:
+        try:
+            return draw_excluding(cfg, size, probe_stream(seed, "fitting set"), seen, "probe's fitting set"), None
+        except ConfigError:
+            raise ConfigError(
+                f"the probe's fitting set: too few sequences of task.length={task.min_length}-{task.length} that the "
+                f"run has not seen to draw {size}; lower analysis.probe_size"
+            ) from None
+    stream = probe_stream(seed, "fitting set")
+    batch, available = unseen_at_length(cfg, task.length, size, stream, seen, "probe's fitting set")
+    if available == size:
+        return batch, None
+    return batch, (
+        f"fitted on {available} sequences: only {available} of the {task.vocab_size**task.length:,} sequences of "
+        f"length {task.length} are in none of the run's training batches, validation or test set "
+        f"(asked for {size})"
+    )
 
 
 def untrained(cfg: DictConfig) -> Model:
@@ -85,17 +151,47 @@ def untrained(cfg: DictConfig) -> Model:
         return build_model(cfg).eval()
 
 
-def probe_summary(model: Model, cfg: DictConfig, heldout: Batch, size: int, ridge: float, seed: int) -> dict | None:
-    """The probe of the summary vector of `model` (trained) and of the run's untrained model, fitted on
-    `fitting_set(cfg, size, seed)` and scored on `heldout` -> {"trained", "untrained": accuracy by source
-    position, "chance", "fit_size", "ridge"}; None for a model without one (the Transformer)."""
-    if not hasattr(model, "encoder"):
+def control_labels(cfg: DictConfig, seed: int) -> Tensor:
+    """The control task's labels (Hewitt and Liang, 2019): (T_enc, V), entry [i, s] the label of symbol s
+    at source position i, drawn uniformly from the V symbols."""
+    vocab_size = cfg.task.vocab_size
+    return torch.randint(vocab_size, (cfg.task.length, vocab_size), generator=probe_stream(seed, "control task"))
+
+
+def probe_summary(
+    model: Model, cfg: DictConfig, test: Batch, size: int, ridges: list[float], seed: int, steps: int
+) -> dict | None:
+    """The probe of the summary vector of `model` (trained) and of the run's untrained model for the
+    source symbols, and of the trained one for the control task's labels, each fitted on
+    `fitting_set(cfg, size, seed, steps)` and scored on `test` -> {"trained", "untrained", "control":
+    accuracy by source position, "chance", "control_chance" (by position), "ridge" (each one's penalty),
+    "fit_size", "scored", "note" (where fewer sequences than asked)}; None for a model without a summary
+    vector (the Transformer)."""
+    if not hasattr(model, "summary_state"):
         return None
-    device = heldout.src.device
-    fitting, vocab_size = fitting_set(cfg, size, seed).to(device), cfg.task.vocab_size
-    targets = one_hot_sources(fitting, vocab_size)
-    result = {"chance": 1 / vocab_size, "fit_size": size, "ridge": ridge}
-    for name, probed in (("trained", model), ("untrained", untrained(cfg).to(device))):
-        weights, bias = fit(summary_vectors(probed, fitting), targets, ridge)
-        result[name] = position_accuracy(weights, bias, summary_vectors(probed, heldout), heldout, vocab_size)
+    device, vocab_size = test.src.device, cfg.task.vocab_size
+    fitting, note = fitting_set(cfg, size, seed, steps)
+    fitting = fitting.to(device)
+    (fit_labels, fit_valid), (test_labels, test_valid) = source_labels(fitting), source_labels(test)
+    control = control_labels(cfg, seed).to(device)
+
+    def relabelled(labels: Tensor) -> Tensor:  # (B, T_enc): each position's symbol -> its control label
+        return control[torch.arange(labels.size(1), device=device), labels]
+
+    trained = summary_vectors(model, fitting), summary_vectors(model, test)
+    baseline = untrained(cfg).to(device)
+    probes = {  # name -> (fitting and test features, fitting and test labels)
+        "trained": (trained, (fit_labels, test_labels)),
+        "untrained": ((summary_vectors(baseline, fitting), summary_vectors(baseline, test)), (fit_labels, test_labels)),
+        "control": (trained, (relabelled(fit_labels), relabelled(test_labels))),
+    }
+    result = {"chance": 1 / vocab_size, "fit_size": len(fitting), "scored": len(test), "ridge": {}}
+    for name, ((fit_features, test_features), (fit_on, score_on)) in probes.items():
+        weights, bias, ridge = fit_probe(fit_features, fit_on, fit_valid, vocab_size, ridges)
+        result[name] = position_accuracy(weights, bias, test_features, score_on, test_valid, vocab_size)
+        result["ridge"][name] = ridge
+    counts = torch.nn.functional.one_hot(control, vocab_size).sum(1)  # (T_enc, V): symbols given each label
+    result["control_chance"] = (counts.max(-1).values / vocab_size).tolist()
+    if note:
+        result["note"] = note
     return result

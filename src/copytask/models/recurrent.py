@@ -274,6 +274,12 @@ class Seq2Seq(nn.Module):
         src_mask = length_mask(src_lengths, src.size(1))
         return self.decoder(tgt_in, encoder_states, final, src_mask)
 
+    def summary_state(self, src: Tensor, src_lengths: Tensor) -> Tensor:
+        """The summary vector of each source: the decoder's initial state (B, S), what the baseline's decoder
+        gets of the source and all (`evaluation.probe` reads it)."""
+        _, final = self.encoder(src, src_lengths)
+        return self.decoder.initial_state(final)
+
     def decoding(self, src: Tensor, src_lengths: Tensor, steps: int) -> RecurrentDecoding:
         """The encoder run on `src` (B, T_enc): a decoding of up to `steps` steps, fed one token a step
         (`models.decoding`: greedy and beam search both drive it)."""

@@ -354,3 +354,40 @@ def test_analyze_writes_the_breakdown_and_the_report_draws_it(analysed_runs, tmp
 
 def attended_metrics(folders: dict) -> dict:
     return store.read_json(folders["luong_general"] / store.METRICS)
+
+
+def test_an_analysis_records_what_made_it_and_one_made_by_other_code_is_made_again(analysed_runs, tmp_path, caplog):
+    """analysis.json records its own computation and the provenance a run records; `analyze` makes again,
+    saying how many and why in one line, an analysis that records another computation or none."""
+    from copytask.store.provenance import ANALYSIS_COMPUTATION, PROVENANCE_KEYS
+
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(analysed_runs, runs_dir)
+    older, current = store.complete_runs(runs_dir)
+    made = store.read_json(current / store.ANALYSIS)
+    assert made["computation"] == ANALYSIS_COMPUTATION and set(PROVENANCE_KEYS) <= set(made)
+    store.write_json(
+        older / store.ANALYSIS, {k: v for k, v in made.items() if k != "computation"} | {"run": older.name}
+    )
+    stamp = (current / store.ANALYSIS).stat().st_mtime_ns
+    with caplog.at_level("INFO", logger="copytask"):
+        assert cli.main(["analyze", f"runs_dir={runs_dir}"]) == 0
+    line = "1 analysis made by other code (1 analysis records no computation (made before copytask recorded it); "
+    assert any(
+        record.getMessage() == line + f"this code's is {ANALYSIS_COMPUTATION}): made again" for record in caplog.records
+    )
+    assert store.read_json(older / store.ANALYSIS)["computation"] == ANALYSIS_COMPUTATION
+    assert (current / store.ANALYSIS).stat().st_mtime_ns == stamp  # this code's analysis is reused
+
+
+def test_the_reports_probe_paragraph_speaks_only_of_the_models_it_holds(analysed_runs, tmp_path):
+    from copytask.reporting.breakdown_section import breakdown_section
+
+    analyses = [store.read_json(folder / store.ANALYSIS) for folder in store.complete_runs(analysed_runs)]
+    lines, _ = breakdown_section(analyses, None, tmp_path)
+    assert not any("ransformer" in line for line in lines)  # a GRU-only report
+    transformer = json.loads(json.dumps(analyses[0]))
+    transformer |= {"run": "transformer-copy4-seed0", "attention": "transformer"}
+    del transformer["breakdown"]["probe"]
+    lines, _ = breakdown_section([*analyses, transformer], None, tmp_path)
+    assert any(line.endswith("No summary vector to probe: transformer.") for line in lines)

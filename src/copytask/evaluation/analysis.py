@@ -47,8 +47,9 @@ from ..data.splits import heldout_at_length, test_batch, training_length_mix, un
 from ..models.attention import Attention, Intervention
 from ..models.build import Model
 from ..models.greedy import evaluate, rounded
+from ..store.provenance import ANALYSIS_COMPUTATION, computed_elsewhere, provenance
 from ..training.devices import resolve_device, run_settings, torch_threads
-from .breakdown import Settings, measure
+from .breakdown import Settings, accuracy, measure
 from .load import load_run
 
 COUNTERFACTUALS = ("uniform", "permuted", "fixed")  # what the analysis replaces the weights by
@@ -156,11 +157,6 @@ def head_weights(model: Model, batch: Batch) -> Tensor:
 # --- accuracy across lengths ---------------------------------------------------------------------
 
 
-def heldout_batch(cfg: DictConfig, eval_size: int | None) -> Batch:
-    """The first `eval_size` sequences (all if None) of the run's own test set."""
-    return test_batch(cfg).select(slice(0, eval_size))
-
-
 def length_generalisation(
     model: Model, cfg: DictConfig, lengths: list[int], eval_size: int | None = None, seen: set[bytes] | None = None
 ) -> list[dict]:
@@ -253,7 +249,8 @@ def analyze_run(
     device = next(model.parameters()).device
     task = cfg.task
     # what its training drew (replayed) and its validation set, where an evaluation set could hold some
-    seen = unscorable(cfg, store.read_json(folder / store.METRICS)["steps"]) if task.variable_length else None
+    steps = store.read_json(folder / store.METRICS)["steps"]  # the training batches it drew
+    seen = unscorable(cfg, steps) if task.variable_length else None
     analysis = {
         "run": folder.name,
         "attention": store.model_label(cfg),
@@ -263,6 +260,7 @@ def analyze_run(
         "seed": cfg.seed,
         "eval_size": eval_size,
         "device": device.type,
+        **provenance(ANALYSIS_COMPUTATION),
         "length_generalisation": length_generalisation(model, cfg, lengths, eval_size, seen),
     }
     if task.variable_length:
@@ -271,15 +269,19 @@ def analyze_run(
         analysis["per_length"] = per_length.to_dict("records")
         analysis["per_length_notes"] = notes
         analysis["length_mix"] = training_length_mix(cfg)
-    heldout = heldout_batch(cfg, eval_size).to(device)
-    own = evaluate(model, heldout)
-    analysis["breakdown"] = measure(model, cfg, heldout, own["tokens"], settings)
+    test = test_batch(cfg).to(device)
+    greedy = evaluate(model, test)  # on the whole test set, as every reported greedy number
+    analysis["breakdown"] = measure(model, cfg, test, greedy["tokens"], eval_size, steps, settings)
     if model.attention is None:
         return analysis
-    accuracy = {"own": own["token_acc"], **counterfactual_accuracy(model, heldout, seed=cfg.seed)}
-    analysis["counterfactual"] = accuracy
-    analysis["drop"] = {name: accuracy["own"] - accuracy[name] for name in COUNTERFACTUALS}
-    analysis["alignment"] = alignment(own["weights"], own["tokens"], heldout, task.name)
+    # the counterfactuals and the alignment: on the first eval_size test sequences, greedy's rows of them
+    heldout = test.select(slice(0, eval_size))
+    t_dec, t_enc = heldout.tgt_out.size(1), heldout.src.size(1)
+    tokens, weights = greedy["tokens"][: len(heldout), :t_dec], greedy["weights"][: len(heldout), :t_dec, :t_enc]
+    scores = {"own": accuracy(tokens, heldout)["token_acc"], **counterfactual_accuracy(model, heldout, seed=cfg.seed)}
+    analysis["counterfactual"] = scores
+    analysis["drop"] = {name: scores["own"] - scores[name] for name in COUNTERFACTUALS}
+    analysis["alignment"] = alignment(weights, tokens, heldout, task.name)
     if model.attention.heads > 1:
         first = heldout.select(slice(0, 1))  # trimmed to its own length: weights (1, heads, L + 1, L)
         analysis["head_weights"] = {
@@ -293,17 +295,35 @@ def analyze_run(
 def is_analysed(
     folder: Path, lengths: list[int], eval_size: int | None, device: str = "cpu", settings: Settings = Settings()
 ) -> bool:
-    """Whether `folder` has an analysis.json made with `eval_size` on `device` (cpu | cuda; one
-    without a device was made on CPU) and the breakdown's `settings` that covers every test length."""
+    """Whether `folder` has an analysis.json made by this code (it records ANALYSIS_COMPUTATION) with
+    `eval_size` on `device` (cpu | cuda; one without a device was made on CPU) and the breakdown's
+    `settings` that covers every test length."""
     try:
         done = store.read_json(folder / store.ANALYSIS)
         tested = {row["test_length"] for row in done["length_generalisation"]}
-        same = done["breakdown"]["settings"] == settings.record()
+        same = done["breakdown"]["settings"] == settings.record() and done.get("computation") == ANALYSIS_COMPUTATION
     except (OSError, ValueError, KeyError, TypeError):  # none yet, from before the breakdown, or corrupt: (re)analyse
         return False
     return (
         same and tested >= set(lengths) and done.get("eval_size") == eval_size and done.get("device", "cpu") == device
     )
+
+
+def reanalysed_line(folders: list[Path]) -> str | None:
+    """Where analyses among `folders` were made by other code, the line that says how many are made
+    again, and why; None where there are none."""
+    recorded = []
+    for folder in folders:
+        try:
+            done = store.read_json(folder / store.ANALYSIS)
+        except (OSError, ValueError):  # none yet, or corrupt
+            continue
+        if isinstance(done, dict) and done.get("computation") != ANALYSIS_COMPUTATION:
+            recorded.append(done.get("computation"))
+    if not recorded:
+        return None
+    why = computed_elsewhere(recorded, ANALYSIS_COMPUTATION, ("analysis", "analyses"))
+    return f"{len(recorded)} {'analysis' if len(recorded) == 1 else 'analyses'} made by other code ({why}): made again"
 
 
 def _trained_length(folder: Path) -> int | None:
@@ -339,6 +359,8 @@ def analyze(
     if lengths is None:
         lengths = sorted(set(trained.values()))
     device = resolve_device(device)
+    if line := reanalysed_line(folders):
+        console.log.info(line)
     analysed = 0
     with torch_threads(threads):
         for folder in tqdm(

@@ -5,9 +5,11 @@ from the encoder, and errors that compound once the decoder feeds on its own out
 bias). Three measurements on the same held-out sequences pull them apart:
 
 - teacher forcing: the argmax at each step given the true prefix. Every step gets the right history,
-  so nothing compounds; the output still ends at its first EOS (`data.scoring`).
+  so nothing compounds; the output still ends at its first EOS (`data.scoring`). On the whole test
+  set, as greedy decoding (every reported greedy number).
 - beam search at several widths (`models.beam`): how much a search over the decoder's own
-  distribution recovers; width 1 is greedy decoding.
+  distribution recovers; width 1 is greedy decoding, run as a beam search. On the first
+  `analysis.eval_size` test sequences: a wide beam costs several greedy decodings.
 - accuracy by output position, greedy and teacher-forced: where in the sequence the output goes wrong.
 
 Every output is scored by the one rule (`data.scoring`); what the summary vector holds is `probe`'s.
@@ -38,7 +40,7 @@ class Settings:
     beam_widths: tuple[int, ...] = (1, 4)  # empty: no beam search
     length_normalise: bool = False
     probe_size: int | None = 2048  # None: no probe
-    probe_ridge: float = 1e-3
+    probe_ridges: tuple[float, ...] = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
     probe_seed: int = 1
 
     @classmethod
@@ -47,13 +49,13 @@ class Settings:
             tuple(analysis.beam_widths or ()),
             analysis.length_normalise,
             analysis.probe_size,
-            float(analysis.probe_ridge),
+            tuple(float(ridge) for ridge in analysis.probe_ridges),
             analysis.probe_seed,
         )
 
     def record(self) -> dict:
         """As analysis.json records them (and `is_analysed` compares them)."""
-        return asdict(self) | {"beam_widths": list(self.beam_widths)}
+        return asdict(self) | {"beam_widths": list(self.beam_widths), "probe_ridges": list(self.probe_ridges)}
 
 
 @torch.no_grad()
@@ -97,30 +99,38 @@ def accuracy(tokens: Tensor, batch: Batch) -> dict:
     }
 
 
-def breakdown(model: Model, batch: Batch, greedy: Tensor, widths: list[int], length_normalise: bool) -> dict:
-    """Greedy (its `greedy` tokens (B, T_dec) on `batch`), teacher-forced and beam-search accuracy on
-    `batch`: -> {"sequences": B, "greedy": ..., "teacher_forced": ... (each `accuracy`), "beam": [{"width",
-    "token_acc", "seq_acc"}, ...]}. Width 1 is greedy's output to the bit (tests/test_beam.py): its row is greedy's."""
+def breakdown(
+    model: Model, test: Batch, greedy: Tensor, beam_size: int | None, widths: list[int], length_normalise: bool
+) -> dict:
+    """Greedy (its `greedy` tokens (B, T_dec) on `test`) and teacher-forced accuracy on `test`, and beam
+    search's at each of `widths` on its first `beam_size` sequences (None: all) -> {"sequences": B,
+    "greedy": ..., "teacher_forced": ... (each `accuracy`), "beam_sequences": n, "beam": [{"width",
+    "token_acc", "seq_acc"}, ...]}."""
+    beam_set = test.select(slice(0, beam_size))
     result = {
-        "sequences": len(batch),
-        "greedy": accuracy(greedy, batch),
-        "teacher_forced": accuracy(teacher_forced(model, batch), batch),
+        "sequences": len(test),
+        "greedy": accuracy(greedy, test),
+        "teacher_forced": accuracy(teacher_forced(model, test), test),
+        "beam_sequences": len(beam_set),
     }
     rows = []
     for width in widths:
-        scored = result["greedy"] if width == 1 else accuracy(beam_tokens(model, batch, width, length_normalise), batch)
+        scored = accuracy(beam_tokens(model, beam_set, width, length_normalise), beam_set)
         rows.append({"width": width, "token_acc": scored["token_acc"], "seq_acc": scored["seq_acc"]})
     result["beam"] = rows
     return result
 
 
-def measure(model: Model, cfg: DictConfig, heldout: Batch, greedy: Tensor, settings: Settings) -> dict:
-    """`breakdown` on the held-out batch, and the probe of the summary vector (`probe.probe_summary`;
-    None for a Transformer or with no probe_size) -> analysis.json's `breakdown`, with its settings."""
+def measure(
+    model: Model, cfg: DictConfig, test: Batch, greedy: Tensor, beam_size: int | None, steps: int, settings: Settings
+) -> dict:
+    """`breakdown` on the test set (beams on its first `beam_size` sequences), and the probe of the summary
+    vector (`probe.probe_summary`, off the run's first `steps` training batches; None for a Transformer or
+    with no probe_size) -> analysis.json's `breakdown`, with its settings."""
     result = {"settings": settings.record()}
-    result |= breakdown(model, heldout, greedy, list(settings.beam_widths), settings.length_normalise)
+    result |= breakdown(model, test, greedy, beam_size, list(settings.beam_widths), settings.length_normalise)
     if settings.probe_size:
         result["probe"] = probe_summary(
-            model, cfg, heldout, settings.probe_size, settings.probe_ridge, settings.probe_seed
+            model, cfg, test, settings.probe_size, list(settings.probe_ridges), settings.probe_seed, steps
         )
     return result

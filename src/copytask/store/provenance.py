@@ -22,6 +22,12 @@ from .folders import METRICS, is_complete, read_json
 # to the numbers a run produces; tests/test_computation.py records a few runs' numbers and fails,
 # saying so, when they change without it.
 COMPUTATION = 1
+# The version of what an analysis computes (`evaluation`: the breakdown, the probe, the counterfactuals,
+# the alignment, the scores at other lengths), recorded in analysis.json: an analysis that records another
+# one, or none (1: made before it was recorded), is made again. Raise it with any change to the numbers
+# analysis.json holds; tests/test_analysis_computation.py records a tiny analysis' numbers and fails when
+# they change without it.
+ANALYSIS_COMPUTATION = 2
 # metrics.json's keys that say what made the run, in the order a mixed table names them; beside them
 # PYTHON_KEY, recorded but not compared (the Python version changes no number a run computes).
 PROVENANCE_KEYS = ("computation", "copytask_version", "commit", "uncommitted_changes", "torch_version", "torch_build")
@@ -29,15 +35,16 @@ PYTHON_KEY = "python_version"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # src/copytask in a checkout
 
 
-def provenance() -> dict[str, Any]:
-    """What makes a run trained now: this code's `computation`, the copytask version, the git commit
+def provenance(computation: int = COMPUTATION) -> dict[str, Any]:
+    """What makes a run trained now (an analysis made now, with `computation` ANALYSIS_COMPUTATION): this
+    code's `computation`, the copytask version, the git commit
     and whether tracked files had uncommitted changes (both None where copytask is not run from a
     checkout, as from a wheel), torch's version and build, and the Python version."""
     import torch  # here: reading a run's provenance needs no torch
 
     commit, dirty = checkout_state(PACKAGE_DIR)
     return {
-        "computation": COMPUTATION,
+        "computation": computation,
         "copytask_version": installed_version(),
         "commit": commit,
         "uncommitted_changes": dirty,
@@ -96,15 +103,18 @@ def computed_here(folder: Path) -> bool:
     return recorded_computation(folder) == COMPUTATION
 
 
-def computed_elsewhere(computations: list[Any]) -> str:
-    """Why runs that record `computations` (None: none) are not this code's, in a few words."""
+def computed_elsewhere(
+    computations: list[Any], current: int = COMPUTATION, names: tuple[str, str] = ("run", "runs")
+) -> str:
+    """Why runs (or what else `names` names, singular and plural) that record `computations` (None: none)
+    are not of this code, whose is `current`, in a few words."""
     counts = {value: computations.count(value) for value in dict.fromkeys(computations)}
     parts = [
-        f"{count} {'run records' if count == 1 else 'runs record'} "
+        f"{count} {f'{names[0]} records' if count == 1 else f'{names[1]} record'} "
         + ("no computation (made before copytask recorded it)" if value is None else f"computation {value}")
         for value, count in counts.items()
     ]
-    return f"{', '.join(parts)}; this code's is {COMPUTATION}"
+    return f"{', '.join(parts)}; this code's is {current}"
 
 
 def retrained_line(folders: list[Path]) -> str | None:

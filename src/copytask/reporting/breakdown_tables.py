@@ -11,13 +11,17 @@ import pandas as pd
 from .analysis_tables import run_columns
 
 DECODINGS = {"greedy": "greedy", "teacher_forced": "teacher-forced"}  # analysis.json key -> label
-SUMMARIES = ("trained", "untrained")  # the probe's two models
+SUMMARIES = ("trained", "untrained")  # the probe's two models, read for the symbols
+PROBES = {"trained": "probe_acc", "untrained": "probe_untrained_acc", "control": "probe_control_acc"}
 
 
 def breakdown_columns(analysis: dict) -> dict:
-    """One run's breakdown as results columns: `tf_token_acc`, `tf_seq_acc`, `beam{K}_token_acc` and
-    `beam{K}_seq_acc` per width, `probe_acc` and `probe_untrained_acc` (mean over source positions),
-    and `breakdown_sequences`, the held-out sequences they were scored on. Empty without a breakdown."""
+    """One run's breakdown as results columns: `tf_token_acc`, `tf_seq_acc` and `breakdown_sequences`,
+    the test sequences they were scored on (all of them, as greedy's); `beam{K}_token_acc` and
+    `beam{K}_seq_acc` per width, on `beam_sequences`; the probe's mean accuracy over source positions,
+    `probe_acc`, `probe_untrained_acc` and `probe_control_acc` (the control task's),
+    `probe_control_chance`, `probe_selectivity` (`probe_acc` - `probe_control_acc`) and `probe_sequences`.
+    Empty without a breakdown."""
     breakdown = analysis.get("breakdown")
     if breakdown is None:
         return {}
@@ -26,19 +30,28 @@ def breakdown_columns(analysis: dict) -> dict:
         "tf_token_acc": tf["token_acc"],
         "tf_seq_acc": tf["seq_acc"],
         "breakdown_sequences": breakdown["sequences"],
+        "beam_sequences": breakdown.get("beam_sequences", breakdown["sequences"]),
     }
     for row in breakdown["beam"]:
         columns |= {f"beam{row['width']}_token_acc": row["token_acc"], f"beam{row['width']}_seq_acc": row["seq_acc"]}
     if probe := breakdown.get("probe"):
-        for name, column in zip(SUMMARIES, ("probe_acc", "probe_untrained_acc")):
-            scored = [value for value in probe[name] if value is not None]
-            columns[column] = sum(scored) / len(scored)
+        columns |= {column: mean(probe[name]) for name, column in PROBES.items() if name in probe}
+        if "control" in probe:
+            columns["probe_control_chance"] = sum(probe["control_chance"]) / len(probe["control_chance"])
+            columns["probe_selectivity"] = columns["probe_acc"] - columns["probe_control_acc"]
+        columns["probe_sequences"] = probe.get("scored", breakdown["sequences"])
     return columns
+
+
+def mean(accuracies: list[float | None]) -> float:
+    """The mean over the positions that were scored."""
+    scored = [value for value in accuracies if value is not None]
+    return sum(scored) / len(scored)
 
 
 def breakdown_table(analyses: Iterable[dict]) -> pd.DataFrame:
     """One row per analysed run with a breakdown: `breakdown_columns` and the greedy accuracy on the same
-    sequences (`greedy_token_acc`, `greedy_seq_acc`)."""
+    sequences as the teacher-forced one (`greedy_token_acc`, `greedy_seq_acc`)."""
     rows = []
     for a in analyses:
         if "breakdown" in a:
@@ -62,7 +75,8 @@ def position_table(analyses: Iterable[dict]) -> pd.DataFrame:
 
 def probe_table(analyses: Iterable[dict]) -> pd.DataFrame:
     """Long form: one row per (run, summary: trained | untrained, source position) with the probe's
-    accuracy and chance; positions from 1. Runs without a probe (Transformers, probe_size null) have none."""
+    accuracy for the symbols and chance; positions from 1. Runs without a probe (Transformers,
+    probe_size null) have none."""
     rows = [
         run_columns(a) | {"summary": name, "position": position + 1, "accuracy": value, "chance": probe["chance"]}
         for a in analyses

@@ -316,8 +316,8 @@ def table_note(tasks: list[str], teacher_forced: bool = False) -> str:
     )
     if teacher_forced:
         note += (
-            ";\nteacher-forced: the argmax given the true prefix, on the analysis' test sequences "
-            "(analysis.eval_size), scored up to the first EOS"
+            ";\nteacher-forced: the argmax given the true prefix, on the same test sequences as greedy decoding, "
+            "scored up to the first EOS"
         )
     return note
 

@@ -13,7 +13,7 @@ import filelock
 import pytest
 import torch
 
-from copytask.data.batches import length_mask, make_batch
+from copytask.data.batches import Batch, length_mask, make_batch, task_batch
 from copytask.data.vocab import total_vocab
 from copytask.kernels import build, ops, transformer_ops
 from copytask.models.recurrent import Seq2Seq
@@ -198,6 +198,23 @@ def test_bahdanau_decode_equals_the_step_loop(kernel, ragged):
     if ragged:
         padding = ~length_mask(batch.src_lengths, batch.src.size(1))
         assert weights.masked_select(padding[:, None, :]).abs().max() == 0
+
+
+@pytest.mark.parametrize("sequences", [1, 3])
+@pytest.mark.parametrize("source", [0, 5], ids=["empty source", "first step only"])
+def test_bahdanau_decode_of_a_one_step_target_equals_the_step_loop(kernel, source, sequences):
+    """A target of one step (tgt_in one column: an empty source's, or a library caller's first step)
+    is one block of the kernel's buffers; for one sequence its contexts were a view of the saved GRU
+    inputs, which a custom op may not return. The same numbers as the step loop, gradients too."""
+    torch.manual_seed(0)
+    fused = Seq2Seq(total_vocab(9), "bahdanau", "additive", attention_size=16, fused=True)
+    loop = copy.deepcopy(fused)
+    loop.decoder.fused = False
+    symbols = torch.randint(3, total_vocab(9), (sequences, source), generator=torch.Generator().manual_seed(0))
+    whole = task_batch("copy", symbols, torch.full((sequences,), source))
+    batch = Batch(whole.src, whole.src_lengths, whole.tgt_in[:, :1], whole.tgt_out[:, :1])
+    weights = assert_same_training_step(fused, loop, batch, through_weights=True)
+    assert weights.shape == (sequences, 1, source)
 
 
 def test_bahdanau_intervention_takes_the_step_loop(kernel):

@@ -46,6 +46,14 @@ RECORDED = {
     "transformer": (1.8155441284179688, 0.2421875, 0.0, 0.1875),
 }
 KEYS = ("final_loss", "token_acc", "seq_acc", "val_token_acc")
+GRU = {"gru_forward", "gru_backward"}
+# model -> the kernels its run calls with train.fused=true (the GRU's where not listed): the path its
+# numbers test. The kernels agree with torch's ops to float rounding, so the numbers cannot tell.
+KERNELS = {
+    "bahdanau": GRU | {"bahdanau_forward", "bahdanau_backward"},
+    "luong_concat": GRU | {"additive_forward", "additive_backward"},
+    "transformer": {"transformer_layer", "attention_step"},
+}
 # Float rounding moves the loss in its sixth digit (the kernels against torch's ops: 2e-7); it may tip
 # one near-tied argmax, so an accuracy may move by one token or one sequence of its set, no more.
 TOLERANCE = {
@@ -67,15 +75,23 @@ def test_the_values_were_recorded_with_this_computation():
         f"{RECORDED_WITH}: record them anew with the new code and set RECORDED_WITH"
     )
     assert set(RECORDED) <= set(MODELS), f"no such model: {sorted(set(RECORDED) - set(MODELS))}"
+    assert set(KERNELS) <= set(MODELS), f"no such model: {sorted(set(KERNELS) - set(MODELS))}"
 
 
 @pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["as_trained", "torch_ops"])
 @pytest.mark.parametrize("model", MODELS)
-def test_a_tiny_run_of_each_model_computes_the_recorded_numbers(tmp_path, model, fused):
+def test_a_tiny_run_of_each_model_computes_the_recorded_numbers(tmp_path, request, kernel_calls, model, fused):
     if model not in RECORDED:  # a new model changes no earlier run's numbers: its own are recorded when it is guarded
         pytest.skip(f"no numbers recorded for {model}: record them in RECORDED to guard its computation")
+    if fused:  # the kernels' path: CI must build them; elsewhere a machine without a compiler skips, saying so
+        request.getfixturevalue("kernel")
     overrides = [*TINY, *MODELS[model], *BUDGET, f"train.fused={str(fused).lower()}", f"runs_dir={tmp_path}"]
     metrics = copytask.train(copytask.compose(overrides))
+    path = KERNELS.get(model, GRU) if fused else set()
+    assert metrics["fused"] == fused and kernel_calls == path, (
+        f"{model}: train.fused={str(fused).lower()} should call {sorted(path) or 'no kernel'}, but the run called "
+        f"{sorted(kernel_calls) or 'none'} and recorded fused={metrics['fused']}: its numbers test another path"
+    )
     recorded = dict(zip(KEYS, RECORDED[model], strict=True))
     for key in KEYS:
         assert metrics[key] == pytest.approx(recorded[key], **TOLERANCE[key]), (

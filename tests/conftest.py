@@ -3,12 +3,15 @@ sweep through the CLI, reused (copied) by the tests that need finished runs."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -99,6 +102,44 @@ def make_config(tmp_path):
 
     yield _compose
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture
+def kernel():
+    """The compiled C++ kernels (copytask.kernels). CI must build them; elsewhere a machine without a C++
+    compiler skips the test, saying so."""
+    from copytask.kernels import ops
+
+    built = ops.kernel()
+    if built is None:
+        if os.environ.get("CI"):
+            pytest.fail("the fused CPU kernels did not build (see the warning above)")
+        pytest.skip("the fused CPU kernels do not build on this machine")
+    return built
+
+
+class Recording:
+    """A kernels module's library (what its `_library()` returns), recording the name of each function called."""
+
+    def __init__(self, library: Callable[[], ModuleType], calls: set[str]):
+        self.library, self.calls = library, calls
+
+    def __getattr__(self, name: str):
+        self.calls.add(name)
+        return getattr(self.library(), name)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> set[str]:
+    """The names of the C++ kernels' functions called during the test: which path ran, since the kernels
+    and torch's ops give the same numbers to float rounding. Each kernels module reads the library
+    through its own `_library`."""
+    from copytask.kernels import ops, transformer_ops
+
+    calls: set[str] = set()
+    for module in (ops, transformer_ops):
+        monkeypatch.setattr(module, "_library", functools.partial(Recording, module._library, calls))
+    return calls
 
 
 @pytest.fixture(scope="session")

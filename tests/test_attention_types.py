@@ -6,10 +6,15 @@ import math
 import pytest
 import torch
 
-from copytask.data.batches import length_mask
+from copytask.data.batches import length_mask, make_batch
+from copytask.data.vocab import total_vocab
 from copytask.models.attention import Attention, make_attention, masked_softmax
+from copytask.models.recurrent import Seq2Seq
+
+from .conftest import ATTENTION_OPTIONS
 
 B, T_DEC, T_ENC, H = 3, 5, 7, 8
+LOCAL_OPTIONS = {name: option for name, option in ATTENTION_OPTIONS.items() if option.get("local")}
 
 
 def inputs(seed: int = 0):
@@ -67,19 +72,25 @@ def local_attention(local: str, window: int, score: str = "general") -> Attentio
     return make_attention(score, H, H, local=local, window=window)
 
 
+def outside_the_window(attention: Attention, query, mask, steps) -> torch.Tensor:
+    """(B, T_dec, T_enc) True at the source positions outside [p_t - D, p_t + D] for the queries of output
+    steps `steps` (T_dec,), p_t written out from Luong et al. (2015), section 3.2: local-m's the step t
+    (at most the source length S), local-p's S sigmoid(v_p^T tanh(W_p q_t)) from the query."""
+    lengths = mask.sum(-1, keepdim=True).float()  # (B, 1)
+    if attention.local == "monotonic":
+        aligned = torch.minimum(steps[None, :].float(), lengths)
+    else:
+        aligned = lengths * torch.sigmoid(attention.position_v(torch.tanh(attention.position_proj(query)))).squeeze(-1)
+    source = torch.arange(mask.size(-1))
+    return (source[None, None, :] - aligned[:, :, None]).abs() > attention.window
+
+
 @pytest.mark.parametrize("local", ["predictive", "monotonic"])
 def test_local_weights_are_zero_outside_the_window_and_on_padding(local):
     query, values, mask = inputs(3)
-    attention, window = local_attention(local, 1), 1
+    attention = local_attention(local, 1)
     weights = attention(query, attention.project_keys(values), values, mask, torch.arange(T_DEC))[1]
-    lengths = mask.sum(-1)
-    if local == "monotonic":
-        aligned = torch.minimum(torch.arange(T_DEC)[None, :], lengths[:, None]).float()
-    else:
-        aligned = lengths[:, None] * torch.sigmoid(
-            attention.position_v(torch.tanh(attention.position_proj(query)))
-        ).squeeze(-1)
-    outside = (torch.arange(T_ENC)[None, None, :] - aligned[:, :, None]).abs() > window
+    outside = outside_the_window(attention, query, mask, torch.arange(T_DEC))
     assert outside.any() and (weights[outside] == 0).all()
     assert (weights[~mask[:, None, :].expand_as(weights)] == 0).all()
     assert (weights.sum(-1) > 0).all()  # no row is empty: past the source, p_t = t stops at its length
@@ -100,6 +111,38 @@ def test_local_m_with_a_window_wider_than_the_sequence_is_global_attention():
     narrow = local_attention("monotonic", 1)
     narrow.load_state_dict(local.state_dict())
     assert not torch.allclose(narrow(query, narrow.project_keys(values), values, mask, torch.arange(T_DEC))[1], want[1])
+
+
+@pytest.mark.parametrize("name", sorted(LOCAL_OPTIONS))
+def test_local_attention_in_a_model_reads_its_window_alone(name):
+    """At a source no longer than 2D + 1 the window holds every position and local attention computes
+    global attention's numbers, so a model with it is tested here at sources of 12-16 with D = 2:
+    every call of its attention, teacher-forced and in each greedy step, gives weights exactly zero
+    outside [p_t - D, p_t + D] (p_t of the step the call is for, or of the decoder state it is given),
+    and its logits are not those of the same model with global attention."""
+    option, window = LOCAL_OPTIONS[name], 2
+    shape = {"vocab": total_vocab(6), "decoder": option.decoder, "score": option.score}
+    torch.manual_seed(0)
+    model = Seq2Seq(**shape, embedding_size=8, hidden_size=16, local=option.local, window=window).eval()
+    batch = make_batch("copy", 3, 16, 6, torch.Generator().manual_seed(0), min_length=12)
+    assert 2 * window + 1 < int(batch.src_lengths.min())
+    calls = []
+    hook = model.attention.register_forward_hook(lambda module, args, output: calls.append((args, output[1])))
+    with torch.no_grad():
+        logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
+        model.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))
+    hook.remove()
+    steps = torch.arange(batch.tgt_out.size(1))
+    assert len(calls) == 1 + len(steps)  # teacher forcing (every step), then greedy decoding (a step a call)
+    for ((query, _, _, mask, _), weights), call_steps in zip(calls, [steps, *steps[:, None]], strict=True):
+        outside = outside_the_window(model.attention, query, mask, call_steps)
+        assert outside.any() and (weights[outside] == 0).all()
+    global_model = Seq2Seq(**shape, embedding_size=8, hidden_size=16).eval()
+    missing, unexpected = global_model.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and all(".position_" in key for key in unexpected)  # local-p's predictor of p_t
+    with torch.no_grad():
+        global_logits, _ = global_model(batch.src, batch.src_lengths, batch.tgt_in)
+    assert not torch.allclose(logits, global_logits)
 
 
 def test_local_p_predicted_position_receives_a_gradient():

@@ -284,11 +284,12 @@ def test_the_command_line_trains_or_answers_in_one_line_with_exit_status_2(overr
 
 def attention_config(attention: str):
     """A tiny model's config per attention option (and `transformer`: model=transformer); hidden 8 keeps
-    4 heads and both directions whole."""
+    4 heads and both directions whole. A local window of D = 1 (3 positions): the drawn sources of 4-7
+    reach past it, where local attention must give weights of exactly 0."""
     if attention == "transformer":
         return compose(["model=transformer", "model.d_model=8", "model.heads=2", "model.ff_size=8"])
     return compose(
-        [f"attention={attention}", "model.hidden_size=8", "model.embedding_size=4", "attention.window=2"]
+        [f"attention={attention}", "model.hidden_size=8", "model.embedding_size=4", "attention.window=1"]
         if "window" in ATTENTION_OPTIONS[attention]
         else [f"attention={attention}", "model.hidden_size=8", "model.embedding_size=4"]
     )

@@ -109,7 +109,9 @@ std::vector<Tensor> bahdanau_forward(const Tensor& embedded, const Tensor& s0, c
       std::memcpy(sb, next, sizeof(float) * H);
     }
   }
-  auto contexts = inputs.narrow(2, E, H).contiguous();
+  // a copy, always: for one step of one sequence the narrowed block is contiguous already, and
+  // .contiguous() would return a view of `inputs`, which a custom op may not return beside it
+  auto contexts = inputs.narrow(2, E, H).clone(at::MemoryFormat::Contiguous);
   return {states, contexts, weights, u, inputs, gates, before};
 }
 

@@ -202,3 +202,20 @@ def test_a_wide_beam_finds_the_most_probable_output_of_a_tiny_model(make_config,
         assert beams.tokens[i, : lengths[best]].tolist() == outputs[best, : lengths[best]].tolist()
         assert beams.scores[i].item() == pytest.approx(scores[best].item(), abs=1e-4)
     assert max(best_lengths) > 1
+
+
+def test_beam_search_decodes_in_eval_mode_and_leaves_the_model_s_mode_as_it_was(make_config):
+    """A Transformer with dropout, in training mode, decodes as in eval mode (no dropout), and is left in
+    training mode; one in eval mode is left in eval mode."""
+    model, _ = model_for(make_config, ["architecture=transformer", "model.dropout=0.5"], scale=SCALE)
+    src, src_lengths, steps = sources()
+    expected = beam_search(model, src, src_lengths, steps, width=4)
+    assert not model.training
+    model.train()
+    tgt_in = torch.full_like(src, BOS)
+    with torch.no_grad():  # dropout is on in training mode: a decoding there would differ
+        assert not torch.equal(model(src, src_lengths, tgt_in)[0], model(src, src_lengths, tgt_in)[0])
+    beams = beam_search(model, src, src_lengths, steps, width=4)
+    assert model.training
+    for got, want in zip(beams, expected):
+        assert torch.equal(got, want)

@@ -33,11 +33,21 @@ class Beams(NamedTuple):
     weights: Tensor | None
 
 
-@torch.no_grad()
 def beam_search(
     model: Model, src: Tensor, src_lengths: Tensor, steps: int, width: int, length_normalise: bool = False
 ) -> Beams:
-    """Beam search of `width` beams for each of the B sequences of `src` (B, T_enc), up to `steps` steps."""
+    """Beam search of `width` beams for each of the B sequences of `src` (B, T_enc), up to `steps` steps,
+    the model in eval mode (no dropout); it is left in the mode it came in."""
+    was_training = model.training
+    model.eval()
+    try:
+        return _search(model, src, src_lengths, steps, width, length_normalise)
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def _search(model: Model, src: Tensor, src_lengths: Tensor, steps: int, width: int, length_normalise: bool) -> Beams:
     batch, k = src.size(0), width
     device = src.device
     rows = torch.arange(batch, device=device).repeat_interleave(k)  # (B * k,) beam j of sequence b is row b * k + j

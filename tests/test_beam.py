@@ -46,6 +46,7 @@ SCALE = 3.0
 def model_for(
     make_config, overrides: list[str], seed: int = 0, vocab_size: int = 9, length: int = 6, scale: float = 1.0
 ):
+    """The tiny model of `overrides` from `seed`, in eval mode, every parameter times `scale` (see SCALE)."""
     cfg = make_config(*TINY, *overrides, f"task.vocab_size={vocab_size}", f"task.length={length}")
     torch.manual_seed(seed)
     model = build_model(cfg).eval()
@@ -55,7 +56,7 @@ def model_for(
     return model, cfg
 
 
-def sources(count: int = 24):
+def sources(count: int = 24) -> tuple[torch.Tensor, torch.Tensor, int]:
     """`count` copy-task sources of 2 to 6 symbols (padding and masks too) and the steps to decode them."""
     batch = make_batch("copy", count, 6, 9, torch.Generator().manual_seed(1), min_length=2)
     return batch.src, batch.src_lengths, batch.tgt_out.size(1)
@@ -182,7 +183,7 @@ EXHAUSTIVE = [
 ]
 
 
-@pytest.mark.parametrize(("overrides", "seed"), EXHAUSTIVE, ids=lambda o: " ".join(o) if isinstance(o, list) else "")
+@pytest.mark.parametrize(("overrides", "seed"), EXHAUSTIVE, ids=[f"{' '.join(o)} seed {s}" for o, s in EXHAUSTIVE])
 @pytest.mark.parametrize("normalise", [False, True])
 def test_a_wide_beam_finds_the_most_probable_output_of_a_tiny_model(make_config, overrides, seed, normalise):
     """Two content symbols and length 2: 5 tokens, 3 steps, 125 outputs, 25 prefixes of 2 steps, so a

@@ -33,11 +33,21 @@ class Beams(NamedTuple):
     weights: Tensor | None
 
 
-@torch.no_grad()
 def beam_search(
     model: Model, src: Tensor, src_lengths: Tensor, steps: int, width: int, length_normalise: bool = False
 ) -> Beams:
-    """Beam search of `width` beams for each of the B sequences of `src` (B, T_enc), up to `steps` steps."""
+    """Beam search of `width` beams for each of the B sequences of `src` (B, T_enc), up to `steps` steps,
+    the model in eval mode (no dropout); it is left in the mode it came in."""
+    was_training = model.training
+    model.eval()
+    try:
+        return _search(model, src, src_lengths, steps, width, length_normalise)
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def _search(model: Model, src: Tensor, src_lengths: Tensor, steps: int, width: int, length_normalise: bool) -> Beams:
     batch, k = src.size(0), width
     device = src.device
     rows = torch.arange(batch, device=device).repeat_interleave(k)  # (B * k,) beam j of sequence b is row b * k + j
@@ -47,7 +57,9 @@ def beam_search(
     scores[:, 0] = 0.0  # the beams start alike: one of them is live, or each would be found k times
     finished = torch.zeros(batch, k, dtype=torch.bool, device=device)
     lengths = torch.zeros(batch, k, device=device)  # tokens written, up to and with EOS
-    history = []  # per step: tokens (B, k), parents (B, k), weights (B, k, T_enc) or None
+    # per step: each kept beam's token (B, k) and parent (B, k), and the weights (B, k, T_enc) or None of the
+    # beams before pruning, those the step ran on: a kept beam's token came from its parent's
+    history = []
     offsets = torch.arange(batch, device=device)[:, None] * k  # (B, 1)
     for t in range(steps):
         logits, weights = decoding.step(tokens, t)  # (B * k, V)
@@ -85,8 +97,8 @@ def _backtrack(history: list[tuple], beam: Tensor, steps: int) -> tuple[Tensor, 
     tokens, weights = [], []
     for step_tokens, parents, step_weights in reversed(history):
         tokens.append(step_tokens[rows, beam])
+        beam = parents[rows, beam]  # the beam the step ran on: its weights produced the token
         weights.append(None if step_weights is None else step_weights[rows, beam])
-        beam = parents[rows, beam]
     tokens = torch.stack(tokens[::-1], 1)
     tokens = torch.cat([tokens, tokens.new_full((len(rows), steps - tokens.size(1)), PAD)], 1)
     if weights[0] is None:

@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 import copytask
-from copytask import api, cli, store
+from copytask import api, store
 from copytask.store import replacement
 from copytask.training import checkpoints, loop
 from copytask.training.loop import train
@@ -75,8 +75,16 @@ def same_numbers(new: dict, old: bytes) -> bool:
     return {key: new[key] for key in SAME} == {key: json.loads(old)[key] for key in SAME}
 
 
+class Killed(BaseException):
+    """A kill, as far as the files show: nothing after it runs (a BaseException: no `except Exception` stops it)."""
+
+
 def stop(*args, **kwargs):
-    raise KeyboardInterrupt  # a kill, as far as the files show: nothing after it runs
+    raise Killed
+
+
+def untrained(*args, **kwargs):
+    raise AssertionError("trained again")
 
 
 @pytest.mark.slow
@@ -177,7 +185,7 @@ def test_a_retraining_stopped_at_any_step_keeps_results_readable_and_the_next_ru
     finds, asked, resumes_from = KILLS[kill]
     with monkeypatch.context() as patch:
         kill(patch, folder)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(Killed):
             train(compose("retrain=true"))
     if finds == "none":  # only where two renames swap: between them no run folder, until the next run
         assert not folder.exists() and store.complete_runs(folder.parent) == []
@@ -187,7 +195,7 @@ def test_a_retraining_stopped_at_any_step_keeps_results_readable_and_the_next_ru
     new_metrics = (completed / store.METRICS).read_bytes() if store.is_complete(completed) else None
 
     if resumes_from is None:
-        monkeypatch.setattr(loop, "_train_locked", stop)  # it must train nothing
+        monkeypatch.setattr(loop, "_train_locked", untrained)
     again = train(compose(asked))
     assert same_numbers(again, old_metrics) and read_by_everyone(folder) != old_metrics  # the retraining's results
     if resumes_from is None:
@@ -204,7 +212,7 @@ def test_a_retraining_killed_under_the_copytask_before_this_gets_its_old_results
     folder.rename(folder.parent / "kept")
     with monkeypatch.context() as patch:
         kill_at_the_checkpoint(patch, folder)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(Killed):
             train(compose())
     (folder.parent / "kept").rename(replacement.set_aside(folder))
     assert sorted(path.name for path in folder.iterdir()) == [store.CONFIG, store.PROGRESS, store.RESUME]
@@ -219,7 +227,7 @@ def test_a_retraining_killed_under_the_copytask_before_this_gets_its_old_results
     assert again["resumed_from"] == 5 and same_numbers(again, old_metrics) and left_behind(folder) == []
 
 
-def test_a_failed_retraining_in_a_sweep_leaves_complete_results_unfailed_and_is_reported(old, monkeypatch, capsys):
+def test_a_failed_retraining_in_a_sweep_leaves_complete_results_unfailed_and_is_reported(old, monkeypatch, caplog):
     compose, folder, old_metrics = old
 
     def fail(cfg, into, *rest):
@@ -227,18 +235,22 @@ def test_a_failed_retraining_in_a_sweep_leaves_complete_results_unfailed_and_is_
         raise RuntimeError("injected failure of the retraining")
 
     monkeypatch.setattr(loop, "_train_locked", fail)
-    with pytest.raises(SystemExit) as exit:
-        cli.main(["sweep", *RUN, f"runs_dir={folder.parent}", "retrain=true", *LEAST_ANALYSIS])
-    assert exit.value.code == 1
-    out, err = capsys.readouterr()
-    assert "sweep: 1/1 runs complete (0 trained now), 1 failed" in out
-    assert f"({folder}): RuntimeError: injected failure of the retraining; its results from before are kept\n" in err
+    with (
+        caplog.at_level("INFO", logger="copytask"),
+        pytest.raises(copytask.SweepError, match=rf"^1 of 1 runs failed: {folder.name}$") as failed,
+    ):
+        copytask.sweep([*RUN, "retrain=true", *LEAST_ANALYSIS], runs_dir=folder.parent)
+    said = [record.getMessage() for record in caplog.records]
+    assert [line for line in said if line.startswith("sweep: ")][-1].startswith(
+        "sweep: 1/1 runs complete (0 trained now), 1 failed;"
+    )
+    why = f"({folder}): RuntimeError: injected failure of the retraining; its results from before are kept"
+    assert [line for line in said if line.endswith(why)]  # the summary's error line
     assert store.read_json(folder.parent / "sweep.json")["failed"] == 1
     assert not (folder / store.FAILED).exists() and (replacement.staging(folder) / store.FAILED).is_file()
-    (run,) = api.select(folder.parent).runs
-    assert run.job_failure().endswith("its results from before are kept")
     monkeypatch.undo()
-    assert read_by_everyone(folder) == old_metrics
+    assert failed.value.table["run"].tolist() == [folder.name] and read_by_everyone(folder) == old_metrics
 
     again = train(compose())  # the failed retraining goes on, and its failure record goes
+    (run,) = api.select(folder.parent).runs
     assert same_numbers(again, old_metrics) and left_behind(folder) == [] and run.job_failure() is None

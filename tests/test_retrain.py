@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -106,6 +107,20 @@ def test_a_retraining_killed_by_sigkill_keeps_the_old_results_for_every_reader_a
     assert all(torch.equal(resumed[key], weights[key]) for key in weights)
     assert read_by_everyone(folder) != old_metrics and store.read_json(folder / store.METRICS) == again
     assert left_behind(folder) == []
+
+
+def test_exchange_trades_two_folders_in_one_step_where_the_system_can(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder in (first, second):
+        folder.mkdir()
+        (folder / "name").write_text(folder.name)
+    swapped = replacement.exchange(first, second)
+    names = [(folder / "name").read_text() for folder in (first, second)]
+    assert names == (["second", "first"] if swapped else ["first", "second"])  # or nothing changed
+    if sys.platform.startswith("linux"):  # glibc's renameat2 on a local file system: the one-step path
+        assert swapped, f"{tmp_path} cannot exchange two folders in one step (RENAME_EXCHANGE)"
+        with pytest.raises(FileNotFoundError):
+            replacement.exchange(first, tmp_path / "none")
 
 
 def kill_before_the_mark(monkeypatch, folder):
@@ -225,6 +240,13 @@ def test_a_retraining_killed_under_the_copytask_before_this_gets_its_old_results
     monkeypatch.setattr(loop, "_train_locked", while_it_trains)
     again = train(compose())
     assert again["resumed_from"] == 5 and same_numbers(again, old_metrics) and left_behind(folder) == []
+
+
+def test_a_failure_record_beside_complete_results_from_the_copytask_before_this_goes(old):
+    compose, folder, old_metrics = old
+    store.write_json(folder / store.FAILED, {"error": "RuntimeError: a retraining failed", "traceback": None})
+    assert train(compose()) == json.loads(old_metrics)  # read, not trained again
+    assert left_behind(folder) == []
 
 
 def test_a_failed_retraining_in_a_sweep_leaves_complete_results_unfailed_and_is_reported(old, monkeypatch, caplog):

@@ -20,8 +20,11 @@ run's lock calls `settle`, which finishes what was begun:
 - Where the file system cannot swap in one step (NFS, another OS), two renames do it: `<run>` to
   `.<run>.replaced`, then `.<run>.new` to `<run>`. Killed between them (no `<run>`), the swap is
   finished; after them, `.<run>.replaced` is deleted.
-- `.<run>.replaced` beside an incomplete `<run>`: what copytask did before (the retraining trained in
-  `<run>`, the old results set aside): the retraining moves to `.<run>.new` and the old results go back.
+- `.<run>.new` marked beside no complete `<run>` (deleted by hand): nothing to replace, deleted; the run
+  trains in `<run>`.
+- `.<run>.replaced` beside an incomplete `<run>`: what copytask up to 4888ec2 left (its retraining
+  trained in `<run>`, the old results set aside): the retraining moves to `.<run>.new` and the old
+  results go back.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def settle(folder: Path) -> None:
     a marked staging folder waits beside it. Only under the run's lock."""
     new, old = staging(folder), set_aside(folder)
     if old.exists():
-        if folder.exists() and not folders.is_complete(folder):  # copytask before: the retraining ran in <run>
+        if folder.exists() and not folders.is_complete(folder):  # copytask up to 4888ec2: the retraining in <run>
             mark(folder)
             folder.rename(new)
         if not folder.exists():  # the old results come back, or a complete replacement takes their place
@@ -108,7 +111,7 @@ def settle(folder: Path) -> None:
         (folder / MARK).unlink()
     if marked(new) and not folders.is_complete(folder):  # nothing to replace (<run> deleted by hand): trains in <run>
         shutil.rmtree(new)
-    if folders.is_complete(folder):  # copytask before recorded a failed retraining here, beside complete results
+    if folders.is_complete(folder):  # copytask up to 4888ec2 recorded a failed retraining here, beside the results
         (folder / folders.FAILED).unlink(missing_ok=True)
 
 

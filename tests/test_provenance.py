@@ -15,7 +15,7 @@ import torch
 
 import copytask
 from copytask import store
-from copytask.store import provenance
+from copytask.store import provenance, replacement
 from copytask.store.provenance import COMPUTATION, checkout_state, mixed_line
 from copytask.training import checkpoints, loop
 from copytask.training.loop import train
@@ -86,28 +86,24 @@ def test_the_commit_and_uncommitted_changes_of_a_checkout_and_none_elsewhere(che
 
 
 @pytest.mark.parametrize("recorded", [0, None], ids=["another_computation", "none_recorded"])
-def test_a_run_computed_by_other_code_is_trained_again_and_a_failed_retrain_loses_nothing(
-    make_config, monkeypatch, recorded
-):
+def test_a_run_computed_by_other_code_is_trained_again_beside_its_old_results(make_config, monkeypatch, recorded):
     cfg = make_config(*TINY)
     first = train(cfg)
     folder = store.run_dir(cfg)
     record_computation(folder, recorded)
     old = (folder / store.METRICS).read_text()
+    train_locked = loop._train_locked
 
-    def fail(*args):
-        assert not (folder / store.METRICS).exists()  # training, not reading the old results
-        raise RuntimeError("killed mid-training")
+    def while_it_trains(cfg, into, *rest):
+        assert into == replacement.staging(folder)  # training beside the old results, which stay where they were
+        assert (folder / store.METRICS).read_text() == old
+        return train_locked(cfg, into, *rest)
 
-    monkeypatch.setattr(loop, "_train_locked", fail)
-    with pytest.raises(RuntimeError, match="killed"):
-        train(cfg)
-    assert (folder / store.METRICS).read_text() == old  # the old results stay until new ones are complete
-    monkeypatch.undo()
+    monkeypatch.setattr(loop, "_train_locked", while_it_trains)
     again = train(cfg)
     assert again["computation"] == COMPUTATION and again["token_acc"] == first["token_acc"]
     assert store.read_json(folder / store.METRICS) == again
-    assert not list(folder.parent.glob(".*.replaced"))
+    assert not replacement.staging(folder).exists() and not replacement.set_aside(folder).exists()
 
 
 def test_train_says_in_one_line_why_it_trains_a_complete_run_again(make_config):

@@ -281,28 +281,6 @@ def test_a_diverging_run_is_a_failed_job_and_the_sweep_goes_on(tmp_path, monkeyp
     assert "1/2 runs complete (1 trained now), 1 failed" in capsys.readouterr().out
 
 
-def test_retrain_trains_a_finished_run_again_and_a_failed_retrain_loses_nothing(make_config, monkeypatch):
-    cfg = make_config(*TINY)
-    first = train(cfg)
-    folder = store.run_dir(cfg)
-    assert store.run_dir(make_config(*TINY, "retrain=true")) == folder  # the same run, not a new one
-    finished, finished_at = (folder / store.METRICS).read_text(), (folder / store.METRICS).stat().st_mtime_ns
-
-    def fail(*args):
-        raise RuntimeError("killed mid-retrain")
-
-    monkeypatch.setattr(loop, "_train_locked", fail)
-    with pytest.raises(RuntimeError):
-        train(make_config(*TINY, "retrain=true"))
-    assert (folder / store.METRICS).read_text() == finished  # the finished run is back, whole
-    monkeypatch.undo()
-
-    again = train(make_config(*TINY, "retrain=true"))
-    assert (folder / store.METRICS).stat().st_mtime_ns > finished_at  # trained anew ...
-    assert again["token_acc"] == first["token_acc"]  # ... the same computation
-    assert not list(folder.parent.glob(".*.replaced"))  # the old folder is gone once the new one is complete
-
-
 @pytest.mark.parametrize("vocab_size, chance", [(4, "25.0%"), (16, "6.2%")])
 def test_chance_and_the_summary_follow_the_vocabulary(tmp_path, vocab_size, chance):
     """Chance is 1 / task.vocab_size at any vocabulary, in metrics.json, the run's summary line and

@@ -37,7 +37,8 @@ if TYPE_CHECKING:  # heavy imports happen where they are needed: `import copytas
 
 class SweepError(RuntimeError):
     """A sweep ended with failed jobs (each logged at ERROR to the `copytask` logger, with a
-    failed.json in its run folder); `table` holds the results of the runs that did complete."""
+    failed.json in its run folder, or beside its replacement where the run's complete results stay);
+    `table` holds the results of the runs that are complete."""
 
     def __init__(self, message: str, table: pd.DataFrame) -> None:
         super().__init__(message)
@@ -79,12 +80,11 @@ def sweep(overrides: Sequence[str] = (), runs_dir: str | Path | None = None) -> 
         failed_jobs = False
     except SweepFailed:
         failed_jobs = True
-    loaded = load(select_runs(overrides).runs)
+    runs = select_runs(overrides).runs
+    loaded = load(runs)
     if failed_jobs:  # a run another process is still training has not failed (the sweep's summary counts it apart)
-        failed = [run.folder.name for run, _ in loaded.missing if run.status() != "running"]
-        raise SweepError(
-            f"{len(failed)} of {len(loaded.runs) + len(loaded.missing)} runs failed: {', '.join(failed)}", loaded.table
-        )
+        failed = [run.folder.name for run in runs if run.job_failure()]  # also a retraining's, its old results kept
+        raise SweepError(f"{len(failed)} of {len(runs)} runs failed: {', '.join(failed)}", loaded.table)
     return loaded.table
 
 

@@ -1,12 +1,13 @@
 """The run store: a run's identity and folder name (`identity`), the files of a run folder with
 atomic writes and locks (`folders`), the runs a grid or folder holds with their status and the
-records a sweep leaves (`runs`), and what made a run (`provenance`, which decides which complete runs
-are reused). Training writes through it; compare, report and the API read through it.
+records a sweep leaves (`runs`), what made a run (`provenance`, which decides which complete runs
+are reused), and how complete results are replaced without ever being lost (`replacement`). Training
+writes through it; compare, report and the API read through it.
 
 `store.X` is `folders.X` or `identity.X`: the two halves of one concept, read together;
-`store.provenance` is its own."""
+`store.provenance` and `store.replacement` are their own."""
 
-from . import provenance
+from . import provenance, replacement
 from .folders import (
     ANALYSIS,
     ATTENTION,

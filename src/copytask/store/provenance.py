@@ -1,6 +1,6 @@
 """What made a run: the code and libraries that computed it, recorded in its metrics.json and given
-to its tracker (`provenance`); whether a complete run was computed by this code (`computed_here`);
-and which runs of a table differ in it (`mixed_line`).
+to its tracker (`provenance`); whether a complete run was computed by this code (`computed_here`)
+and so is reused (`reused`); and which runs of a table differ in it (`mixed_line`).
 
 A run's identity (its folder's name) is its config; what it records here is not part of it, so an
 upgrade keeps every run's name. `COMPUTATION` is what decides whether a complete run is reused: a
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .folders import METRICS, is_complete, read_json
+from .replacement import pending
 
 # The version of what a run computes: training, data, models and scoring. Raise it with any change
 # to the numbers a run produces; tests/test_computation.py records a few runs' numbers and fails,
@@ -101,6 +102,12 @@ def recorded_computation(folder: Path) -> Any:
 def computed_here(folder: Path) -> bool:
     """Whether the complete run in `folder` was computed by this code: it records `COMPUTATION`."""
     return recorded_computation(folder) == COMPUTATION
+
+
+def reused(folder: Path, retrain: bool) -> bool:
+    """Whether training the run in `folder` reads its results instead: they are complete and computed
+    by this code, `retrain` is false, and no replacement of them has begun (a stopped one goes on)."""
+    return is_complete(folder) and not retrain and computed_here(folder) and not pending(folder)
 
 
 def computed_elsewhere(

@@ -1,10 +1,12 @@
 """The runs a grid or a folder holds, as `compare`, `report`, the sweeps and the API see them: a run
 with the overrides that made it and its status (`GridRun`), the records a sweep leaves in runs_dir
-(`SWEEP_RECORD`, each trial's `TRIAL_RECORD`), and the variable-length runs whose curves belong on a
-grid's figure. Which runs a grid is made of is the sweeps' (`sweeps.grid`)."""
+(`SWEEP_RECORD`, each trial's `TRIAL_RECORD`) and a failed job's record (`record_failure`), and the
+variable-length runs whose curves belong on a grid's figure. Which runs a grid is made of is the
+sweeps' (`sweeps.grid`)."""
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from .. import console
-from . import folders
+from . import folders, replacement
 from .identity import identity
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
@@ -53,10 +55,7 @@ class GridRun:
         """Why this run has no results, in one line."""
         status = self.status()
         if status == "failed":
-            try:
-                return folders.read_json(self.folder / folders.FAILED)["error"]
-            except (OSError, ValueError, KeyError, TypeError) as error:
-                return f"failed (unreadable {folders.FAILED}: {error})"
+            return read_failure(self.folder)
         if status == "incomplete":
             if (self.folder / folders.METRICS).exists():
                 return (
@@ -66,6 +65,35 @@ class GridRun:
         if status == "running":
             return f"being trained by another process (it holds {folders.lock_path(self.folder)})"
         return status
+
+    def job_failure(self) -> str | None:
+        """Why this run's last job failed, in one line; None where it did not (or another process trains
+        it). Where it was to replace complete results, which stay complete, the failure is recorded
+        beside their replacement (`record_failure`)."""
+        status = self.status()
+        if status in ("running", "complete"):
+            new = replacement.staging(self.folder)
+            failed = status == "complete" and (new / folders.FAILED).is_file()
+            return f"{read_failure(new)}; its results from before are kept" if failed else None
+        return self.failure()
+
+
+def record_failure(folder: Path, error: BaseException) -> None:
+    """Record why the job of the run in `folder` failed (FAILED: the error and its traceback), where it
+    makes no complete results look failed (`replacement.failure_folder`)."""
+    trace = "".join(traceback.format_exception(error))
+    folders.write_json(
+        replacement.failure_folder(folder) / folders.FAILED,
+        {"error": f"{type(error).__name__}: {error}", "traceback": trace},
+    )
+
+
+def read_failure(folder: Path) -> str:
+    """The error a failed job recorded in `folder`, in one line."""
+    try:
+        return folders.read_json(folder / folders.FAILED)["error"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"failed (unreadable {folders.FAILED}: {error})"
 
 
 def _without_lengths(cfg: DictConfig) -> dict[str, Any]:
@@ -81,8 +109,8 @@ def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
     run of `grid`: their per-length curves belong on the grid's accuracy-vs-length figure."""
     settings = [_without_lengths(run.config) for run in grid]
     found = []
-    for folder in sorted(Path(runs_dir).iterdir()) if Path(runs_dir).is_dir() else []:
-        if not folders.is_complete(folder) or not (folder / folders.CONFIG).is_file():
+    for folder in folders.complete_runs(runs_dir):  # not a replacement's staging folder, complete before its swap
+        if not (folder / folders.CONFIG).is_file():
             continue
         try:
             cfg = OmegaConf.load(folder / folders.CONFIG)

@@ -22,7 +22,6 @@ import platform
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from ..config.checks import analysis_device, remote_launcher
 from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
 from ..config.schema import config_dir
 from ..console import ConfigError
-from ..store.runs import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun
+from ..store.runs import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun, record_failure
 from ..training import trackers
 from ..training.devices import cpu_model, gpu_name
 from .grid import QUIET_HYDRA, check_grid, expand, search_trials, sweep_command, trial_runs
@@ -92,7 +91,7 @@ def run_job(cfg: DictConfig, multirun: bool) -> float | None:
             cfg.train.progress = False  # the sweep has one bar for all its runs (SweepProgress)
     elif not cfg.retrain and (line := store.provenance.retrained_line([folder])):  # a sweep's: on_multirun_start
         console.log.info(line)
-    skipped = store.is_complete(folder) and not cfg.retrain and store.provenance.computed_here(folder)
+    skipped = store.provenance.reused(folder, cfg.retrain)
     try:
         metrics = train(cfg)  # validates first: a trial a search proposes that cannot run fails here, before training
     except RunInProgress as busy:
@@ -100,10 +99,7 @@ def run_job(cfg: DictConfig, multirun: bool) -> float | None:
         return None
     except Exception as error:
         if multirun:  # recorded for the sweep summary, not swallowed
-            store.write_json(
-                folder / store.FAILED,
-                {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()},
-            )
+            record_failure(folder, error)
             console.log.error(f"copytask: job failed: {folder.name}: {error}")
             return None
         if not isinstance(error, (ConfigError, NonFiniteLoss)):
@@ -333,6 +329,7 @@ class SweepSummary(Callback):
         trials = search_trials(config) if proposes_jobs(config.hydra) else None
         runs = expand(config) if trials is None else trial_runs(config, trials)
         unfinished, elsewhere = check_statuses(runs, config.hydra.launcher.get("gpus_per_node"))
+        complete = sum(store.is_complete(run.folder) for run in runs)
         trained = sum(
             store.is_complete(run.folder) and (run.folder / store.METRICS).stat().st_mtime >= self.started_at
             for run in runs
@@ -351,7 +348,7 @@ class SweepSummary(Callback):
         store.write_json(Path(config.runs_dir) / SWEEP_RECORD, record)
         results = write_results(runs, trials, config)
         console.log.info(
-            f"sweep: {len(runs) - len(unfinished) - len(elsewhere)}/{len(runs)} runs complete ({trained} trained now), "
+            f"sweep: {complete}/{len(runs)} runs complete ({trained} trained now), "
             f"{len(unfinished)} failed"
             + (f", {len(elsewhere)} being trained by another process" if elsewhere else "")
             + f"; {wall_seconds:.1f} s wall time"
@@ -362,16 +359,18 @@ class SweepSummary(Callback):
 
 
 def check_statuses(runs: list[GridRun], gpus_per_node: int | None) -> tuple[list[GridRun], list[GridRun]]:
-    """The runs that failed (each logged as an error first: nothing after may hide which jobs failed)
-    and those another process is training (each warned: neither failures of this sweep nor results
-    yet); a warning where runs trained on CPU although the jobs had GPUs."""
+    """The runs whose job failed (each logged as an error first: nothing after may hide which jobs
+    failed), also where it was to replace complete results, which stay; those another process is training
+    (each warned: neither failures of this sweep nor results yet); a warning where runs trained on CPU
+    although the jobs had GPUs."""
     from ..training import devices
 
     statuses = [run.status() for run in runs]
     elsewhere = [run for run, status in zip(runs, statuses) if status == "running"]
-    unfinished = [run for run, status in zip(runs, statuses) if status not in ("complete", "running")]
-    for run in unfinished:
-        console.log.error(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {run.failure()}")
+    failures = [(run, why) for run in runs if (why := run.job_failure())]
+    for run, why in failures:
+        console.log.error(f"copytask: job failed: {run.label or run.folder.name} ({run.folder}): {why}")
+    unfinished = [run for run, _ in failures]
     for run in elsewhere:
         console.warn(
             f"{run.label or run.folder.name}: {run.failure()}; not in these results (run the sweep again once it ends)"

@@ -37,7 +37,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
 from .. import store
 from ..config.hydra_internals import compose_job
-from ..store.provenance import computed_here
+from ..store.provenance import reused
 from ..store.runs import OBJECTIVE
 
 LOG = "slurm.log"  # in hydra.sweep.dir: each job's id, run and end, and submitit's messages
@@ -89,7 +89,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         submit = []  # (job number, overrides, run folder)
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             folder, retrain = run_folder(config, overrides)
-            if store.is_complete(folder) and computed_here(folder) and not retrain:
+            if reused(folder, retrain):
                 say(f"#{idx}: {folder.name} complete, not submitted")
                 returns.append(
                     JobReturn(
@@ -289,12 +289,13 @@ def job_value(job: Any, folder: Path, say: SweepLog) -> JobReturn | None:
 
 def record_failure(folder: Path, reason: str, job: Any, say: SweepLog) -> None:
     """Write failed.json for a job that left no record of its own (killed, cancelled), naming its
-    last log line; not where the run is complete or another process trains it now."""
+    last log line; not where another process trains the run now, and beside the replacement where the
+    run is complete (`store.replacement.failure_folder`: complete results never look failed)."""
     log_line = last_line(job.paths.stderr)
     error = f"{reason}{f' ({log_line})' if log_line else ''}; log: {job.paths.stderr}"
     say(f"{folder.name}: {error}")
-    if not store.is_complete(folder) and not store.is_locked(folder):
-        store.write_json(folder / store.FAILED, {"error": error, "traceback": None})
+    if not store.is_locked(folder):
+        store.write_json(store.replacement.failure_folder(folder) / store.FAILED, {"error": error, "traceback": None})
 
 
 def last_line(path: Path) -> str:

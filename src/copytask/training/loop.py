@@ -29,7 +29,8 @@ from ..kernels.ops import runs_fused
 from ..models.build import build_model, check_buildable
 from ..models.greedy import evaluate, rounded
 from ..models.recurrent import Seq2Seq, count_parameters
-from ..store.provenance import computed_here, provenance
+from ..store import replacement
+from ..store.provenance import provenance, reused
 from . import checkpoints, trackers
 from .devices import host, resolve_device, run_settings, torch_state
 from .optimizer import FlatAdam, adam, lr_schedule
@@ -60,56 +61,57 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
 
 def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
     """Train one run and write its folder; returns metrics.json's content. A run whose complete
-    results already exist is read, not trained again, unless `retrain=true` or it was computed by other
-    code (it records another `computation`, or none); then its old folder is kept until the new
-    results are complete (and put back if training fails). Raises
-    RunInProgress if another process is training the run now, NonFiniteLoss if it diverges.
-    Torch's thread count and random state are as they were when it returns. `model_class`: see
-    `build.build_model`."""
+    results already exist is read, not trained again, unless `retrain=true`, it was computed by other
+    code (it records another `computation`, or none), or a retraining of it was stopped (it goes on).
+    Then the new run trains in a staging folder beside the old one (`store.replacement`), which every
+    reader still finds, whole, until the new results are complete and take its place in one step.
+    An interrupted run, or retraining, continues from its checkpoint. Raises RunInProgress if another
+    process is training the run now, NonFiniteLoss if it diverges. Torch's thread count and random
+    state are as they were when it returns. `model_class`: see `build.build_model`."""
     validate(cfg)
     check_buildable(cfg)
     folder = store.run_dir(cfg)
     lock = store.lock_run(folder)
     if lock is None:
         raise RunInProgress(f"{folder.name}: being trained by another process (it holds {store.lock_path(folder)})")
-    with lock:
-        previous = None
+    with lock:  # it covers the run's staging folder too
+        replacement.settle(folder)  # what a killed process left half done
         retrain = cfg.get("retrain", False)
-        if store.is_complete(folder):
-            if not retrain and computed_here(folder):
-                return store.read_json(folder / store.METRICS)
-            previous = folder.with_name(f".{folder.name}.replaced")  # a dot folder: no listing of runs sees it
-            shutil.rmtree(previous, ignore_errors=True)
-            folder.rename(previous)
-        elif folder.exists():  # an interrupted or failed run: no one else writes here while we hold the lock
-            clear_leftovers(folder, keep_checkpoint=not retrain)
+        if reused(folder, retrain):
+            return store.read_json(folder / store.METRICS)
+        replacing = store.is_complete(folder)
+        target = replacement.begin(folder) if replacing else folder
+        if not store.is_complete(target):  # a replacement complete before a kill only takes its place
+            if target.exists():  # an interrupted or failed run: no one else writes here while we hold the lock
+                clear_leftovers(target, keep_checkpoint=replacing or not retrain)
+            train_into(cfg, target, model_class)
+        if replacing:
+            replacement.swap(folder)
+        return store.read_json(folder / store.METRICS)
+
+
+def train_into(cfg: DictConfig, folder: Path, model_class: type[nn.Module]) -> None:
+    """Train the run of `cfg` in `folder` (its run folder, or its replacement's staging folder), from
+    the checkpoint there if any, and write metrics.json last."""
+    device = resolve_device(cfg.train.device)
+    with (
+        trackers.open_run(cfg, store.run_name(cfg)) as tracker,  # it closes before the run is complete
+        torch_state(cfg.train.threads, device),
+        run_settings(device),
+    ):
         try:
-            device = resolve_device(cfg.train.device)
-            with (
-                trackers.open_run(cfg, folder.name) as tracker,  # it closes before the run is complete
-                torch_state(cfg.train.threads, device),
-                run_settings(device),
-            ):
-                try:
-                    metrics = _train_locked(cfg, folder, device, model_class, tracker)
-                except checkpoints.UnusableCheckpoint:  # set aside: from step 0, with everything built afresh
-                    metrics = _train_locked(cfg, folder, device, model_class, tracker)
-            store.write_json(folder / store.METRICS, metrics)  # last: marks the run complete
-            (folder / store.RESUME).unlink(missing_ok=True)  # a complete run never resumes
-        except BaseException:
-            if previous is not None:  # the finished run comes back: a failed retrain loses nothing
-                shutil.rmtree(folder, ignore_errors=True)
-                previous.rename(folder)
-            raise
-        if previous is not None:
-            shutil.rmtree(previous)
-        return metrics
+            metrics = _train_locked(cfg, folder, device, model_class, tracker)
+        except checkpoints.UnusableCheckpoint:  # set aside: from step 0, with everything built afresh
+            metrics = _train_locked(cfg, folder, device, model_class, tracker)
+    store.write_json(folder / store.METRICS, metrics)  # last: marks the run complete
+    (folder / store.RESUME).unlink(missing_ok=True)  # a complete run never resumes
 
 
 def clear_leftovers(folder: Path, keep_checkpoint: bool) -> None:
     """Empty the folder of an interrupted or failed run but for its checkpoint (with
-    `keep_checkpoint`, to continue from it) and a checkpoint set aside as unreadable."""
-    keep = {store.UNREADABLE_RESUME, store.RESUME} if keep_checkpoint else {store.UNREADABLE_RESUME}
+    `keep_checkpoint`, to continue from it), a checkpoint set aside as unreadable, and the mark of a
+    replacement's staging folder."""
+    keep = {store.UNREADABLE_RESUME, replacement.MARK} | ({store.RESUME} if keep_checkpoint else set())
     for path in folder.iterdir():
         if path.name not in keep:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -148,6 +150,11 @@ class Run:
     hits: int = 0  # evaluations in a row at the target accuracy (early stopping)
     resumed_from: int = 0  # the step this run continued from after an interruption (0: trained in one go)
     started: float = 0.0  # the clock's zero (time.perf_counter): earlier than now for a resumed run
+
+    @property
+    def name(self) -> str:
+        """The run's name: its folder's, also while it trains in a replacement's staging folder."""
+        return store.run_name(self.cfg)
 
     def checkpoint(self) -> None:
         """Save all the run needs to go on from its current step: the objects' state and where it stands."""
@@ -220,7 +227,7 @@ def training_loop(run: Run) -> None:
     bar = tqdm(
         total=steps,
         initial=run.step,
-        desc=run.folder.name,
+        desc=run.name,
         unit="step",
         disable=not cfg.train.progress,
         dynamic_ncols=True,
@@ -253,7 +260,7 @@ def stop_if_diverged(run: Run, first_nonfinite: int) -> None:
     if first_nonfinite:
         (run.folder / store.PROGRESS).unlink(missing_ok=True)
         raise NonFiniteLoss(
-            f"{run.folder.name}: the training loss became NaN or inf at step {first_nonfinite} (the run diverged: "
+            f"{run.name}: the training loss became NaN or inf at step {first_nonfinite} (the run diverged: "
             f"try a lower train.lr); stopped at step {run.step}, nothing saved"
         )
 
@@ -324,7 +331,7 @@ def run_metrics(run: Run, result: dict, train_seconds: float) -> dict:
         "threads": torch.get_num_threads(),
         "fused": run.fused,
         "resumed_from": run.resumed_from,
-        "run": run.folder.name,
+        "run": run.name,
     } | run.provenance
 
 

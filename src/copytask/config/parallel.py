@@ -16,10 +16,9 @@ from ..console import ConfigError
 RESOLVER = "copytask.parallel_jobs"
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"  # what parallel.yaml extends
-# A job's resident memory at its peak, with a margin, in MiB: the default sweep's and the presets' jobs at length
-# 80 peaked at 400-520 MiB with torch's CPU build and 880-1,000 with its CUDA build (which maps its CUDA libraries
-# even on a machine without a GPU); docs/bench.md has the figures. The margin covers the CUDA context of a job on a
-# GPU, which these figures do not include, and the sweep's own process.
+# A job's resident memory at its peak, in MiB, with a margin: the presets' largest jobs measured with torch's CPU
+# build and with its CUDA build, which maps its CUDA libraries even without a GPU (docs/bench.md, "Memory"). The
+# margin is for a job's CUDA context on a GPU, which those figures lack.
 JOB_MIB = 1536
 
 

@@ -311,7 +311,7 @@ def test_a_sweeps_log_with_both_streams_has_each_runs_line_on_a_line_of_its_own(
     results = [line for line in lines if "greedy token acc" in line]
     assert len(results) == 3 and all(line.startswith("none-copy") for line in results), log
     bars = [line for line in lines if "sweep (" in line or "analyze:" in line]
-    assert "sweep (3/3 runs): 100%" in log and any(line.startswith("analyze: 100%") for line in bars)
+    assert "sweep (3/3 runs, 1 job at a time): 100%" in log and any(line.startswith("analyze: 100%") for line in bars)
     assert all(line.startswith(("sweep (", "analyze:")) and line.endswith("]") for line in bars), bars
 
 

@@ -198,7 +198,7 @@ def test_a_sweep_prints_nothing_and_logs_its_lines_for_a_caller_who_asks(tmp_pat
         copytask.sweep([*TINY, "attention=none", "task.length=3", "seed=0,1", "train.progress=true"], runs_dir=tmp_path)
     out, err = capfd.readouterr()
     assert out == ""
-    assert "sweep (2/2 runs)" in err  # the sweep's bar
+    assert "sweep (2/2 runs, 1 job at a time)" in err  # the sweep's bar
     lines = [record.getMessage() for record in caplog.records if record.name == "copytask"]
     assert sum("greedy token acc" in line for line in lines) == 2
     assert [line.split(":")[0] for line in lines[2:]] == ["analysis", "report", "sweep"]

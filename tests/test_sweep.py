@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from copytask import cli, store
+from copytask.config import parallel
 from copytask.console import Lines
 from copytask.sweeps.grid import compose_grid
 
@@ -124,6 +125,11 @@ def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, fails_at_leng
             "copytask: error: report.x must be task.length or a numeric key this sweep varies (task.length), "
             "got 'model.hidden_size'",
         ),
+        (
+            ["hydra/launcher=parallel", "hydra.launcher.n_jobs=0"],
+            "copytask: error: hydra.launcher.n_jobs=0: the parallel launcher needs at least one job at a time "
+            "(leave it out for one per core, as memory allows)",
+        ),
     ],
 )
 def test_a_bad_grid_is_refused_in_one_line_before_anything_runs(tmp_path, bad, message):
@@ -207,7 +213,8 @@ def test_a_sweep_shows_one_progress_bar_for_all_its_runs(tmp_path):
     )
 
     assert process.returncode == 0, process.stderr
-    assert "sweep (2/2 runs): 100%" in process.stderr  # the work done, and the runs finished of the grid
+    # the work done, the runs finished of the grid, and how many run at once (Hydra's basic launcher: one)
+    assert "sweep (2/2 runs, 1 job at a time): 100%" in process.stderr
     assert "step/s" not in process.stderr  # no per-run bars
 
 
@@ -224,7 +231,9 @@ def test_a_sweep_through_the_parallel_launcher(tmp_path):
 
     assert process.returncode == 0, process.stderr  # the jobs, callbacks included, pickle into joblib's workers
     assert set(pd.read_csv(tmp_path / "results.csv")["attention"]) == {"none", "luong_general"}
-    assert store.read_json(tmp_path / "sweep.json")["launcher"] == "parallel"
+    record = store.read_json(tmp_path / "sweep.json")
+    assert record["launcher"] == "parallel"
+    assert record["jobs_at_once"] == min(parallel.machine_jobs(), 2)  # one per core as memory allows, two jobs here
 
 
 @pytest.mark.parametrize(
@@ -244,7 +253,7 @@ def test_what_hydra_cannot_take_is_refused_in_one_line_before_anything_runs(tmp_
 
 def test_the_sweep_bar_weighs_each_run_by_its_length_and_budget(runs_copy):
     from copytask.sweeps.grid import select_runs
-    from copytask.sweeps.jobs import SweepProgress, expected_cost
+    from copytask.sweeps.progress import SweepProgress, expected_cost
 
     runs = select_runs(overrides(runs_copy)).runs
     assert {expected_cost(run) for run in runs} == {10 * 3, 10 * 6}  # train.steps x length
@@ -259,7 +268,7 @@ def test_the_sweep_bar_weighs_each_run_by_its_length_and_budget(runs_copy):
 
 def test_the_sweep_bar_credits_the_steps_a_run_in_training_has_done(runs_copy):
     from copytask.sweeps.grid import select_runs
-    from copytask.sweeps.jobs import SweepProgress
+    from copytask.sweeps.progress import SweepProgress
 
     runs = select_runs(overrides(runs_copy)).runs
     training, killed = [run for run in runs if run.config.task.length == 6][:2]
@@ -302,7 +311,7 @@ def test_a_sweeps_log_with_both_streams_has_each_runs_line_on_a_line_of_its_own(
     results = [line for line in lines if "greedy token acc" in line]
     assert len(results) == 3 and all(line.startswith("none-copy") for line in results), log
     bars = [line for line in lines if "sweep (" in line or "analyze:" in line]
-    assert "sweep (3/3 runs): 100%" in log and any(line.startswith("analyze: 100%") for line in bars)
+    assert "sweep (3/3 runs, 1 job at a time): 100%" in log and any(line.startswith("analyze: 100%") for line in bars)
     assert all(line.startswith(("sweep (", "analyze:")) and line.endswith("]") for line in bars), bars
 
 

@@ -64,7 +64,7 @@ def train(cfg: DictConfig | Sequence[str]) -> dict:
 
 def sweep(overrides: Sequence[str] = (), runs_dir: str | Path | None = None) -> pd.DataFrame:
     """Train the grid of `python -m copytask sweep <overrides>` (in `runs_dir`, if given), through
-    Hydra's launcher as the command does (`hydra/launcher=parallel` for two jobs at a time),
+    Hydra's launcher as the command does (`hydra/launcher=parallel` for one job per core),
     skipping complete runs; every job is checked before the first starts. Ends with the sweep's
     analysis, results.csv and report, and returns the results table (`results`); the jobs' and the
     summary's lines go to the `copytask` logger only (Hydra configures no logging here). SweepError

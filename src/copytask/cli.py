@@ -34,7 +34,7 @@ commands:
   sweep    train the grid in configs/config.yaml (hydra.sweeper.params), skipping finished runs;
            ends by naming failed jobs (exit status 1), writing runs_dir/results.csv and the report
              python -m copytask sweep 'attention=none,luong_general' 'seed=0,1'
-             python -m copytask sweep hydra/launcher=parallel      (2 jobs at a time; see docs/sweep.md)
+             python -m copytask sweep hydra/launcher=parallel      (a job per core; see docs/sweep.md)
              python -m copytask sweep hparams_search=baseline task.length=40  (an Optuna search of the
                                            baseline's settings: pip install 'copytask[optuna]')
   compare  per setting and length, the baseline and each attention side by side (mean, 95%

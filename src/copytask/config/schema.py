@@ -24,7 +24,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
 from ..console import ConfigError
-from . import model_keys
+from . import model_keys, parallel
 
 DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
 # attention.variant: which equations a decoder computes, where they changed after its runs were made, so that
@@ -151,6 +151,7 @@ class Config:
 
 SCHEMA = "copytask_schema"
 ConfigStore.instance().store(name=SCHEMA, node=Config)
+parallel.register_resolver()  # n_jobs of configs/hydra/launcher/parallel.yaml
 
 # The smallest value of each integer key (a key left null where the schema allows it is not checked).
 MINIMUM = {

@@ -31,6 +31,7 @@ from ..config.hydra_internals import (
     search_space,
     sweep_jobs,
 )
+from ..config.parallel import check_n_jobs
 from ..config.schema import config_dir, dotted_keys, hydra_errors
 from ..console import ConfigError
 from ..store.runs import SWEEP_RECORD, TRIAL_RECORD, GridRun, folder_runs
@@ -157,6 +158,7 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
         check_launcher(
             launcher, master.hydra.runtime.choices.get("hydra/launcher"), master.hydra.launcher.get("partition")
         )
+        check_n_jobs(master.hydra.launcher)
         torch_free_check = remote_job_check if remote_launcher(launcher) else validate
         searching = proposes_jobs(master.hydra)
     checked: list[DictConfig] = []  # each job's config (a search's: what its trials share), torch-free checks passed

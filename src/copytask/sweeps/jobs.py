@@ -20,7 +20,6 @@ import logging
 import os
 import platform
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from ..store.runs import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun, record_
 from ..training import trackers
 from ..training.devices import cpu_model, gpu_name
 from .grid import QUIET_HYDRA, check_grid, expand, search_trials, sweep_command, trial_runs
+from .progress import SweepProgress, TrialProgress, jobs_at_once
 
 
 class SweepFailed(SystemExit):
@@ -153,121 +153,6 @@ def builds_kernels_here(config: DictConfig) -> bool:
     return resolve_device(config.train.device).type == "cpu"
 
 
-def expected_cost(run: GridRun) -> float:
-    """What a run is expected to cost, in units of one training step at length 1: its step budget
-    times its mean length (a step's recurrences and attention grow with the length). Runs differ
-    by 20x and more in a sweep, so a bar that counts runs gives an ETA that swings."""
-    task = run.config.task
-    mean_length = (task.min_length + task.length) / 2 if task.variable_length else task.length
-    return run.config.train.steps * mean_length
-
-
-class SweepProgress:
-    """One progress bar for a whole sweep: the work done, each finished run (complete, or failed during this sweep)
-    weighted by its `expected_cost` and each run in training by the share of its steps done, so that the ETA follows
-    the work left rather than the runs left; the runs finished of the grid beside it. A thread polls the run folders,
-    so it works the same under every launcher, in-process or not."""
-
-    def __init__(self, runs: list[GridRun], enabled: bool, interval: float = 2.0) -> None:
-        self.runs, self.started_at = runs, time.time()
-        self.costs = [expected_cost(run) for run in runs]
-        self.start(sum(self.costs), enabled, interval)
-
-    def start(self, total: float | None, enabled: bool, interval: float) -> None:
-        """Draw the bar at what is finished now and start the thread that moves it."""
-        from tqdm.auto import tqdm
-
-        self.done, cost = self.finished()
-        clock = (
-            "[{elapsed}<{remaining}]" if total is not None else "[{elapsed}]"
-        )  # no total (a sweeper that does not say): no ETA
-        # smoothing=0: the rate since the start, not tqdm's moving average, which a few large steps (one per
-        # run) throw about
-        self.bar = tqdm(
-            total=total,
-            initial=cost,
-            desc=self.runs_done(self.done),
-            disable=not enabled,
-            file=console.bar_stream(),
-            dynamic_ncols=True,
-            mininterval=interval,
-            smoothing=0,
-            bar_format=("{desc}: {percentage:3.0f}%|{bar}| " if total is not None else "{desc} ") + clock,
-        )
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.poll, args=(interval,), daemon=True)
-        self.thread.start()
-
-    def runs_done(self, done: int) -> str:
-        return f"sweep ({done}/{len(self.runs)} runs)"
-
-    def finished(self) -> tuple[int, float]:
-        """How many runs have finished, and the work done: their expected cost together, plus the
-        share of its step budget that each run in training has done, so that a long run moves the
-        bar while it trains rather than all at once at its end."""
-        done, work = 0, 0.0
-        for run, cost in zip(self.runs, self.costs):
-            status = run.status()
-            if (
-                status == "complete"
-                or status == "failed"
-                and (run.folder / store.FAILED).stat().st_mtime >= self.started_at
-            ):
-                done, work = done + 1, work + cost
-            elif status == "running":
-                work += cost * store.read_progress(run.folder)
-        return done, work
-
-    def update(self) -> bool:
-        """Move the bar to the work done now; whether anything changed."""
-        done, cost = self.finished()
-        cost = max(cost, self.bar.n)  # never back: a run killed in training keeps what it was credited
-        if (done, cost) == (self.done, self.bar.n):
-            return False
-        self.done = done
-        self.bar.set_description_str(self.runs_done(done), refresh=False)
-        self.bar.update(cost - self.bar.n)
-        return True
-
-    def poll(self, interval: float, refresh_every: float = 30.0) -> None:
-        """Update on every finished run, and redraw the clock now and then: a sweep's log stays small."""
-        last_refresh = time.monotonic()
-        while not self.stop.wait(interval):
-            if not self.update():
-                if time.monotonic() - last_refresh <= refresh_every:
-                    continue
-                self.bar.refresh()
-            last_refresh = time.monotonic()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.update()
-        self.bar.close()
-
-
-class TrialProgress(SweepProgress):
-    """A search's bar: the trials finished of the sweeper's `n_trials`, from the trial records its
-    jobs write into `sweep_dir` (a trial the sweeper has not proposed yet has no folder to look at,
-    and no known cost: each trial counts one)."""
-
-    def __init__(self, sweep_dir: Path, trials: int | None, enabled: bool, interval: float = 2.0) -> None:
-        self.sweep_dir, self.trials, self.started_at = sweep_dir, trials, time.time()
-        self.start(trials, enabled, interval)
-
-    def runs_done(self, done: int) -> str:
-        return f"search ({done}/{self.trials} trials)" if self.trials is not None else f"search ({done} trials)"
-
-    def finished(self) -> tuple[int, float]:
-        done = 0
-        for path in self.sweep_dir.glob(f"*/{TRIAL_RECORD}"):
-            try:
-                done += path.stat().st_mtime >= self.started_at  # a record of an earlier sweep is not this one's
-            except OSError:  # replaced as we looked
-                continue
-        return done, done
-
-
 class SweepSummary(Callback):
     """At the end of a sweep: name the failed jobs, analyse the grid's complete runs (the report
     reads analysis.json, it never evaluates a model), write results.csv and the report (and give
@@ -288,14 +173,17 @@ class SweepSummary(Callback):
             # a fresh machine's one-time compile (30-80 s), before the bar starts, so its ETA measures training
             build.kernel()
         if proposes_jobs(config.hydra):
+            trials = config.hydra.sweeper.get("n_trials")
+            self.at_once = jobs_at_once(config.hydra, trials)
             self.progress = TrialProgress(
-                Path(config.hydra.sweep.dir), config.hydra.sweeper.get("n_trials"), enabled=config.train.progress
+                Path(config.hydra.sweep.dir), trials, enabled=config.train.progress, at_once=self.at_once
             )
         else:
             runs = expand(config)
             if not config.retrain and (line := store.provenance.retrained_line([run.folder for run in runs])):
                 console.log.info(f"sweep: {line}")  # before the bar: why runs it counts as done train again
-            self.progress = SweepProgress(runs, enabled=config.train.progress)
+            self.at_once = jobs_at_once(config.hydra, len(runs))
+            self.progress = SweepProgress(runs, enabled=config.train.progress, at_once=self.at_once)
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that run jobs in other processes (joblib, submitit) pickle the callbacks with
@@ -341,6 +229,7 @@ class SweepSummary(Callback):
             "trained": trained,
             "failed": len(unfinished),
             "training_elsewhere": len(elsewhere),
+            "jobs_at_once": self.at_once,
             "wall_seconds": round(wall_seconds, 1),
             "analysis_seconds": round(analysis_seconds, 1),
         }

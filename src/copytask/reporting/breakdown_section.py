@@ -214,10 +214,11 @@ def breakdown_section(analyses: list[dict], settings: pd.DataFrame | None, out: 
             "on the run's untrained model (its initial weights from its seed; dotted), as Conneau et al. (2018) read "
             "untrained encoders, and a control task (Hewitt and Liang, 2019): the trained vector read for a random "
             "label of each (position, symbol), with selectivity the accuracy minus the control task's. The control "
-            "task's labels are a function of the symbol, so a linear probe reads them about as well as the symbol "
-            "wherever it reads the symbol: selectivity near zero says the probe does not find more than the vector "
-            "holds; the untrained model is the control of what training put there. A linear probe is a lower "
-            "bound: a symbol it cannot read may still be there in a form the decoder reads. "
+            "task's labels are a function of the symbol that merges symbols (hence its higher chance), and a "
+            "least-squares probe's scores for a merged label are the sums of its scores for the symbols it merges: "
+            "the control task is never harder for it than the symbols, so selectivity cannot show a linear probe "
+            "memorising here; the untrained model is the control of what training put there. A linear probe is a "
+            "lower bound: a symbol it cannot read may still be there in a form the decoder reads. "
             + (f"No summary vector to probe: {', '.join(without)}." if without else ""),
             "",
             tables.markdown_table(probe_summary(table, keys)),

@@ -213,3 +213,20 @@ def test_the_share_of_the_gain_missing_given_the_true_prefix_pairs_seeds_and_has
     assert (ten["share_lo"], ten["share_hi"]) == pytest.approx((mean - half, mean + half))
     assert shown_share(ten) == f"{100 * mean:.1f} [{100 * (mean - half):.1f}, {100 * (mean + half):.1f}]"
     assert shown_share(shares.loc["5"]) == "no gain"  # seed 1's gain is below zero
+
+
+def test_teacher_forcing_in_chunks_of_mixed_lengths_gives_each_sequence_its_own_argmax(make_config):
+    """Chunks of a mixed-length batch are trimmed to their own longest source: their tokens are padded back
+    to the batch's width, each row as the whole batch at once gives it."""
+    from copytask.data.vocab import PAD
+    from copytask.models.build import build_model
+
+    cfg = make_config(*TINY, "attention=luong_general", "task.length=6")
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    batch = make_batch("copy", 12, 6, 9, torch.Generator().manual_seed(2), min_length=1)
+    whole = teacher_forced(model, batch, chunk_size=len(batch))
+    chunked = teacher_forced(model, batch, chunk_size=3)
+    assert chunked.shape == batch.tgt_out.shape
+    real = batch.target_mask
+    assert torch.equal(chunked[real], whole[real]) and (chunked[~real & (chunked != whole)] == PAD).all()

@@ -20,11 +20,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor
 
 from ..data.batches import Batch
 from ..data.scoring import position_scores, sequence_scores
+from ..data.vocab import PAD
 from ..models.beam import beam_search
 from ..models.build import Model
 from ..models.greedy import EVAL_CHUNK
@@ -60,14 +62,15 @@ class Settings:
 
 @torch.no_grad()
 def teacher_forced(model: Model, batch: Batch, chunk_size: int = EVAL_CHUNK) -> Tensor:
-    """The argmax at every step given the true prefix (`batch.tgt_in`) -> tokens (B, T_dec)."""
+    """The argmax at every step given the true prefix (`batch.tgt_in`) -> tokens (B, T_dec), PAD past the
+    steps of a chunk (trimmed to its own longest source) where the batch is longer."""
     was_training = model.training
     model.eval()
     tokens = []
     for start in range(0, len(batch), chunk_size):
         part = batch.select(slice(start, start + chunk_size))
-        logits, _ = model(part.src, part.src_lengths, part.tgt_in)  # (b, T_dec, V)
-        tokens.append(logits.argmax(-1))
+        logits, _ = model(part.src, part.src_lengths, part.tgt_in)  # (b, t_dec, V)
+        tokens.append(F.pad(logits.argmax(-1), (0, batch.tgt_out.size(1) - part.tgt_out.size(1)), value=PAD))
     model.train(was_training)
     return torch.cat(tokens)
 

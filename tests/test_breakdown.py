@@ -9,9 +9,10 @@ from torch import nn
 
 from copytask.console import ConfigError
 from copytask.data.batches import make_batch
+from copytask.data.scoring import accuracy
 from copytask.data.splits import heldout_keys, sequence_keys, training_sequences
 from copytask.data.vocab import EOS, total_vocab
-from copytask.evaluation.breakdown import accuracy, teacher_forced
+from copytask.evaluation.breakdown import teacher_forced
 from copytask.evaluation.probe import (
     fit_probe,
     fitting_set,
@@ -45,6 +46,7 @@ def test_teacher_forced_accuracy_is_all_right_where_its_argmax_is_the_target():
     assert torch.equal(tokens, batch.tgt_out)
     scored = accuracy(tokens, batch)
     assert scored["token_acc"] == 1 and scored["seq_acc"] == 1 and scored["by_position"] == [1.0] * L
+    assert scored["ended_early"] == 0
 
 
 def test_teacher_forced_accuracy_ends_each_output_at_its_first_eos():
@@ -53,7 +55,7 @@ def test_teacher_forced_accuracy_ends_each_output_at_its_first_eos():
     tokens = batch.tgt_out.clone()
     tokens[:, 2] = EOS
     scored = accuracy(teacher_forced(Oracle(tokens), batch), batch)
-    assert scored["token_acc"] == pytest.approx(2 / L) and scored["seq_acc"] == 0
+    assert scored["token_acc"] == pytest.approx(2 / L) and scored["seq_acc"] == 0 and scored["ended_early"] == 1
     assert scored["by_position"] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 

@@ -26,7 +26,7 @@ from ..data.batches import Batch
 from ..data.scoring import accuracy
 from ..models.beam import beam_search
 from ..models.build import Model
-from ..models.chunks import over_chunks
+from ..models.chunks import over_chunks, pad_to
 from ..models.greedy import EVAL_CHUNK
 from .probe import probe_summary
 
@@ -59,11 +59,12 @@ class Settings:
 
 
 def teacher_forced(model: Model, batch: Batch, chunk_size: int = EVAL_CHUNK) -> Tensor:
-    """The argmax at every step given the true prefix (`batch.tgt_in`) -> tokens (B, T_dec)."""
+    """The argmax at every step given the true prefix (`batch.tgt_in`) -> tokens (B, T_dec), PAD past
+    the target of a chunk's longest sequence."""
 
     def argmax(part: Batch) -> Tensor:
-        logits, _ = model(part.src, part.src_lengths, part.tgt_in)  # (b, T_dec, V)
-        return logits.argmax(-1)
+        logits, _ = model(part.src, part.src_lengths, part.tgt_in)  # (b, t_dec <= T_dec, V)
+        return pad_to(logits.argmax(-1), batch.tgt_out.size(1))
 
     return over_chunks(model, batch, chunk_size, argmax)
 

@@ -8,7 +8,7 @@ import torch
 from ..data.batches import Batch
 from ..data.scoring import accuracy
 from .build import Model
-from .chunks import over_chunks
+from .chunks import over_chunks, pad_to
 
 # Sequences greedily decoded at once on CPU: smaller pieces keep a decoder step's tensors in cache
 # (docs/bench.md, Speed levers).
@@ -26,16 +26,7 @@ def evaluate(model: Model, batch: Batch, chunk_size: int | None = None) -> dict:
 
     def decode(part: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         out, weights = model.greedy(part.src, part.src_lengths, steps=steps)
-        return _pad_to(out, steps), None if weights is None else _pad_to(weights, batch.src.size(1), dim=2)
+        return pad_to(out, steps), None if weights is None else pad_to(weights, batch.src.size(1), dim=2)
 
     tokens, weights = over_chunks(model, batch, chunk_size, decode)
     return accuracy(tokens, batch) | {"tokens": tokens, "weights": weights}
-
-
-def _pad_to(t: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
-    missing = size - t.size(dim)
-    if missing == 0:
-        return t
-    pad_shape = list(t.shape)
-    pad_shape[dim] = missing
-    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)

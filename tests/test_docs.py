@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from copytask import cli
+from copytask import cli, cli_decode
 from copytask.bench import measures
 from copytask.bench.command import parse as bench_parse
 from copytask.config.checks import check_launcher, remote_job_check, remote_launcher, validate
 from copytask.config.hydra_internals import override_args
 from copytask.console import ConfigError
-from copytask.evaluation import decode
 from copytask.sweeps.grid import check_grid, compose_grid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +121,7 @@ def check_command(where: str, args: list[str]) -> None:
         assert set(flags) <= set(cli.COMMAND_FLAGS.get(command, ())), f"{where}: {command} has no option {flags}"
         compose_grid([arg for arg in rest if arg not in flags], expand_grid=False)
     elif command == "decode":
-        decode.parser().parse_args(rest)
+        cli_decode.parser().parse_args(rest)
     elif command == "bench":
         options = bench_parse(rest)
         measures.bench_config(measures.ATTENTIONS[0], options.lengths[0], options.overrides)

@@ -140,7 +140,7 @@ def run_command(args: list[str]) -> int:
         except ConfigError as error:
             return refuse(error)
     if command == "decode":
-        from .evaluation.decode import main as decode  # light: torch only once the request is checked
+        from .cli_decode import main as decode  # light: torch only once the request is checked
 
         return decode(rest)
     if command == "build":

@@ -27,7 +27,7 @@ from ..data.splits import heldout_keys, training_batch
 from ..data.vocab import PAD
 from ..kernels.ops import runs_fused
 from ..models.build import build_model, check_buildable
-from ..models.greedy import evaluate, rounded
+from ..models.greedy import evaluate
 from ..models.recurrent import Seq2Seq, count_parameters
 from ..store import replacement
 from ..store.provenance import provenance, reused
@@ -361,7 +361,7 @@ def attention_samples(cfg: DictConfig, heldout: Batch, result: dict) -> dict:
                 "source": heldout.src[i, :length].tolist(),
                 "target": heldout.tgt_out[i, : length + 1].tolist(),
                 "output": result["tokens"][i, : length + 1].tolist(),
-                "weights": None if weights is None else rounded(weights[i, : length + 1, :length]),
+                "weights": None if weights is None else store.rounded(weights[i, : length + 1, :length]),
             }
         )
     return {"attention": store.architecture(cfg), "task": cfg.task.name, "samples": samples}

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from ..config.schema import DECODERS
 from ..data.batches import length_mask
 from ..data.vocab import BOS, PAD
+from ..models.positions import LearnedPositions, SinusoidalPositions
 from ..models.recurrent import Encoder
-from ..models.transformer import LearnedPositions, SinusoidalPositions
 
 REFERENCE_SCORES = (None, "additive", "dot", "general")  # the classical ones (None: a decoder without attention)
 

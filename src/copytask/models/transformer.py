@@ -136,6 +136,11 @@ class TransformerSeq2Seq(nn.Module):
         """The longest source the positions cover (learned: the table's rows - 1); None: any."""
         return self.positions.table.num_embeddings - 1 if isinstance(self.positions, LearnedPositions) else None
 
+    def state_floats(self, length: int) -> int:
+        """Floats per sequence the decoder can read of a source of `length` symbols: the encoder's output,
+        which every cross-attention reads (length x d)."""
+        return length * self.d_model
+
     def _embed(self, embedding: nn.Embedding, tokens: Tensor, start: int = 0) -> Tensor:
         """tokens (B, T) at positions start .. start + T - 1 -> (B, T, d)."""
         positions = torch.arange(start, start + tokens.size(1), device=tokens.device)

@@ -86,6 +86,7 @@ class LinearAttention(Attention):
         normaliser = normaliser.masked_fill(normaliser == 0, 1.0)
         weights = (features @ keys.transpose(1, 2)).masked_fill(~mask[:, None, :], 0.0) / normaliser
         if self.intervention is not None:
-            weights = self.intervention(weights, mask)
+            shape, weights = weights.shape, self.intervention(weights, mask)
+            assert weights.shape == shape, f"an intervention gave weights {tuple(weights.shape)}, not {tuple(shape)}"
             return weights @ values, weights
         return read[..., :-1] / normaliser, weights

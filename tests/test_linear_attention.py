@@ -22,6 +22,7 @@ from copytask.models.build import build_model
 from copytask.models.linear_attention import LinearAttention
 from copytask.models.recurrent import Seq2Seq
 from copytask.reporting import tables
+from copytask.reporting.breakdown_tables import breakdown_columns
 from copytask.reporting.state_section import STATE_FIGURE, least_state, plot_state, rank_table, varies_state
 
 from .conftest import ATTENTION_OPTIONS
@@ -253,6 +254,18 @@ def test_runs_from_before_show_an_empty_state_not_an_error(fixed_state_runs, tmp
     copytask.report(copy)
     again = pd.read_csv(copy / tables.RESULTS_CSV).set_index("run")
     assert math.isnan(again.loc[old, tables.STATE_FLOATS]) and again[tables.STATE_FLOATS].notna().sum() == 7
+
+
+def test_the_sweeps_analysis_checks_linear_attention_as_any_attention(fixed_state_runs):
+    """Counterfactual weights, alignment and beam search ran on its per-position weights."""
+    results = pd.read_csv(fixed_state_runs / tables.RESULTS_CSV)
+    for run in results.loc[results["attention"] == "linear", "run"]:
+        analysis = store.read_json(fixed_state_runs / run / store.ANALYSIS)
+        assert set(analysis["counterfactual"]) == {"uniform", "permuted", "fixed"}
+        assert all(
+            math.isfinite(value) for value in [*analysis["counterfactual"].values(), *analysis["alignment"].values()]
+        )
+        assert "beam1_token_acc" in breakdown_columns(analysis)
 
 
 def test_the_report_draws_accuracy_against_state_from_real_runs(fixed_state_runs):

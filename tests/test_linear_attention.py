@@ -277,6 +277,7 @@ def test_the_report_draws_accuracy_against_state_from_real_runs(fixed_state_runs
     section = report.split("### Linear attention past its feature size")[1]
     assert "| linear | 8 |" in section and "| linear | 16 |" in section
     assert section.count(" * |") == 1  # L = 12 past d_k = 8, and nothing else
+    assert section.count(") |") + section.count(") * |") == 4  # each cell with its weight on the copied position
     assert "transformer" not in report.split("## Accuracy against state size")[1].split("##")[0]
 
 

@@ -114,17 +114,25 @@ def what_is_read(cfg: DictConfig) -> str:
 
 
 def rank_table(loaded: tables.Loaded) -> pd.DataFrame:
-    """Linear attention's mean greedy token accuracy (%) per feature size d_k (`attention.size`) and length, a
-    cell marked `*` where L > d_k; empty where the report holds no linear attention."""
+    """Linear attention's mean greedy token accuracy (%) per feature size d_k (`attention.size`) and length, with
+    the mean weight on the copied position where the runs were analysed (`align_mass`: 1 is one-hot), a cell
+    marked `*` where L > d_k; empty where the report holds no linear attention."""
     rows = []
-    for row in loaded.table.itertuples():
-        cfg = loaded.runs[row.run].config
+    for row in loaded.table.to_dict("records"):
+        cfg = loaded.runs[row["run"]].config
         if not is_transformer(cfg) and model_name(cfg) == "gru" and cfg.attention.score == "linear":
-            rows.append({"model": row.attention, "d_k": cfg.attention.size, "length": row.length, "acc": row.token_acc})
+            mass = row.get("align_mass", math.nan)
+            rows.append(
+                {"model": row["attention"], "d_k": cfg.attention.size, "length": row["length"], "acc": row["token_acc"]}
+                | {"mass": math.nan if mass is None else mass}
+            )
     if not rows:
         return pd.DataFrame()
-    means = pd.DataFrame(rows).groupby(["model", "d_k", "length"], as_index=False)["acc"].mean()
-    means["cell"] = [f"{tables.percent(r.acc)}{' *' if r.length > r.d_k else ''}" for r in means.itertuples()]
+    means = pd.DataFrame(rows).groupby(["model", "d_k", "length"], as_index=False)[["acc", "mass"]].mean()
+    means["cell"] = [
+        tables.percent(r.acc) + ("" if math.isnan(r.mass) else f" ({r.mass:.2f})") + (" *" if r.length > r.d_k else "")
+        for r in means.itertuples()
+    ]
     table = means.pivot(index=["model", "d_k"], columns="length", values="cell").fillna("")
     table.columns = [f"length {length}" for length in table.columns]
     return table.reset_index()
@@ -160,7 +168,8 @@ def state_section(loaded: tables.Loaded, summary: pd.DataFrame, out: Path) -> Se
             "",
             "Linear attention's weights over an output (T_dec x T_enc) have rank at most its feature size d_k "
             "(`attention.size`), so once the length L exceeds d_k they cannot give every output step its own one-hot "
-            "alignment, which copying by position would use. Mean greedy token accuracy % over seeds; `*`: L > d_k.",
+            "alignment, which copying by position would use. Mean greedy token accuracy % over seeds, in brackets the "
+            "mean weight on the copied position (`align_mass`; 1 would be one-hot) where analysed; `*`: L > d_k.",
             "",
             markdown_table(ranks),
             "",

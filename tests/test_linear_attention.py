@@ -261,7 +261,7 @@ def test_the_sweeps_analysis_checks_linear_attention_as_any_attention(fixed_stat
     results = pd.read_csv(fixed_state_runs / tables.RESULTS_CSV)
     for run in results.loc[results["attention"] == "linear", "run"]:
         analysis = store.read_json(fixed_state_runs / run / store.ANALYSIS)
-        assert set(analysis["counterfactual"]) == {"uniform", "permuted", "fixed"}
+        assert {"own", "uniform", "permuted", "fixed"} == set(analysis["counterfactual"])
         assert all(
             math.isfinite(value) for value in [*analysis["counterfactual"].values(), *analysis["alignment"].values()]
         )

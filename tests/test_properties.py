@@ -105,6 +105,7 @@ VALID = {
     "task.variable_length": st.booleans().map(str).map(str.lower),
     "task.min_length": st.integers(1, 6),
     "attention.heads": st.integers(1, 4),
+    "attention.size": st.integers(1, 8),  # the additive score's size, linear attention's feature size
     "attention.window": st.integers(1, 4),
     "attention.variant": st.sampled_from(["null", "cho2014"]),  # cho2014 with attention=rnnencdec only
     "model.hidden_size": st.sampled_from([1, 2, 4, 6, 8, 12]),

@@ -322,6 +322,8 @@ def run_metrics(run: Run, result: dict, train_seconds: float) -> dict:
         "val_seq_acc": final["val_seq_acc"],
         "chance": 1.0 / cfg.task.vocab_size,
         "params": count_parameters(run.model),
+        # what the decoder can read of a source of the trained (variable lengths: the longest) length, per sequence
+        "state_floats": run.model.state_floats(cfg.task.length),
         "steps": final["step"],
         "step_budget": cfg.train.steps,
         "final_loss": final["loss"],

@@ -135,3 +135,23 @@ def test_bench_takes_overrides_after_a_list_option():
     options = bench_parse(["--lengths", "80", "--memory-attentions", "luong_general", "transformer", "train.threads=1"])
     assert options.memory_attentions == ["luong_general", "transformer"] and options.overrides == ["train.threads=1"]
     assert options.lengths == [80]
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors a page's headings get, as GitHub makes them: lower case, punctuation dropped, spaces -> `-`."""
+    headings = re.findall(r"^#+ (.*)$", page.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_link_to_a_page_or_a_section_of_one_arrives():
+    """A link to another page or to a section (`[text](page.md#section)`) names a page that exists and a heading
+    it has: moving a section between pages, or renaming it, fails here naming the link."""
+    broken = []
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#\s:]*\.md|)(?:#([^)\s]+))?\)", page.read_text()):
+            linked = (page.parent / target).resolve() if target else page
+            if not linked.is_file():
+                broken.append(f"{page.name}: {target} does not exist")
+            elif anchor and anchor not in heading_anchors(linked):
+                broken.append(f"{page.name}: {target or page.name} has no section #{anchor}")
+    assert not broken, "\n".join(broken)

@@ -15,7 +15,7 @@ import torch
 
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import total_vocab
-from copytask.kernels import build, ops, transformer_ops
+from copytask.kernels import build, mamba_ops, ops, transformer_ops
 from copytask.models.recurrent import Seq2Seq
 
 from .conftest import pythonpath, run_cli
@@ -377,6 +377,18 @@ def transformer_pair(layers_in_one_call: bool = True) -> tuple[torch.nn.Module, 
     return fused, plain
 
 
+def mamba_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A small Mamba model on the kernels (its convolution, its scan with the D skip and the gate), and the same on
+    torch's ops."""
+    from copytask.models.mamba import MambaSeq2Seq
+
+    torch.manual_seed(0)
+    fused = MambaSeq2Seq(total_vocab(9), d_model=8, layers=2, d_state=3)
+    plain = copy.deepcopy(fused)
+    plain.fused = False
+    return fused, plain
+
+
 def gru_pair(attention: str, score: str):
     """-> a function that builds `small_model`'s two models (on the kernels, on torch's ops)."""
     return lambda: small_model(attention, score)[:2]
@@ -407,6 +419,12 @@ NAN_THROUGH_BACKWARD = {
         "source padding",
         {"attention_forward", "attention_backward"},
     ),
+    "mamba": (
+        mamba_pair,
+        "tgt_embedding",
+        "target padding",
+        {"causal_conv_forward", "causal_conv_backward", "selective_scan_forward", "selective_scan_backward"},
+    ),
 }
 FORWARD_ONLY = {"attention_step"}  # a decoding step's, under no_grad (tests/test_transformer.py)
 
@@ -433,7 +451,7 @@ def test_nan_propagates_through_every_kernels_backward_as_torch(kernel, monkeypa
     where = ~batch.src_mask if padding == "source padding" else ~batch.target_mask
     assert where.any()
     calls = set()
-    for module in (ops, transformer_ops):  # each reads the library through its own `_library`
+    for module in (ops, transformer_ops, mamba_ops):  # each reads the library through its own `_library`
         monkeypatch.setattr(module, "_library", lambda: Recording(kernel, calls))
     got = gradients_through_nan(fused, batch, module_name, where)
     assert calls == kernels

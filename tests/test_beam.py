@@ -19,11 +19,12 @@ from copytask.models.build import build_model
 from .conftest import TINY
 
 ATTENTIONS = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))
-# every GRU decoder with every attention type, and the Transformer with either kind of positions
+# every GRU decoder with every attention type, the Transformer with either kind of positions, and Mamba
 MODELS = [[f"attention={name}"] for name in ATTENTIONS] + [
     ["architecture=transformer"],
     ["architecture=transformer_learned"],
     ["architecture=transformer", "train.fused=false"],  # nn.MultiheadAttention's ops rather than the C++ step
+    ["architecture=mamba", "model.d_model=8", "model.d_state=4"],
 ]
 
 
@@ -60,7 +61,15 @@ def log_probs(model, src, src_lengths, outputs: torch.Tensor) -> torch.Tensor:
     return (token_log_probs * output_mask(outputs)).sum(1)
 
 
-@pytest.mark.parametrize("overrides", [["attention=none"], ["attention=bahdanau"], ["architecture=transformer"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["attention=none"],
+        ["attention=bahdanau"],
+        ["architecture=transformer"],
+        ["architecture=mamba", "model.d_model=8"],
+    ],
+)
 @pytest.mark.parametrize("normalise", [False, True])
 def test_a_wide_beam_finds_the_most_probable_output_of_a_tiny_model(make_config, overrides, normalise):
     """Two content symbols and length 2: 5 tokens, 3 steps, 125 outputs, 25 prefixes of 2 steps, so a

@@ -199,7 +199,7 @@ class MambaSeq2Seq(nn.Module):
         vocab: int,
         d_model: int = 40,
         layers: int = 2,
-        d_state: int = 8,
+        d_state: int = 4,
         d_conv: int = 4,
         expand: int = 2,
         fused: bool = True,  # on CPU the convolution and the scan of a training step in kernels.mamba_ops

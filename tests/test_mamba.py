@@ -337,6 +337,7 @@ def test_the_decoder_reads_the_source_only_through_the_state_it_is_handed():
         from_swapped = model.out(model.norm(hidden))
         logits, _ = model(batch.src.flip(0), batch.src_lengths.flip(0), batch.tgt_in)
     torch.testing.assert_close(from_swapped, logits)
+    assert (logits[0] - logits[1]).abs().max() > 1e-3  # and it does read them: the two sources decode apart
 
 
 def test_the_summary_state_is_every_encoder_layers_ssm_state_and_window():
@@ -510,3 +511,18 @@ def test_a_tiny_mamba_run_through_the_cli_decode_with_a_beam_and_analyze(tmp_pat
     breakdown = result["breakdown"]
     assert [row["width"] for row in breakdown["beam"]] == [1, 4] and len(breakdown["greedy"]["by_position"]) == 5
     assert 0 <= breakdown["teacher_forced"]["token_acc"] <= 1
+
+
+def test_a_sweep_mixing_mamba_with_the_gru_is_analysed_compared_and_reported(tmp_path):
+    runs_dir = tmp_path / "runs"
+    grid = ["architecture=mamba,luong_general", "~hydra.sweeper.params.attention", "task.length=3", "seed=0"]
+    swept = run_cli("sweep", *TINY, "model.d_model=8", "model.d_state=3", *grid, f"runs_dir={runs_dir}")
+    assert swept.returncode == 0, swept.stderr
+    assert sorted(folder.name.split("-")[0] for folder in store.complete_runs(runs_dir)) == ["luong_general", "mamba"]
+    assert all((folder / store.ANALYSIS).is_file() for folder in store.complete_runs(runs_dir))
+    compared = run_cli("compare", f"runs_dir={runs_dir}")
+    assert compared.returncode == 0, compared.stderr
+    assert "mamba" in compared.stdout and "luong_general" in compared.stdout
+    report = (runs_dir / "report" / "report.md").read_text()
+    assert "- Mamba: 2 layers each side, d_model 8, state size 3, convolution width 4, expansion 2" in report
+    assert "- Model: GRU encoder-decoder, hidden size 8" in report  # the GRU's sizes, not Mamba's nulls

@@ -259,6 +259,24 @@ def test_the_scan_kernel_refuses_a_positive_a_its_exp_is_not_for():
         kernel_scan(torch.zeros(3), torch.tensor([-1.0, 0.5, -2.0]), 1.0)
 
 
+def test_under_autocast_to_bfloat16_the_kernels_run_in_float32():
+    """As torch's float32 ops do under CPU autocast: the same logits and gradients as the torch path's, to
+    bfloat16's precision."""
+    needs_kernel(True)
+    batch = make_batch("copy", 4, 6, 6, torch.Generator().manual_seed(0), min_length=2)
+    outputs = []
+    for fused in (True, False):
+        model = small_model(fused)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
+        logits.float().square().mean().backward()
+        outputs.append((logits.float(), [p.grad for p in model.parameters()]))
+    (fused_logits, fused_grads), (plain_logits, plain_grads) = outputs
+    torch.testing.assert_close(fused_logits, plain_logits, atol=0.05, rtol=0.05)
+    for got, want in zip(fused_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.1)
+
+
 def test_the_ops_are_registered_as_torch_asks():
     needs_kernel(True)
     inputs = block_inputs(batch=2, steps=3, channels=5, states=2)

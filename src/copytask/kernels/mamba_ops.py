@@ -107,6 +107,8 @@ def _scan_backward(ctx, grad_out, grad_final):
 
 selective_scan_forward.register_autograd(_scan_backward, setup_context=_scan_setup)
 selective_scan_backward.register_autograd(_no_double_backward)
+for _op in (causal_conv_forward, selective_scan_forward):
+    torch.library.register_autocast(_op, "cpu", torch.float32)  # like torch's float32 ops: inputs cast up
 
 
 def causal_conv_silu(inputs: Tensor, weight: Tensor, bias: Tensor) -> Tensor:

@@ -256,10 +256,9 @@ class MambaSeq2Seq(nn.Module):
     def state_floats(self, length: int) -> int:
         """Floats per sequence the decoder can read of a source of `length` symbols: layers x (E x N +
         E x (K - 1)), whatever the length."""
-        return sum(block.d_inner * (block.d_state + block.d_conv - 1) for block in self._encoder_blocks())
-
-    def _encoder_blocks(self) -> list[MambaBlock]:
-        return [layer.block for layer in self.encoder_layers]
+        return sum(
+            layer.block.d_inner * (layer.block.d_state + layer.block.d_conv - 1) for layer in self.encoder_layers
+        )
 
     def decoding(self, src: Tensor, src_lengths: Tensor, steps: int) -> MambaDecoding:
         """The encoder run on `src` (B, T_enc): a decoding fed one token a step (`models.decoding`)."""

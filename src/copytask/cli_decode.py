@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 
 from . import api, store
+from .config.model_keys import model_name
 from .config.schema import MAX_BEAM
 from .console import refuse
 from .evaluation.decode import Decoded, DecodeError
@@ -118,7 +119,8 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
     search = f", beam search of width {decoded.beam}" if decoded.beam > 1 else ""
     print(f"{decoded.run}: {label}, task {task}, trained at length {trained}{search}")
     if weights is None:
-        print(f"no attention (attention={cfg.attention.name}): no heatmap")
+        chosen = f"attention={cfg.attention.name}" if model_name(cfg) == "gru" else f"model={model_name(cfg)}"
+        print(f"no attention ({chosen}): no heatmap")
     else:
         which = f"one map per head ({heads} heads)" if heads > 1 else "the model's attention"
         print(

@@ -120,7 +120,7 @@ def check_gru(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"attention.window must be an integer >= 1 with attention.local={attention.local}, got null"
             )
-    if not model_keys.is_transformer(cfg) and model.hidden_size % attention.heads:
+    if model_keys.model_name(cfg) == "gru" and model.hidden_size % attention.heads:
         raise ConfigError(
             f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})"
         )
@@ -214,6 +214,8 @@ def parameter_count(cfg: DictConfig) -> int:
     class's (`models.build.check_buildable` counts the whole model)."""
     if model_keys.is_transformer(cfg):
         return model_keys.transformer_parameter_count(cfg)
+    if model_keys.model_name(cfg) == "mamba":
+        return model_keys.mamba_parameter_count(cfg)
     vocab, embedding, hidden = total_vocab(cfg.task.vocab_size), cfg.model.embedding_size, cfg.model.hidden_size
     attention = cfg.attention
 
@@ -264,6 +266,8 @@ def memory_estimate(
     batch, t_enc, t_dec, heldout = train.batch_size, task.length, task.length + 1, train.eval_size + train.val_size
     if model_keys.is_transformer(cfg):
         attends, activations = True, model_keys.transformer_activations(cfg)
+    elif model_keys.model_name(cfg) == "mamba":
+        attends, activations = False, model_keys.mamba_activations(cfg)
     else:
         attention = cfg.attention
         attends = attention.score is not None

@@ -1,11 +1,11 @@
-"""The `model` config group (`model=gru`, the default, and `model=transformer`) and the analysis
-test lengths: which keys each model reads, the checks `checks.validate` makes of them, and the
-Transformer's parameter count and memory. Torch-free, as `schema`, so a refusal is immediate.
+"""The `model` config group (`model=gru`, the default, `model=transformer` and `model=mamba`) and the
+analysis test lengths: which keys each model reads, the checks `checks.validate` makes of them, and the
+Transformer's and Mamba's parameter counts and memory. Torch-free, as `schema`, so a refusal is immediate.
 
 Each model reads its own keys (MODEL_KEYS) and leaves the other's unused: those are left out of
 a run's identity (`store.UNUSED_UNLESS`), as `attention.window` is without local attention, so
 that a preset sizing the GRU (`experiment=quick`) also composes with `model=transformer`. The
-`attention` group is model=gru's decoder: with model=transformer anything but its default is
+`attention` group is model=gru's decoder: with another model anything but its default is
 refused, since nothing would read it.
 
 The checks raise `Refused` (a ValueError); `checks.validate` turns it into its ConfigError.
@@ -19,14 +19,24 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..data.vocab import total_vocab
 
-MODELS = ("gru", "transformer")
+MODELS = ("gru", "transformer", "mamba")
 MODEL_KEYS = {
     "gru": ("embedding_size", "hidden_size", "bidirectional"),
     "transformer": ("layers", "heads", "d_model", "ff_size", "positions", "max_length", "dropout"),
+    "mamba": ("layers", "d_model", "d_state", "d_conv", "expand"),
 }
 NULLABLE = ("model.max_length",)  # a key of the chosen model that may be null (null: task.length)
 POSITIONS = ("sinusoidal", "learned")
-MINIMUM = {"model.layers": 1, "model.heads": 1, "model.d_model": 1, "model.ff_size": 1, "model.max_length": 1}
+MINIMUM = {
+    "model.layers": 1,
+    "model.heads": 1,
+    "model.d_model": 1,
+    "model.ff_size": 1,
+    "model.max_length": 1,
+    "model.d_state": 1,
+    "model.d_conv": 1,
+    "model.expand": 1,
+}
 MAX_HEADS = 8  # heads of a multi-head attention (attention.heads) or of the Transformer (model.heads)
 
 
@@ -52,7 +62,7 @@ def position_rows(cfg: DictConfig) -> int:
 
 def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
     """Refused unless `cfg.model` is a model that can run: its name one of MODELS, each of its keys
-    set, the Transformer's well-formed; with model=transformer `cfg.attention` must be
+    set, the Transformer's well-formed; with a model other than gru `cfg.attention` must be
     `default_attention` (the attention group's default, composed)."""
     model, name = cfg.model, model_name(cfg)
     if name not in MODELS:
@@ -63,16 +73,23 @@ def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
     for key in MODEL_KEYS[name]:
         if model.get(key) is None and f"model.{key}" not in NULLABLE:
             raise Refused(f"model.{key} must not be null with model={name}")
-    if name != "transformer":
+    if name == "gru":
         return
     if cfg.attention != default_attention:
+        own = "has its own attention (model.heads)" if name == "transformer" else "has no attention"
         raise Refused(
-            f"attention={cfg.attention.name} (and every attention.* key) is model=gru's decoder; model=transformer "
-            "has its own attention (model.heads), so the attention group must stay at its default "
-            f"({default_attention.name}); "
+            f"attention={cfg.attention.name} (and every attention.* key) is model=gru's decoder; model={name} "
+            f"{own}, so the attention group must stay at its default ({default_attention.name}); "
             "a sweep over architecture=... that is not a preset's drops the default grid's attention list with "
             "'~hydra.sweeper.params.attention'"
         )
+    if name == "transformer":
+        check_transformer(cfg)
+
+
+def check_transformer(cfg: DictConfig) -> None:
+    """Refused unless model=transformer's keys are well-formed (the others are `check_model`'s)."""
+    model = cfg.model
     if model.heads > MAX_HEADS:
         raise Refused(f"model.heads must be at most {MAX_HEADS}, got {model.heads}")
     if model.d_model % model.heads:
@@ -113,6 +130,20 @@ def transformer_parameter_count(cfg: DictConfig) -> int:
     return count
 
 
+def mamba_parameter_count(cfg: DictConfig) -> int:
+    """The trainable parameters of `mamba.MambaSeq2Seq` for `cfg`: per layer its RMSNorm and block (the input
+    projection to x and z, the depthwise convolution, the projections of Δ, B and C, A_log, D, the output
+    projection), but the encoder's last layer without the gate, D and output projection (nothing reads its
+    output); the source and target embeddings, the final norm and the readout."""
+    vocab, model = total_vocab(cfg.task.vocab_size), cfg.model
+    d, n, k = model.d_model, model.d_state, model.d_conv
+    inner, rank = model.expand * d, -(-d // 16)  # E, and R = ceil(d / 16)
+    state = d * inner + inner * k + inner + inner * (rank + 2 * n) + rank * inner + inner + inner * n  # x, conv, SSM
+    readout = d * inner + inner + inner * d  # z, D, the output projection
+    layer = d + state + readout  # the RMSNorm's weight first
+    return 2 * model.layers * layer - readout + 2 * vocab * d + d + d * vocab + vocab
+
+
 FLOAT, LONG = 4, 8  # bytes of a float32 number and of a token id
 
 
@@ -129,6 +160,25 @@ def transformer_activations(cfg: DictConfig) -> dict[str, int]:
     return {
         "the layers' activations (B x (T_enc + T_dec) x model.layers x model.d_model)": activations,
         "the attention weights (B x model.heads x model.layers x T^2)": weights,
+    }
+
+
+def mamba_activations(cfg: DictConfig) -> dict[str, int]:
+    """Roughly the bytes of a Mamba training step's activations, by what needs them (the entries of
+    `checks.memory_estimate` that are Mamba's own): the SSM states, B x T x layers x E x N floats where the scan
+    runs in torch's ops (discretised A and B x, the states and their gradients; the CPU kernel keeps far less),
+    and a few dozen E-wide activations per position and layer."""
+    task, model = cfg.task, cfg.model
+    batch, positions, inner = cfg.train.batch_size, 2 * task.length + 1, model.expand * model.d_model
+    per_position = batch * positions * model.layers * inner
+    return {
+        "the SSM states (B x (T_enc + T_dec) x model.layers x E x model.d_state, E = model.expand x model.d_model)": (
+            6 * per_position * model.d_state * FLOAT
+        ),
+        "the layers' activations (B x (T_enc + T_dec) x model.layers x E)": (
+            24 * per_position + 8 * model.d_conv * per_position
+        )
+        * FLOAT,
     }
 
 

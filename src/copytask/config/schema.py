@@ -74,6 +74,9 @@ class ModelConfig:  # each model=... option sets its own keys (model_keys.MODEL_
     positions: str | None = None
     max_length: int | None = None
     dropout: float | None = None
+    d_state: int | None = None
+    d_conv: int | None = None
+    expand: int | None = None
 
 
 @dataclass

@@ -61,6 +61,7 @@ KERNELS = {
     "bahdanau": GRU | {"bahdanau_forward", "bahdanau_backward"},
     "luong_concat": GRU | {"additive_forward", "additive_backward"},
     "transformer": {"transformer_layer", "attention_step"},
+    "mamba": {"causal_conv_forward", "causal_conv_backward", "selective_scan_forward", "selective_scan_backward"},
 }
 # Float rounding moves the loss in its sixth digit (the kernels against torch's ops: 2e-7); it may tip
 # one near-tied argmax, so an accuracy may move by one token or one sequence of its set, no more.

@@ -353,10 +353,11 @@ def test_the_preset_sweeps_each_family_over_its_own_size(monkeypatch):
     sizes = {}
     for run in grid:
         cfg = run.config
-        family = cfg.attention.name
-        size = cfg.model.hidden_size if family == "none" else cfg.attention.size
+        family = cfg.model.name if cfg.model.name == "mamba" else cfg.attention.name
+        size = {"none": cfg.model.get("hidden_size"), "linear": cfg.attention.size, "mamba": cfg.model.get("d_state")}
+        size = size[family]
         sizes.setdefault(family, []).append(size)
         assert cfg.runs_dir == "runs/fixed_state" and cfg.train.steps == 1200  # the default budget
         if family == "linear":
             assert cfg.model.hidden_size == 64
-    assert sizes == {"none": [128, 64, 32, 16], "linear": [64, 32, 16, 8]}
+    assert sizes == {"none": [128, 64, 32, 16], "linear": [64, 32, 16, 8], "mamba": [16, 4, 1]}

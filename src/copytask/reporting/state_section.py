@@ -100,8 +100,11 @@ def what_is_read(cfg: DictConfig) -> str:
     """What a run's decoder can read of the source, in the words of its config (`models`' `state_floats`)."""
     if is_transformer(cfg):
         return "every encoder output, length x `model.d_model`"
-    if model_name(cfg) != "gru":
-        return f"its state (model={model_name(cfg)})"
+    if model_name(cfg) == "mamba":
+        return (
+            "every layer's SSM state and convolution window, `model.layers` x `model.expand` x `model.d_model` x "
+            "(`model.d_state` + `model.d_conv` - 1)"
+        )
     score = cfg.attention.score
     if score is None:
         return "the encoder's final state handed over, `model.hidden_size`"

@@ -20,7 +20,7 @@ import re
 import torch
 from torch import Tensor, nn
 
-from ..config.schema import DECODERS
+from ..config.model_keys import DECODERS
 from ..data.batches import length_mask
 from ..data.vocab import BOS, PAD
 from ..models.positions import LearnedPositions, SinusoidalPositions

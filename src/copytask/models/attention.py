@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config.schema import LOCAL
+from ..config.model_keys import LOCAL
 from ..kernels import ops
 
 ADDITIVE_CHUNK = 2**19  # elements of the additive score's tanh tensor computed at once on CPU (2 MB)

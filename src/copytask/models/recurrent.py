@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..config.schema import DECODERS
+from ..config.model_keys import DECODERS
 from ..data.batches import length_mask
 from ..data.vocab import PAD
 from ..kernels import ops

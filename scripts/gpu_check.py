@@ -2,7 +2,7 @@
 
     python scripts/gpu_check.py [--out runs/gpu_check] [--parts check bench sweep suite]
 
-- check: trains one run per attention setting (configs/attention) at length 40 on cuda, every
+- check: trains one run per attention setting (configs/attention), the Transformer and Mamba at length 40 on cuda, every
   training step under torch.cuda.set_sync_debug_mode("error"), so that a host sync in a step stops
   its run; trains Luong general again on cuda (is a CUDA run reproducible?) and once on cpu (how far
   apart are the devices after training?); greedy-decodes one run's held-out set on cuda and on cpu,
@@ -87,12 +87,18 @@ def training_check(out: Path, device: str, steps: int, started: float) -> tuple[
     if device == "cuda":
         loop.train_step = checked_step  # what train() calls every step: this script's process only
 
-    def config(attention: str, on: str, runs: str):
+    attentions = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))
+    models = {name: [f"attention={name}"] for name in attentions} | {
+        "transformer": ["model=transformer"],
+        "mamba": ["model=mamba"],
+    }
+
+    def config(name: str, on: str, runs: str):
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
             return compose(
                 "config",
                 overrides=[
-                    f"attention={attention}",
+                    *models[name],
                     f"task.length={LENGTH}",
                     f"train.device={on}",
                     f"train.steps={steps}",
@@ -121,9 +127,8 @@ def training_check(out: Path, device: str, steps: int, started: float) -> tuple[
             **metrics,
         }
 
-    attentions = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))
     gpu = device
-    rows = [run(attention, gpu, gpu) for attention in attentions]
+    rows = [run(name, gpu, gpu) for name in models]
     print(f"trained {len(rows)} runs on {gpu} ({time.perf_counter() - started:.0f} s)", flush=True)
     again = run("luong_general", gpu, f"{gpu}_again")
     on_cpu = run("luong_general", "cpu", "cpu")

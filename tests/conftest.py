@@ -149,10 +149,10 @@ def kernel_calls(monkeypatch) -> set[str]:
     """The names of the C++ kernels' functions called during the test: which path ran, since the kernels
     and torch's ops give the same numbers to float rounding. Each kernels module reads the library
     through its own `_library`."""
-    from copytask.kernels import ops, transformer_ops
+    from copytask.kernels import mamba_ops, ops, transformer_ops
 
     calls: set[str] = set()
-    for module in (ops, transformer_ops):
+    for module in (ops, transformer_ops, mamba_ops):
         monkeypatch.setattr(module, "_library", functools.partial(Recording, module._library, calls))
     return calls
 

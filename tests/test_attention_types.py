@@ -134,7 +134,7 @@ def test_local_attention_in_a_model_reads_its_window_alone(name):
     hook.remove()
     steps = torch.arange(batch.tgt_out.size(1))
     assert len(calls) == 1 + len(steps)  # teacher forcing (every step), then greedy decoding (a step a call)
-    for ((query, _, _, mask, _), weights), call_steps in zip(calls, [steps, *steps[:, None]], strict=True):
+    for ((query, _, _, mask, *_), weights), call_steps in zip(calls, [steps, *steps[:, None]], strict=True):
         outside = outside_the_window(model.attention, query, mask, call_steps)
         assert outside.any() and (weights[outside] == 0).all()
     global_model = Seq2Seq(**shape, embedding_size=8, hidden_size=16).eval()

@@ -22,11 +22,14 @@ from copytask.models.build import build_model
 from .conftest import TINY
 
 ATTENTIONS = sorted(path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml"))
-# every GRU decoder with every attention type, and the Transformer with either kind of positions
+# every GRU decoder with every attention type, the Transformer with either kind of positions, and Mamba
 MODELS = [[f"attention={name}"] for name in ATTENTIONS] + [
     ["architecture=transformer"],
     ["architecture=transformer_learned"],
     ["architecture=transformer", "train.fused=false"],  # nn.MultiheadAttention's ops rather than the C++ step
+    # Mamba on torch's ops: its kernels' exp and softplus are polynomials, whose float rounding the teacher-forced
+    # scan and the decoding's steps meet in other orders (tests/test_mamba.py holds the kernels to torch's ops)
+    ["architecture=mamba", "model.d_model=8", "model.d_state=4", "train.fused=false"],
 ]
 # each decoding's own state and `reorder`: the GRU decoders' hidden states, the Transformer's caches in either layout
 FAMILIES = [
@@ -36,6 +39,7 @@ FAMILIES = [
     ["attention=luong_general"],
     ["architecture=transformer"],
     ["architecture=transformer", "train.fused=false"],
+    ["architecture=mamba", "model.d_model=8", "train.fused=false"],
 ]
 # An untrained tiny model's next token hardly depends on its source or prefix, so its beams hardly part ways;
 # with every parameter scaled up, they do: beams finish at different steps, the best beam's parents change
@@ -180,6 +184,7 @@ EXHAUSTIVE = [
     (["attention=bahdanau"], 0),
     (["attention=luong_general"], 3),
     (["architecture=transformer"], 2),
+    (["architecture=mamba", "model.d_model=8", "train.fused=false"], 0),
 ]
 
 

@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from copytask.console import ConfigError
-from copytask.data.batches import make_batch
+from copytask.data.batches import Batch, make_batch
+from copytask.data.scoring import accuracy
 from copytask.data.splits import heldout_keys, sequence_keys, training_sequences
 from copytask.data.vocab import EOS, total_vocab
-from copytask.evaluation.breakdown import accuracy, teacher_forced
+from copytask.evaluation.breakdown import teacher_forced
 from copytask.evaluation.probe import (
     fit_probe,
     fitting_set,
@@ -45,6 +46,7 @@ def test_teacher_forced_accuracy_is_all_right_where_its_argmax_is_the_target():
     assert torch.equal(tokens, batch.tgt_out)
     scored = accuracy(tokens, batch)
     assert scored["token_acc"] == 1 and scored["seq_acc"] == 1 and scored["by_position"] == [1.0] * L
+    assert scored["ended_early"] == 0
 
 
 def test_teacher_forced_accuracy_ends_each_output_at_its_first_eos():
@@ -53,7 +55,7 @@ def test_teacher_forced_accuracy_ends_each_output_at_its_first_eos():
     tokens = batch.tgt_out.clone()
     tokens[:, 2] = EOS
     scored = accuracy(teacher_forced(Oracle(tokens), batch), batch)
-    assert scored["token_acc"] == pytest.approx(2 / L) and scored["seq_acc"] == 0
+    assert scored["token_acc"] == pytest.approx(2 / L) and scored["seq_acc"] == 0 and scored["ended_early"] == 1
     assert scored["by_position"] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
@@ -74,6 +76,18 @@ def linear_code(batch) -> torch.Tensor:
     """States that hold each symbol linearly: the one-hot sources through a fixed random map."""
     mixing = torch.randn(L * V, 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     return one_hot(*source_labels(batch), V) @ mixing
+
+
+def test_teacher_forcing_in_chunks_of_shorter_sequences_gives_the_whole_batchs_width(make_config):
+    """A chunk whose sequences are all shorter than the batch's longest is trimmed to them (`Batch.select`):
+    its argmax is padded back, so chunks of any lengths join and score as the batch in one piece does."""
+    cfg = make_config(*TINY, f"task.vocab_size={V}", "task.length=6")
+    model, stream = untrained(cfg), torch.Generator().manual_seed(0)
+    batch = Batch.concat([make_batch("copy", 4, length, V, stream) for length in (3, 6)], 6)
+    chunked, whole = teacher_forced(model, batch, chunk_size=4), teacher_forced(model, batch, chunk_size=len(batch))
+    assert chunked.shape == whole.shape == batch.tgt_out.shape
+    assert torch.equal(chunked[batch.target_mask], whole[batch.target_mask])
+    assert accuracy(chunked, batch) == accuracy(whole, batch)
 
 
 def test_the_probe_reads_states_that_encode_each_symbol_linearly():

@@ -1,6 +1,6 @@
 """Issue 70: `store.provenance.COMPUTATION` says which complete runs are reused, so it must change
 whenever what a run computes changes. This test keeps it honest: a tiny deterministic run of each
-model (every attention config, and the Transformer) trains for a few steps on the CPU, and its loss
+model (every attention config, the Transformer and Mamba) trains for a few steps on the CPU, and its loss
 and accuracies must equal the values recorded here, to a tolerance that float rounding across torch
 versions and builds (and the kernels against torch's ops) stays inside.
 
@@ -37,6 +37,7 @@ MODELS = {
     for name, option in sorted(ATTENTION_OPTIONS.items())
 }
 MODELS["transformer"] = TRANSFORMER
+MODELS["mamba"] = ["model=mamba", "model.d_model=16", "model.d_state=4", "model.layers=2"]
 # model -> (final_loss, token_acc, seq_acc, val_token_acc), with the fused CPU kernels, torch 2.13.0+cpu
 RECORDED = {
     "bahdanau": (1.1897293090820313, 0.375, 0.0, 0.359375),
@@ -50,6 +51,7 @@ RECORDED = {
     "rnnencdec": (1.392359161376953, 0.31640625, 0.0, 0.296875),
     "scaled_dot": (1.3924771308898927, 0.3359375, 0.0, 0.375),
     "transformer": (1.8155441284179688, 0.2421875, 0.0, 0.1875),
+    "mamba": (1.7733068466186523, 0.140625, 0.0, 0.15625),
 }
 KEYS = ("final_loss", "token_acc", "seq_acc", "val_token_acc")
 GRU = {"gru_forward", "gru_backward"}
@@ -59,6 +61,7 @@ KERNELS = {
     "bahdanau": GRU | {"bahdanau_forward", "bahdanau_backward"},
     "luong_concat": GRU | {"additive_forward", "additive_backward"},
     "transformer": {"transformer_layer", "attention_step"},
+    "mamba": {"causal_conv_forward", "causal_conv_backward", "selective_scan_forward", "selective_scan_backward"},
 }
 # Float rounding moves the loss in its sixth digit (the kernels against torch's ops: 2e-7); it may tip
 # one near-tied argmax, so an accuracy may move by one token or one sequence of its set, no more.

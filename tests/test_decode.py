@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from copytask import cli, store
+from copytask import cli, cli_decode, store
 from copytask.data.vocab import parse_symbols
-from copytask.evaluation import decode
+from copytask.evaluation.decode import Decoded
 
 from .conftest import ATTENTION_OPTIONS, NO_ATTENTION, run_cli
 
@@ -49,7 +49,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def decoded(capsys, *args: str) -> list[str]:
-    assert decode.main([str(arg) for arg in args]) == 0
+    assert cli_decode.main([str(arg) for arg in args]) == 0
     return capsys.readouterr().out.splitlines()
 
 
@@ -67,7 +67,7 @@ def first_cell(header: str) -> int:
 def test_alignment_marks_exactly_the_wrong_output_symbols():
     source, target = ["a", "10", "c"], ["a", "10", "c", "</s>"]
     output = ["b", "10", "c", "c"]
-    lines = decode.alignment_lines(source, output, target)
+    lines = cli_decode.alignment_lines(source, output, target)
     assert [line.split()[0] for line in lines[:3]] == ["input", "output", "target"]
     starts = [match.start() for match in re.finditer(r"\S+", lines[1])][1:]  # where each output symbol begins
     marks = [match.start() for match in re.finditer(r"\^", lines[3])]
@@ -83,7 +83,7 @@ def test_the_output_stops_at_its_first_eos_and_an_early_end_is_marked_under_the_
     a, b, c = 3, 4, 5  # content ids of a, b, c
     cfg = OmegaConf.create({"task": {"vocab_size": 9}})
     row = np.array([[a, EOS, c, EOS]])  # EOS after one symbol, then symbols that are not part of the output
-    result = decode.Decoded(
+    result = Decoded(
         "run",
         cfg,
         np.array([[a, b, c]]),
@@ -97,13 +97,13 @@ def test_the_output_stops_at_its_first_eos_and_an_early_end_is_marked_under_the_
     )
     text = result.text(0)
     assert text["output"] == ["a", "</s>"] and text["target"] == ["a", "b", "c", "</s>"]
-    marks = decode.alignment_lines(text["input"], text["output"], text["target"])[3]
+    marks = cli_decode.alignment_lines(text["input"], text["output"], text["target"])[3]
     assert marks.split() == ["^", "^", "^"]  # the wrong EOS, and the two symbols it never wrote
 
 
 def test_text_heatmap_shades_the_weights_and_marks_the_copied_cell():
     weights = [[1.0, 0.0], [0.5, 0.25], [0.0, 0.0]]
-    lines = decode.text_heatmap(weights, ["a", "b"], ["a", "b", "</s>"], copied=[0, 1])
+    lines = cli_decode.text_heatmap(weights, ["a", "b"], ["a", "b", "</s>"], copied=[0, 1])
     assert lines == ["     a b", "   a █◂", "   b ▒ ░◂", "</s>"]
 
 
@@ -133,11 +133,11 @@ def test_every_attention_type_decodes_with_one_heatmap_row_per_output_step(runs,
     assert len(maps) == heads * (1 + len(output)) + (
         heads if heads > 1 else 0
     )  # per map: the source header and one row per output step
-    rows = [line for line in maps if decode.COPIED in line]
+    rows = [line for line in maps if cli_decode.COPIED in line]
     assert len(rows) == heads * min(len(output), 6)  # every content step marks its copied position; EOS copies none
     for step, row in enumerate(rows[: min(len(output), 6)]):
         assert (
-            row.index(decode.COPIED) == first_cell(maps[1 if heads > 1 else 0]) + 2 * step + 1
+            row.index(cli_decode.COPIED) == first_cell(maps[1 if heads > 1 else 0]) + 2 * step + 1
         )  # after the cell of source position `step`
 
 
@@ -146,7 +146,7 @@ def test_reverse_target_is_the_reversed_input(runs, capsys):
     assert cells(next(line for line in lines if line.startswith("target")), "target") == [*"edcba", "</s>"]
     start = lines.index(next(line for line in lines if line.startswith("token accuracy"))) + 1
     header, rows = lines[start], lines[start + 1 :]
-    assert rows[0].index(decode.COPIED) == first_cell(header) + 2 * 4 + 1  # output step 0 copies the last symbol
+    assert rows[0].index(cli_decode.COPIED) == first_cell(header) + 2 * 4 + 1  # output step 0 copies the last symbol
 
 
 def test_multihead_shows_one_map_per_head(runs, capsys):

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from copytask import cli
+from copytask import cli, cli_decode
 from copytask.bench import measures
 from copytask.bench.command import parse as bench_parse
 from copytask.config.checks import check_launcher, remote_job_check, remote_launcher, validate
 from copytask.config.hydra_internals import override_args
 from copytask.console import ConfigError
-from copytask.evaluation import decode
 from copytask.sweeps.grid import check_grid, compose_grid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +121,7 @@ def check_command(where: str, args: list[str]) -> None:
         assert set(flags) <= set(cli.COMMAND_FLAGS.get(command, ())), f"{where}: {command} has no option {flags}"
         compose_grid([arg for arg in rest if arg not in flags], expand_grid=False)
     elif command == "decode":
-        decode.parser().parse_args(rest)
+        cli_decode.parser().parse_args(rest)
     elif command == "bench":
         options = bench_parse(rest)
         measures.bench_config(measures.ATTENTIONS[0], options.lengths[0], options.overrides)
@@ -136,3 +135,23 @@ def test_bench_takes_overrides_after_a_list_option():
     options = bench_parse(["--lengths", "80", "--memory-attentions", "luong_general", "transformer", "train.threads=1"])
     assert options.memory_attentions == ["luong_general", "transformer"] and options.overrides == ["train.threads=1"]
     assert options.lengths == [80]
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors a page's headings get, as GitHub makes them: lower case, punctuation dropped, spaces -> `-`."""
+    headings = re.findall(r"^#+ (.*)$", page.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_link_to_a_page_or_a_section_of_one_arrives():
+    """A link to another page or to a section (`[text](page.md#section)`) names a page that exists and a heading
+    it has: moving a section between pages, or renaming it, fails here naming the link."""
+    broken = []
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#\s:]*\.md|)(?:#([^)\s]+))?\)", page.read_text()):
+            linked = (page.parent / target).resolve() if target else page
+            if not linked.is_file():
+                broken.append(f"{page.name}: {target} does not exist")
+            elif anchor and anchor not in heading_anchors(linked):
+                broken.append(f"{page.name}: {target or page.name} has no section #{anchor}")
+    assert not broken, "\n".join(broken)

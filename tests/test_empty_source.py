@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from copytask.kernels import ops
-from copytask.models.attention import make_attention, masked_softmax
+from copytask.models.attention import ATTENTION_TYPES, make_attention, masked_softmax
 
 
 def test_masked_softmax_gives_a_fully_masked_row_zero_weights_and_keeps_nan_scores_nan():
@@ -21,16 +21,7 @@ def test_masked_softmax_gives_a_fully_masked_row_zero_weights_and_keeps_nan_scor
 
 
 @pytest.mark.parametrize(
-    "score, local",
-    [
-        ("additive", None),
-        ("dot", None),
-        ("general", None),
-        ("scaled_dot", None),
-        ("multihead", None),
-        ("general", "predictive"),
-        ("general", "monotonic"),
-    ],
+    "score, local", [(score, None) for score in ATTENTION_TYPES] + [("general", "predictive"), ("general", "monotonic")]
 )
 @pytest.mark.parametrize("intervention", [False, True])
 def test_every_score_gives_an_empty_source_zero_weights(score, local, intervention):

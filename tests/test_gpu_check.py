@@ -37,6 +37,7 @@ def test_its_check_and_sweep_rehearse_on_the_cpu(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     report = result.stdout[result.stdout.index("## GPU check") :]
     assert "### check" in report and "| multihead | cpu |" in report and "of 512 sequences identical" in report
+    assert "| transformer | cpu |" in report and "| mamba | cpu |" in report  # every model, not only the GRU's
     assert "Luong general twice on cpu, one seed: identical" in report
     assert "### sweep" in report and "8 runs finished" in report and "luong_general" in report
 

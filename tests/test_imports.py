@@ -1,7 +1,8 @@
 """The package's layers import one way, lowest first, counting imports inside functions: no module
 imports from a layer above its own, so there is no import circle between layers. The order is the
 one docs/architecture.md gives (its numbered list of layers), so the map and the code cannot drift
-apart. Inside a layer, modules import each other freely."""
+apart. Inside a layer, modules import each other freely. The map's table of where each concept lives
+names every module of the package, and only paths that exist."""
 
 from __future__ import annotations
 
@@ -79,3 +80,47 @@ def test_the_layer_check_sees_imports_inside_functions():
 def test_the_map_lists_each_layer_once_and_is_read_as_written():
     assert len(LAYERS) == len(set(LAYERS)) and LAYERS[0] == "console" and LAYERS[-1] == "__main__"
     assert map_layers("1. **`data`**: the data\n- **`x`** not a layer\n2. **`config`**: configs") == ["data", "config"]
+
+
+# --- the map's table of concepts ------------------------------------------------------------------
+
+CONCEPTS = "## Where each concept lives"
+ROOT = MAP.parents[1]
+
+
+def concept_modules(text: str) -> list[str]:
+    """The paths the map's concept table names in its module column (each in backticks), as written:
+    relative to src/copytask/, or to the repository where they start with src/; a folder ends in /."""
+    table = text.split(CONCEPTS, 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("|")][2:]  # past the header and its rule
+    return [path for row in rows for path in re.findall(r"`([^`]+)`", row.rstrip().rstrip("|").rsplit("|", 1)[1])]
+
+
+def missing_from(named: list[str], modules: list[Path]) -> list[str]:
+    """A line for each of `modules` (the package's files, `__init__`s aside) that `named` leaves out."""
+    return [
+        f"src/copytask/{module.relative_to(PACKAGE)} has no row in {MAP.name}'s table '{CONCEPTS[3:]}': "
+        "add one saying what lives there"
+        for module in modules
+        if module.name != "__init__.py" and str(module.relative_to(PACKAGE)) not in named
+    ]
+
+
+def test_the_concept_table_names_only_paths_that_exist():
+    named = concept_modules(MAP.read_text())
+    assert len(named) > 40
+    gone = [path for path in named if not (ROOT / path if path.startswith("src/") else PACKAGE / path).exists()]
+    assert not gone, f"{MAP.name}'s table '{CONCEPTS[3:]}' names paths that do not exist: {', '.join(gone)}"
+
+
+def test_every_module_has_a_row_in_the_concept_table():
+    missing = missing_from(concept_modules(MAP.read_text()), sorted(PACKAGE.rglob("*.py")))
+    assert not missing, "\n".join(missing)
+
+
+def test_a_module_without_a_row_is_named():
+    table = "| concept | module |\n|---|---|\n| a | `data/vocab.py`, `console.py` |\n"
+    text = f"{CONCEPTS}\n\n{table}\n## Next\n| b | `api.py` |\n"  # a table under another heading is not it
+    assert concept_modules(text) == ["data/vocab.py", "console.py"]
+    [line] = missing_from(concept_modules(text), [PACKAGE / "console.py", PACKAGE / "api.py", PACKAGE / "__init__.py"])
+    assert line.startswith("src/copytask/api.py has no row in architecture.md's table 'Where each concept lives'")

@@ -383,6 +383,18 @@ def transformer_pair(layers_in_one_call: bool = True) -> tuple[torch.nn.Module, 
     return fused, plain
 
 
+def mamba_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A small Mamba model on the kernels (its convolution, its scan with the D skip and the gate), and the same on
+    torch's ops."""
+    from copytask.models.mamba import MambaSeq2Seq
+
+    torch.manual_seed(0)
+    fused = MambaSeq2Seq(total_vocab(9), d_model=8, layers=2, d_state=3)
+    plain = copy.deepcopy(fused)
+    plain.fused = False
+    return fused, plain
+
+
 def gru_pair(attention: str, score: str):
     """-> a function that builds `small_model`'s two models (on the kernels, on torch's ops)."""
     return lambda: small_model(attention, score)[:2]
@@ -412,6 +424,12 @@ NAN_THROUGH_BACKWARD = {
         "src_embedding",
         "source padding",
         {"attention_forward", "attention_backward"},
+    ),
+    "mamba": (
+        mamba_pair,
+        "tgt_embedding",
+        "target padding",
+        {"causal_conv_forward", "causal_conv_backward", "selective_scan_forward", "selective_scan_backward"},
     ),
 }
 FORWARD_ONLY = {"attention_step"}  # a decoding step's, under no_grad (tests/test_transformer.py)

@@ -16,7 +16,7 @@ from copytask.console import ConfigError
 from copytask.data import splits
 from copytask.data.splits import heldout_keys, sequence_keys, training_batch
 
-from .conftest import TINY, pythonpath
+from .conftest import ATTENTION_OPTIONS, TINY, pythonpath
 
 
 def test_a_heldout_set_of_every_sequence_is_refused_through_the_cli_at_once(tmp_path):
@@ -192,8 +192,9 @@ def test_the_memory_check_compares_the_estimate_with_the_machines_memory(make_co
         ["experiment=attention_zoo"],
         ["experiment=budget"],
         ["experiment=capacity", "model.hidden_size=16,32,64,128,256"],
+        ["experiment=fixed_state"],
     ],
-    ids=["default", "attention_zoo", "budget", "capacity-256"],
+    ids=["default", "attention_zoo", "budget", "capacity-256", "fixed_state"],
 )
 def test_every_preset_fits_a_small_machine(preset, monkeypatch):
     """No preset's run is refused on a machine with 2 GiB (capacity's bigger grid included)."""
@@ -204,21 +205,7 @@ def test_every_preset_fits_a_small_machine(preset, monkeypatch):
     assert len(grid) >= 36
 
 
-@pytest.mark.parametrize(
-    "attention",
-    [
-        "none",
-        "rnnencdec",
-        "bahdanau",
-        "luong_dot",
-        "luong_general",
-        "luong_concat",
-        "scaled_dot",
-        "multihead",
-        "luong_local",
-        "luong_local_m",
-    ],
-)
+@pytest.mark.parametrize("attention", list(ATTENTION_OPTIONS))  # every option of configs/attention/
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_the_estimates_parameter_count_is_the_models_but_its_attentions(make_config, attention, bidirectional):
     """Without torch every parameter but the attention's own, which its class knows (`check_buildable`

@@ -114,7 +114,7 @@ def test_bahdanau_queries_the_state_before_the_step():
     # s_0 is the encoder's final state; s_1 follows from it, the first input and the first context.
     torch.testing.assert_close(queries[0], final)
     context, _ = decoder.attention.step(
-        final, *decoder.memory(model.encoder(batch.src, batch.src_lengths)[0]), batch.src_mask
+        final, *decoder.memory(model.encoder(batch.src, batch.src_lengths)[0], batch.src_mask), batch.src_mask
     )
     s1 = decoder.cell(torch.cat([decoder.embedding(batch.tgt_in[:, 0]), context], -1), final)
     torch.testing.assert_close(queries[1], s1)

@@ -59,6 +59,7 @@ QUIET = [
     "model.heads=2",
     "model.layers=1",
     "model.ff_size=8",
+    "model.d_state=4",
 ]
 
 
@@ -97,7 +98,7 @@ def number(value: float) -> str:
 # Values that can run, kept tiny so that a 2-step run takes a fraction of a second.
 VALID = {
     "attention": st.sampled_from(ATTENTIONS),
-    "model": st.sampled_from(["gru", "transformer"]),
+    "model": st.sampled_from(["gru", "transformer", "mamba"]),
     "architecture": st.sampled_from(ARCHITECTURES),
     "task": st.sampled_from(list(TASK_OPTIONS)),
     "task.length": st.integers(1, 6),
@@ -105,6 +106,7 @@ VALID = {
     "task.variable_length": st.booleans().map(str).map(str.lower),
     "task.min_length": st.integers(1, 6),
     "attention.heads": st.integers(1, 4),
+    "attention.size": st.integers(1, 8),  # the additive score's size, linear attention's feature size
     "attention.window": st.integers(1, 4),
     "attention.variant": st.sampled_from(["null", "cho2014"]),  # cho2014 with attention=rnnencdec only
     "model.hidden_size": st.sampled_from([1, 2, 4, 6, 8, 12]),
@@ -117,6 +119,9 @@ VALID = {
     "model.positions": st.sampled_from(["sinusoidal", "learned"]),
     "model.max_length": st.integers(1, 8).map(str) | st.just("null"),
     "model.dropout": st.floats(0, 0.9).map(number),
+    "model.d_state": st.integers(1, 4),
+    "model.d_conv": st.integers(1, 5),
+    "model.expand": st.integers(1, 3),
     "analysis.lengths": st.lists(st.integers(1, 9), min_size=1, max_size=3).map(
         lambda lengths: f"[{','.join(map(str, lengths))}]"
     ),
@@ -361,6 +366,36 @@ def test_attention_weights_keep_the_contract_on_mixed_length_batches(attention, 
     torch.testing.assert_close(plain_logits, logits, atol=1e-5, rtol=1e-4)
 
 
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    mixed_batches(),
+    st.integers(1, 4),  # model.d_state
+    st.integers(1, 5),  # model.d_conv
+    st.integers(1, 2),  # model.layers
+    st.integers(0, 2**16),
+)
+def test_mamba_gives_each_sequence_of_a_mixed_batch_what_it_gets_alone(batch, d_state, d_conv, layers, seed):
+    """The state a Mamba encoder hands over is the one after each sequence's own last symbol, whatever the
+    padding: logits and the summary state per sequence as alone, and the fused scan as torch's loop."""
+    src, lengths, tgt_in = batch
+    sizes = [f"model.d_state={d_state}", f"model.d_conv={d_conv}", f"model.layers={layers}"]
+    cfg = compose(["model=mamba", "model.d_model=8", *sizes])
+    torch.manual_seed(seed)
+    model = build_model(cfg).eval()
+    plain = copy.deepcopy(model)
+    plain.fused = False
+    with torch.no_grad():
+        logits, _ = model(src, lengths, tgt_in)
+        summary = model.summary_state(src, lengths)
+        torch.testing.assert_close(plain(src, lengths, tgt_in)[0], logits, atol=1e-5, rtol=1e-4)
+        for row in range(len(lengths)):
+            length = int(lengths[row])
+            alone = src[row : row + 1, :length], lengths[row : row + 1]
+            alone_logits, _ = model(*alone, tgt_in[row : row + 1, : length + 1])
+            torch.testing.assert_close(alone_logits[0], logits[row, : length + 1], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(model.summary_state(*alone)[0], summary[row], atol=1e-6, rtol=1e-5)
+
+
 # -- run names --------------------------------------------------------------------------------
 
 # Keys that change the computation, with two values each that every option accepts.
@@ -400,10 +435,11 @@ NEUTRAL = [
     ("model", "gru"),
     ("model.d_model", "16"),
     ("model.layers", "3"),
+    ("model.d_state", "8"),
     ("analysis.lengths", "[5,9]"),
     ("analysis.beam_widths", "[2]"),
     ("analysis.probe_size", "null"),
-]  # model=gru reads no Transformer key
+]  # model=gru reads no Transformer or Mamba key
 
 
 def whole_float(value: str) -> str:

@@ -94,7 +94,7 @@ def test_compare_numbers_match_the_results_table(swept, capsys):
     rows = parse_compare(output)
     assert set(rows) == set(means.index)
     for (length, attention), numbers in rows.items():
-        seeds, token, token_lo, token_hi, seq, seq_lo, seq_hi, tf, tf_lo, tf_hi, chance, params, *gaps = numbers
+        seeds, token, token_lo, token_hi, seq, seq_lo, seq_hi, tf, tf_lo, tf_hi, chance, params, state, *gaps = numbers
         assert seeds == 2
         assert float(token) == pytest.approx(100 * means.loc[(length, attention), "token_acc"], abs=0.051)
         assert float(seq) == pytest.approx(100 * means.loc[(length, attention), "seq_acc"], abs=0.051)
@@ -104,6 +104,8 @@ def test_compare_numbers_match_the_results_table(swept, capsys):
         assert float(token_lo) <= float(token) <= float(token_hi)
         assert float(chance) == pytest.approx(100 / 9, abs=0.051)
         assert int(params.replace(",", "")) == table[table["attention"] == attention]["params"].iloc[0]
+        same = table[(table["attention"] == attention) & (table["length"] == length)]
+        assert int(state.replace(",", "")) == same["state_floats"].iloc[0]  # floats per sequence
         if attention == "none":
             assert gaps == []
         else:

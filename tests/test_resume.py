@@ -72,8 +72,8 @@ def history(folder) -> pd.DataFrame:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model",
-    [["attention=luong_general"], ["model=transformer", "model.dropout=0.1"]],
-    ids=["gru", "transformer-dropout"],
+    [["attention=luong_general"], ["model=transformer", "model.dropout=0.1"], ["model=mamba", "model.d_model=8"]],
+    ids=["gru", "transformer-dropout", "mamba"],
 )
 def test_a_run_killed_between_evaluations_resumes_to_the_uninterrupted_numbers(tmp_path, model):
     whole = run_cli("train", *RUN, *model, f"runs_dir={tmp_path / 'whole'}")

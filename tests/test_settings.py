@@ -71,8 +71,10 @@ def test_compare_never_pools_values_of_a_swept_key(settings_swept, capsys):
         assert int(params.replace(",", "")) == runs["params"].iloc[0]
         if attention != "none":  # the gap is taken against the baseline of the same hidden size
             baseline = groups.get_group((size, length, "none"))["token_acc"].mean()
-            assert float(numbers[12]) == pytest.approx(100 * (runs["token_acc"].mean() - baseline), abs=0.051)
-    assert rows[8, 3, "none"][-1] != rows[16, 3, "none"][-1]  # params differ between the sizes
+            # after the params, the state floats per sequence
+            assert float(numbers[13]) == pytest.approx(100 * (runs["token_acc"].mean() - baseline), abs=0.051)
+    assert rows[8, 3, "none"][11] != rows[16, 3, "none"][11]  # params differ between the sizes
+    assert rows[8, 3, "none"][12:] == ["8"] and rows[16, 3, "none"][12:] == ["16"]  # the hand-over vector
 
 
 def test_report_shows_every_value_and_names_the_setting_of_each_figure(settings_swept):

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from . import api, console, store
 from .config.checks import check_analysis
-from .config.model_keys import Refused, check_lengths
 from .config.schema import DETERMINISTIC_CUBLAS, config_help
 from .console import ConfigError, refuse
 from .store.runs import folder_runs
@@ -140,7 +139,7 @@ def run_command(args: list[str]) -> int:
         except ConfigError as error:
             return refuse(error)
     if command == "decode":
-        from .evaluation.decode import main as decode  # light: torch only once the request is checked
+        from .cli_decode import main as decode  # light: torch only once the request is checked
 
         return decode(rest)
     if command == "build":
@@ -170,9 +169,8 @@ def analyze(overrides: list[str]) -> int:
     """`python -m copytask analyze [overrides]`: analyse every complete run in runs_dir, print the summary."""
     try:
         master, _ = compose_grid(overrides, expand_grid=False)  # read-only: no Hydra output
-        check_lengths(master.analysis.lengths)
         check_analysis(master.analysis)
-    except (ConfigError, Refused) as error:
+    except ConfigError as error:
         return refuse(error)
     runs_dir = Path(master.runs_dir)
     if not runs_dir.is_dir():

@@ -11,8 +11,9 @@ The key=value overrides are the training configs' (`train.threads=1`, `train.dev
   once, interleaved, and the median over the rounds after warm-up is reported. The reference
   implements the CLASSICAL attention types and model=transformer (as `transformer`, the
   tutorials' Transformer: `reference.ReferenceTransformer`); every other option of
-  configs/attention/ (scaled dot, multi-head, local, Cho et al.'s RNN encoder-decoder, ...) is the
-  project's only, and `vs_luong_general` compares every type's step with Luong general's;
+  configs/attention/ (scaled dot, multi-head, local, Cho et al.'s RNN encoder-decoder, ...) and
+  model=mamba (as `mamba`) are the project's only, and `vs_luong_general` compares every type's step
+  with Luong general's;
 - FLOPs of one step (matrix products only, `FlopCounterMode`, on torch's ops: the project's
   kernels do the same products) and the fraction of this machine's matmul rate (a large
   `torch.mm`) the step reaches;

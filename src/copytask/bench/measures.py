@@ -39,14 +39,15 @@ from ..training.optimizer import adam
 from .reference import ReferenceSeq2Seq, ReferenceTransformer
 
 CLASSICAL = ("none", "bahdanau", "luong_dot", "luong_general", "luong_concat")  # the reference's GRU models
-ATTENTIONS = (  # every option of configs/attention/, the classical ones first, and model=transformer
+ATTENTIONS = (  # every option of configs/attention/, the classical ones first, and model=transformer and mamba
     *CLASSICAL,
     *sorted({path.stem for path in (Path(config_dir()) / "attention").glob("*.yaml")} - set(CLASSICAL)),
     "transformer",
+    "mamba",
 )
 REFERENCED = (*CLASSICAL, "transformer")  # what the reference implements
 # The overrides that choose a benchmarked model: `attention=<name>` (a GRU model), except these.
-MODEL_OVERRIDES = {"transformer": ["model=transformer"]}
+MODEL_OVERRIDES = {"transformer": ["model=transformer"], "mamba": ["model=mamba"]}
 # Each implementation's classes: (the GRU models', model=transformer's), as build_model takes them.
 IMPLEMENTATIONS = {"project": (Seq2Seq, TransformerSeq2Seq), "reference": (ReferenceSeq2Seq, ReferenceTransformer)}
 

@@ -20,11 +20,11 @@ import re
 import torch
 from torch import Tensor, nn
 
-from ..config.schema import DECODERS
+from ..config.model_keys import DECODERS
 from ..data.batches import length_mask
 from ..data.vocab import BOS, PAD
+from ..models.positions import LearnedPositions, SinusoidalPositions
 from ..models.recurrent import Encoder
-from ..models.transformer import LearnedPositions, SinusoidalPositions
 
 REFERENCE_SCORES = (None, "additive", "dot", "general")  # the classical ones (None: a decoder without attention)
 
@@ -167,6 +167,7 @@ class ReferenceSeq2Seq(nn.Module):
                 "the reference implementation has global additive, dot and general scores only, "
                 f"got {score!r} local={local!r}"
             )
+        self.hidden_size = hidden_size
         self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused=False)
         if decoder == "rnnencdec":
             self.decoder = ReferenceRNNEncDecDecoder(vocab, embedding_size, hidden_size)
@@ -176,6 +177,10 @@ class ReferenceSeq2Seq(nn.Module):
     @property
     def attention(self) -> ReferenceAttention | None:
         return getattr(self.decoder, "attention", None)
+
+    def state_floats(self, length: int) -> int:
+        """As `Seq2Seq.state_floats` for the classical scores: the final state, and every encoder state if attending."""
+        return self.hidden_size * (1 + (0 if self.attention is None else length))
 
     def _decode(self, src: Tensor, src_lengths: Tensor, inputs: Tensor | None, steps: int):
         """Step by step; feeds `inputs[:, t]` (teacher forcing) or, without inputs, the previous
@@ -340,6 +345,7 @@ class ReferenceTransformer(nn.Module):
         fused: bool = False,  # taken for TransformerSeq2Seq's signature; the tutorials' form runs torch's ops
     ):
         super().__init__()
+        self.d_model = d_model
         self.scale = math.sqrt(d_model)
         self.src_embedding = nn.Embedding(vocab, d_model, padding_idx=PAD)
         self.tgt_embedding = nn.Embedding(vocab, d_model, padding_idx=PAD)
@@ -361,6 +367,10 @@ class ReferenceTransformer(nn.Module):
         if any(name.startswith("transformer.") for name in state_dict):
             state_dict = reference_transformer_state(state_dict)
         return super().load_state_dict(state_dict, strict, assign)
+
+    def state_floats(self, length: int) -> int:
+        """As `TransformerSeq2Seq.state_floats`: every encoder output."""
+        return length * self.d_model
 
     def _embed(self, embedding: nn.Embedding, tokens: Tensor) -> Tensor:
         positions = torch.arange(tokens.size(1), device=tokens.device)

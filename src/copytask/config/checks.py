@@ -23,11 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from ..data.tasks import TASKS
 from ..data.vocab import total_vocab
 from . import model_keys
-from .model_keys import FLOAT, LONG, MAX_HEADS
+from .model_keys import FLOAT, LONG
 from .schema import (
-    DECODERS,
     DEVICES,
-    LOCAL,
     LOGGERS,
     MAX_BEAM,
     MAXIMUM,
@@ -35,7 +33,6 @@ from .schema import (
     REMOTE_LAUNCHERS,
     SCHEDULES,
     SCHEMA_KEYS,
-    VARIANTS,
     AttentionConfig,
     ConfigError,
     config_dir,
@@ -50,13 +47,8 @@ def validate(cfg: DictConfig) -> None:
     the module's docstring), in this order, so that the first bad value is the one named."""
     check_keys(cfg)
     check_task(cfg.task, cfg.train)
-    try:
-        model_keys.check_model(cfg, default_attention())
-        model_keys.check_lengths(cfg.analysis.get("lengths"))
-    except model_keys.Refused as refused:
-        raise ConfigError(str(refused)) from None
+    model_keys.check_model(cfg, default_attention())
     check_analysis(cfg.analysis)
-    check_gru(cfg)
     check_training(cfg.train)
     check_memory(cfg)
     check_device(cfg.train.device)
@@ -85,45 +77,6 @@ def check_task(task: DictConfig, train: DictConfig) -> None:
     check_heldout(
         task.length, task.vocab_size, train.eval_size, train.val_size, task.min_length if task.variable_length else None
     )
-
-
-def check_gru(cfg: DictConfig) -> None:
-    """The GRU model's decoder and attention: a known decoder with its equations, an even hidden size
-    for a bidirectional encoder, heads and Luong's local window where they apply."""
-    model, attention = cfg.model, cfg.attention
-    if attention.decoder not in DECODERS:
-        raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
-    if attention.variant != VARIANTS.get(attention.decoder):  # the one set of equations each decoder computes
-        expected, got = (
-            VARIANTS.get(attention.decoder) or "null",
-            "null" if attention.variant is None else repr(attention.variant),
-        )
-        raise ConfigError(f"attention.variant must be {expected} with attention.decoder={attention.decoder}, got {got}")
-    if model.bidirectional and model.hidden_size % 2:
-        raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
-    if attention.heads > MAX_HEADS:
-        raise ConfigError(f"attention.heads must be at most {MAX_HEADS}, got {attention.heads}")
-    if attention.heads > 1 and attention.decoder != "luong":
-        raise ConfigError(
-            f"attention.heads={attention.heads} needs Luong attention with a multi-head score, "
-            f"got attention={attention.name}"
-        )
-    if attention.local not in LOCAL:
-        raise ConfigError(f"attention.local must be one of {', '.join(map(str, LOCAL))}, got {attention.local!r}")
-    if attention.local is not None:
-        if attention.decoder != "luong" or attention.heads > 1:
-            raise ConfigError(
-                f"attention.local={attention.local} needs single-head Luong attention, "
-                f"got attention={attention.name} with {attention.heads} heads"
-            )
-        if attention.window is None:
-            raise ConfigError(
-                f"attention.window must be an integer >= 1 with attention.local={attention.local}, got null"
-            )
-    if not model_keys.is_transformer(cfg) and model.hidden_size % attention.heads:
-        raise ConfigError(
-            f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})"
-        )
 
 
 def check_training(train: DictConfig) -> None:
@@ -214,6 +167,8 @@ def parameter_count(cfg: DictConfig) -> int:
     class's (`models.build.check_buildable` counts the whole model)."""
     if model_keys.is_transformer(cfg):
         return model_keys.transformer_parameter_count(cfg)
+    if model_keys.model_name(cfg) == "mamba":
+        return model_keys.mamba_parameter_count(cfg)
     vocab, embedding, hidden = total_vocab(cfg.task.vocab_size), cfg.model.embedding_size, cfg.model.hidden_size
     attention = cfg.attention
 
@@ -264,6 +219,8 @@ def memory_estimate(
     batch, t_enc, t_dec, heldout = train.batch_size, task.length, task.length + 1, train.eval_size + train.val_size
     if model_keys.is_transformer(cfg):
         attends, activations = True, model_keys.transformer_activations(cfg)
+    elif model_keys.model_name(cfg) == "mamba":
+        attends, activations = False, model_keys.mamba_activations(cfg)
     else:
         attention = cfg.attention
         attends = attention.score is not None
@@ -380,8 +337,14 @@ def check_beam_width(width: object, name: str) -> None:
 
 
 def check_analysis(analysis: DictConfig) -> None:
-    """The breakdown's keys (`evaluation.breakdown`) that the schema's types and MINIMUM leave: each
-    beam width from 1 to MAX_BEAM, and at least one ridge penalty, each finite and > 0 (nan refused)."""
+    """The analysis' keys that the schema's types and MINIMUM leave: the test lengths null or a non-empty list
+    of lengths >= 1, each beam width from 1 to MAX_BEAM, and at least one ridge penalty, each finite and > 0
+    (nan refused)."""
+    lengths = analysis.get("lengths")
+    if lengths is not None and (len(lengths) == 0 or min(lengths) < 1):
+        raise ConfigError(
+            f"analysis.lengths must be null or a list of integers >= 1, e.g. [5,10,20,40,80], got {list(lengths)}"
+        )
     for width in analysis.beam_widths or ():
         check_beam_width(width, "each of analysis.beam_widths")
     if not analysis.probe_ridges:

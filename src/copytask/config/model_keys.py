@@ -1,14 +1,15 @@
-"""The `model` config group (`model=gru`, the default, and `model=transformer`) and the analysis
-test lengths: which keys each model reads, the checks `checks.validate` makes of them, and the
-Transformer's parameter count and memory. Torch-free, as `schema`, so a refusal is immediate.
+"""The `model` config group (`model=gru`, the default, `model=transformer` and `model=mamba`): which keys each
+model reads, the checks `checks.validate` makes of them (model=gru's with its decoder's, the attention group),
+and the Transformer's and Mamba's parameter counts and memory. Torch-free, as `schema`, so a refusal is immediate.
 
 Each model reads its own keys (MODEL_KEYS) and leaves the other's unused: those are left out of
 a run's identity (`store.UNUSED_UNLESS`), as `attention.window` is without local attention, so
 that a preset sizing the GRU (`experiment=quick`) also composes with `model=transformer`. The
-`attention` group is model=gru's decoder: with model=transformer anything but its default is
+`attention` group is model=gru's decoder: with another model anything but its default is
 refused, since nothing would read it.
 
-The checks raise `Refused` (a ValueError); `checks.validate` turns it into its ConfigError.
+`check_model` is `checks.validate`'s check of the model group, and of the attention group that is model=gru's
+decoder (`check_gru`), each refusal one ConfigError line.
 """
 
 from __future__ import annotations
@@ -17,21 +18,34 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..console import ConfigError
 from ..data.vocab import total_vocab
 
-MODELS = ("gru", "transformer")
+MODELS = ("gru", "transformer", "mamba")
 MODEL_KEYS = {
     "gru": ("embedding_size", "hidden_size", "bidirectional"),
     "transformer": ("layers", "heads", "d_model", "ff_size", "positions", "max_length", "dropout"),
+    "mamba": ("layers", "d_model", "d_state", "d_conv", "expand"),
 }
 NULLABLE = ("model.max_length",)  # a key of the chosen model that may be null (null: task.length)
 POSITIONS = ("sinusoidal", "learned")
-MINIMUM = {"model.layers": 1, "model.heads": 1, "model.d_model": 1, "model.ff_size": 1, "model.max_length": 1}
+MINIMUM = {
+    "model.layers": 1,
+    "model.heads": 1,
+    "model.d_model": 1,
+    "model.ff_size": 1,
+    "model.max_length": 1,
+    "model.d_state": 1,
+    "model.d_conv": 1,
+    "model.expand": 1,
+}
 MAX_HEADS = 8  # heads of a multi-head attention (attention.heads) or of the Transformer (model.heads)
-
-
-class Refused(ValueError):
-    """A model config that cannot run; the message names the key, the value and what is allowed."""
+DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
+# attention.variant: which equations a decoder computes, where they changed after its runs were made, so that
+# those runs' folders are not read as the new ones'. rnnencdec became Cho et al.'s (2014, appendix A.1) in
+# issue 26; its earlier runs (the encoder's raw final state fed into the GRU's input) have no variant.
+VARIANTS = {"rnnencdec": "cho2014"}
+LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
 
 
 def model_name(cfg: DictConfig | dict) -> str:
@@ -51,48 +65,87 @@ def position_rows(cfg: DictConfig) -> int:
 
 
 def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
-    """Refused unless `cfg.model` is a model that can run: its name one of MODELS, each of its keys
-    set, the Transformer's well-formed; with model=transformer `cfg.attention` must be
+    """ConfigError unless `cfg.model` is a model that can run: its name one of MODELS, each of its keys
+    set, the Transformer's well-formed; with a model other than gru `cfg.attention` must be
     `default_attention` (the attention group's default, composed)."""
     model, name = cfg.model, model_name(cfg)
     if name not in MODELS:
-        raise Refused(
+        raise ConfigError(
             f"model.name must be one of {', '.join(MODELS)}, got {name!r} "
             f"(choose a model with model={'|'.join(MODELS)})"
         )
     for key in MODEL_KEYS[name]:
         if model.get(key) is None and f"model.{key}" not in NULLABLE:
-            raise Refused(f"model.{key} must not be null with model={name}")
-    if name != "transformer":
+            raise ConfigError(f"model.{key} must not be null with model={name}")
+    if name == "gru":
+        check_gru(cfg)
         return
     if cfg.attention != default_attention:
-        raise Refused(
-            f"attention={cfg.attention.name} (and every attention.* key) is model=gru's decoder; model=transformer "
-            "has its own attention (model.heads), so the attention group must stay at its default "
-            f"({default_attention.name}); "
+        own = "has its own attention (model.heads)" if name == "transformer" else "has no attention"
+        raise ConfigError(
+            f"attention={cfg.attention.name} (and every attention.* key) is model=gru's decoder; model={name} "
+            f"{own}, so the attention group must stay at its default ({default_attention.name}); "
             "a sweep over architecture=... that is not a preset's drops the default grid's attention list with "
             "'~hydra.sweeper.params.attention'"
         )
-    if model.heads > MAX_HEADS:
-        raise Refused(f"model.heads must be at most {MAX_HEADS}, got {model.heads}")
-    if model.d_model % model.heads:
-        raise Refused(f"model.d_model ({model.d_model}) must be divisible by model.heads ({model.heads})")
-    if model.positions not in POSITIONS:
-        raise Refused(f"model.positions must be one of {', '.join(POSITIONS)}, got {model.positions!r}")
-    if not 0 <= model.dropout < 1:  # also refuses nan
-        raise Refused(f"model.dropout must be a number in [0, 1), got {model.dropout!r}")
-    if model.positions == "learned" and model.max_length is not None and model.max_length < cfg.task.length:
-        raise Refused(
-            f"model.max_length ({model.max_length}) must be at least task.length ({cfg.task.length}): "
-            "the learned table covers every trained position"
+    if name == "transformer":
+        check_transformer(cfg)
+
+
+def check_gru(cfg: DictConfig) -> None:
+    """The GRU model's decoder and attention: a known decoder with its equations, an even hidden size
+    for a bidirectional encoder, heads and Luong's local window where they apply."""
+    model, attention = cfg.model, cfg.attention
+    if attention.decoder not in DECODERS:
+        raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
+    if attention.variant != VARIANTS.get(attention.decoder):  # the one set of equations each decoder computes
+        expected, got = (
+            VARIANTS.get(attention.decoder) or "null",
+            "null" if attention.variant is None else repr(attention.variant),
+        )
+        raise ConfigError(f"attention.variant must be {expected} with attention.decoder={attention.decoder}, got {got}")
+    if model.bidirectional and model.hidden_size % 2:
+        raise ConfigError(f"model.hidden_size must be even with a bidirectional encoder, got {model.hidden_size}")
+    if attention.heads > MAX_HEADS:
+        raise ConfigError(f"attention.heads must be at most {MAX_HEADS}, got {attention.heads}")
+    if attention.heads > 1 and attention.decoder != "luong":
+        raise ConfigError(
+            f"attention.heads={attention.heads} needs Luong attention with a multi-head score, "
+            f"got attention={attention.name}"
+        )
+    if attention.local not in LOCAL:
+        raise ConfigError(f"attention.local must be one of {', '.join(map(str, LOCAL))}, got {attention.local!r}")
+    if attention.local is not None:
+        if attention.decoder != "luong" or attention.heads > 1:
+            raise ConfigError(
+                f"attention.local={attention.local} needs single-head Luong attention, "
+                f"got attention={attention.name} with {attention.heads} heads"
+            )
+        if attention.window is None:
+            raise ConfigError(
+                f"attention.window must be an integer >= 1 with attention.local={attention.local}, got null"
+            )
+    if model.hidden_size % attention.heads:
+        raise ConfigError(
+            f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})"
         )
 
 
-def check_lengths(lengths: list[int] | None) -> None:
-    """Refused unless `analysis.lengths` (integers: the schema's type) is null or a non-empty list of lengths >= 1."""
-    if lengths is not None and (len(lengths) == 0 or min(lengths) < 1):
-        raise Refused(
-            f"analysis.lengths must be null or a list of integers >= 1, e.g. [5,10,20,40,80], got {list(lengths)}"
+def check_transformer(cfg: DictConfig) -> None:
+    """ConfigError unless model=transformer's keys are well-formed (the others are `check_model`'s)."""
+    model = cfg.model
+    if model.heads > MAX_HEADS:
+        raise ConfigError(f"model.heads must be at most {MAX_HEADS}, got {model.heads}")
+    if model.d_model % model.heads:
+        raise ConfigError(f"model.d_model ({model.d_model}) must be divisible by model.heads ({model.heads})")
+    if model.positions not in POSITIONS:
+        raise ConfigError(f"model.positions must be one of {', '.join(POSITIONS)}, got {model.positions!r}")
+    if not 0 <= model.dropout < 1:  # also refuses nan
+        raise ConfigError(f"model.dropout must be a number in [0, 1), got {model.dropout!r}")
+    if model.positions == "learned" and model.max_length is not None and model.max_length < cfg.task.length:
+        raise ConfigError(
+            f"model.max_length ({model.max_length}) must be at least task.length ({cfg.task.length}): "
+            "the learned table covers every trained position"
         )
 
 
@@ -113,6 +166,20 @@ def transformer_parameter_count(cfg: DictConfig) -> int:
     return count
 
 
+def mamba_parameter_count(cfg: DictConfig) -> int:
+    """The trainable parameters of `mamba.MambaSeq2Seq` for `cfg`: per layer its RMSNorm and block (the input
+    projection to x and z, the depthwise convolution, the projections of Δ, B and C, A_log, D, the output
+    projection), but the encoder's last layer without the gate, D and output projection (nothing reads its
+    output); the source and target embeddings, the final norm and the readout."""
+    vocab, model = total_vocab(cfg.task.vocab_size), cfg.model
+    d, n, k = model.d_model, model.d_state, model.d_conv
+    inner, rank = model.expand * d, -(-d // 16)  # E, and R = ceil(d / 16)
+    state = d * inner + inner * k + inner + inner * (rank + 2 * n) + rank * inner + inner + inner * n  # x, conv, SSM
+    readout = d * inner + inner + inner * d  # z, D, the output projection
+    layer = d + state + readout  # the RMSNorm's weight first
+    return 2 * model.layers * layer - readout + 2 * vocab * d + d + d * vocab + vocab
+
+
 FLOAT, LONG = 4, 8  # bytes of a float32 number and of a token id
 
 
@@ -129,6 +196,25 @@ def transformer_activations(cfg: DictConfig) -> dict[str, int]:
     return {
         "the layers' activations (B x (T_enc + T_dec) x model.layers x model.d_model)": activations,
         "the attention weights (B x model.heads x model.layers x T^2)": weights,
+    }
+
+
+def mamba_activations(cfg: DictConfig) -> dict[str, int]:
+    """Roughly the bytes of a Mamba training step's activations, by what needs them (the entries of
+    `checks.memory_estimate` that are Mamba's own): the SSM states, B x T x layers x E x N floats where the scan
+    runs in torch's ops (discretised A and B x, the states and their gradients; the CPU kernel keeps far less),
+    and a few dozen E-wide activations per position and layer."""
+    task, model = cfg.task, cfg.model
+    batch, positions, inner = cfg.train.batch_size, 2 * task.length + 1, model.expand * model.d_model
+    per_position = batch * positions * model.layers * inner
+    return {
+        "the SSM states (B x (T_enc + T_dec) x model.layers x E x model.d_state, E = model.expand x model.d_model)": (
+            6 * per_position * model.d_state * FLOAT
+        ),
+        "the layers' activations (B x (T_enc + T_dec) x model.layers x E)": (
+            24 * per_position + 8 * model.d_conv * per_position
+        )
+        * FLOAT,
     }
 
 

@@ -26,12 +26,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 from ..console import ConfigError
 from . import model_keys, parallel
 
-DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
-# attention.variant: which equations a decoder computes, where they changed after its runs were made, so that
-# those runs' folders are not read as the new ones'. rnnencdec became Cho et al.'s (2014, appendix A.1) in
-# issue 26; its earlier runs (the encoder's raw final state fed into the GRU's input) have no variant.
-VARIANTS = {"rnnencdec": "cho2014"}
-LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
 DEVICES = ("auto", "cpu", "cuda")
 # CUBLAS_WORKSPACE_CONFIG values that make cuBLAS deterministic (PyTorch's reproducibility notes); the first
 # is what the CLI sets
@@ -74,6 +68,9 @@ class ModelConfig:  # each model=... option sets its own keys (model_keys.MODEL_
     positions: str | None = None
     max_length: int | None = None
     dropout: float | None = None
+    d_state: int | None = None
+    d_conv: int | None = None
+    expand: int | None = None
 
 
 @dataclass

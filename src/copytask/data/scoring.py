@@ -1,6 +1,6 @@
 """The one scoring rule of every number: an output (greedy, beam search, the teacher-forced argmax)
 against its target. An output ends at its first EOS, and a content position after it is wrong
-whatever the decoder emits there."""
+whatever the decoder emits there. `accuracy` sums it up as every evaluation reports it."""
 
 from __future__ import annotations
 
@@ -49,3 +49,19 @@ def sequence_scores(tokens: torch.Tensor, batch: Batch) -> Scores:
     content = batch.content_mask
     early = ((tokens == EOS) & content).any(1)
     return Scores((correct & content).sum(1), content.sum(1), (correct | ~batch.target_mask).all(1), early)
+
+
+def accuracy(tokens: torch.Tensor, batch: Batch) -> dict:
+    """Output `tokens` (B, T_dec) scored against `batch` by the one rule: token accuracy over the content
+    positions, exact-sequence accuracy (every symbol and the EOS right), the share of outputs that ended
+    early (an EOS before the target's end) and the token accuracy at each output position (content
+    positions: a list of T_dec - 1 for a fixed length)."""
+    scores = sequence_scores(tokens, batch)
+    hits, symbols = position_scores(tokens, batch)
+    content = symbols > 0
+    return {
+        "token_acc": scores.hits.sum().item() / scores.symbols.sum().item(),
+        "seq_acc": scores.exact.float().mean().item(),
+        "ended_early": scores.early.float().mean().item(),
+        "by_position": (hits[content] / symbols[content]).tolist(),
+    }

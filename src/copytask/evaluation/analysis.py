@@ -42,14 +42,14 @@ from tqdm.auto import tqdm
 
 from .. import console, store
 from ..data.batches import Batch, copied_positions
-from ..data.scoring import output_mask, sequence_scores
+from ..data.scoring import accuracy, output_mask, sequence_scores
 from ..data.splits import heldout_at_length, test_batch, training_length_mix, unscorable
 from ..models.attention import Attention, Intervention
 from ..models.build import Model
-from ..models.greedy import evaluate, rounded
+from ..models.greedy import evaluate
 from ..store.provenance import ANALYSIS_COMPUTATION, computed_elsewhere, provenance
 from ..training.devices import resolve_device, run_settings, torch_threads
-from .breakdown import Settings, accuracy, measure
+from .breakdown import Settings, measure
 from .load import load_run
 
 COUNTERFACTUALS = ("uniform", "permuted", "fixed")  # what the analysis replaces the weights by
@@ -287,7 +287,7 @@ def analyze_run(
         analysis["head_weights"] = {
             "source": first.src[0].tolist(),
             "target": first.tgt_out[0].tolist(),
-            "weights": rounded(head_weights(model, first)[0]),
+            "weights": store.rounded(head_weights(model, first)[0]),
         }
     return analysis
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
 from ..data.batches import Batch
-from ..data.scoring import position_scores, sequence_scores
+from ..data.scoring import accuracy
 from ..models.beam import beam_search
 from ..models.build import Model
+from ..models.chunks import over_chunks, pad_to
 from ..models.greedy import EVAL_CHUNK
 from .probe import probe_summary
 
@@ -58,45 +58,27 @@ class Settings:
         return asdict(self) | {"beam_widths": list(self.beam_widths), "probe_ridges": list(self.probe_ridges)}
 
 
-@torch.no_grad()
 def teacher_forced(model: Model, batch: Batch, chunk_size: int = EVAL_CHUNK) -> Tensor:
-    """The argmax at every step given the true prefix (`batch.tgt_in`) -> tokens (B, T_dec)."""
-    was_training = model.training
-    model.eval()
-    tokens = []
-    for start in range(0, len(batch), chunk_size):
-        part = batch.select(slice(start, start + chunk_size))
-        logits, _ = model(part.src, part.src_lengths, part.tgt_in)  # (b, T_dec, V)
-        tokens.append(logits.argmax(-1))
-    model.train(was_training)
-    return torch.cat(tokens)
+    """The argmax at every step given the true prefix (`batch.tgt_in`) -> tokens (B, T_dec), PAD past
+    the target of a chunk's longest sequence."""
+
+    def argmax(part: Batch) -> Tensor:
+        logits, _ = model(part.src, part.src_lengths, part.tgt_in)  # (b, t_dec <= T_dec, V)
+        return pad_to(logits.argmax(-1), batch.tgt_out.size(1))
+
+    return over_chunks(model, batch, chunk_size, argmax)
 
 
 def beam_tokens(model: Model, batch: Batch, width: int, length_normalise: bool = False) -> Tensor:
     """Beam search of `width` on `batch`, BEAM_ROWS decoder rows at a time (all at once on a GPU)
     -> tokens (B, T_dec)."""
-    was_training = model.training
-    model.eval()
     chunk_size = len(batch) if batch.src.is_cuda else max(1, BEAM_ROWS // width)
-    steps, tokens = batch.tgt_out.size(1), []
-    for start in range(0, len(batch), chunk_size):
-        part = batch.select(slice(start, start + chunk_size))
-        tokens.append(beam_search(model, part.src, part.src_lengths, steps, width, length_normalise).tokens)
-    model.train(was_training)
-    return torch.cat(tokens)
+    steps = batch.tgt_out.size(1)
 
+    def search(part: Batch) -> Tensor:
+        return beam_search(model, part.src, part.src_lengths, steps, width, length_normalise).tokens
 
-def accuracy(tokens: Tensor, batch: Batch) -> dict:
-    """Output `tokens` (B, T_dec) scored against `batch`: token and exact-sequence accuracy, and the
-    token accuracy at each output position (content positions: a list of T_dec - 1 for a fixed length)."""
-    scores = sequence_scores(tokens, batch)
-    hits, symbols = position_scores(tokens, batch)
-    content = symbols > 0
-    return {
-        "token_acc": scores.hits.sum().item() / scores.symbols.sum().item(),
-        "seq_acc": scores.exact.float().mean().item(),
-        "by_position": (hits[content] / symbols[content]).tolist(),
-    }
+    return over_chunks(model, batch, chunk_size, search)
 
 
 def breakdown(
@@ -104,7 +86,7 @@ def breakdown(
 ) -> dict:
     """Greedy (its `greedy` tokens (B, T_dec) on `test`) and teacher-forced accuracy on `test`, and beam
     search's at each of `widths` on its first `beam_size` sequences (None: all) -> {"sequences": B,
-    "greedy": ..., "teacher_forced": ... (each `accuracy`), "beam_sequences": n, "beam": [{"width",
+    "greedy": ..., "teacher_forced": ... (each `data.scoring.accuracy`), "beam_sequences": n, "beam": [{"width",
     "token_acc", "seq_acc"}, ...]}."""
     beam_set = test.select(slice(0, beam_size))
     result = {

@@ -38,19 +38,15 @@ from ..data.batches import Batch
 from ..data.splits import draw_excluding, heldout_keys, training_sequences, unseen_at_length
 from ..data.vocab import NUM_SPECIAL
 from ..models.build import Model, build_model
+from ..models.chunks import over_chunks
 
 CHUNK = 1024  # sequences encoded at once
 CHOICE_SHARE = 0.25  # of the fitting sequences: held out of the fit to choose the ridge penalty
 
 
-@torch.no_grad()
 def summary_vectors(model: Model, batch: Batch) -> Tensor:
     """What the model hands its decoder of each sequence of `batch` -> (B, S), float64."""
-    vectors = []
-    for start in range(0, len(batch), CHUNK):
-        part = batch.select(slice(start, start + CHUNK))
-        vectors.append(model.summary_state(part.src, part.src_lengths).double())
-    return torch.cat(vectors)
+    return over_chunks(model, batch, CHUNK, lambda part: model.summary_state(part.src, part.src_lengths).double())
 
 
 def source_labels(batch: Batch) -> tuple[Tensor, Tensor]:

@@ -32,7 +32,8 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
-    CSRC / name for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "bahdanau.cpp", "attention.cpp", "layers.cpp")
+    CSRC / name
+    for name in ("bindings.cpp", "gru.cpp", "additive.cpp", "bahdanau.cpp", "attention.cpp", "layers.cpp", "mamba.cpp")
 ]
 # -ffast-math lets the compiler vectorise the sums over a row; it is a compile flag only, so
 # the library is not linked with the start-up code that would set flush-to-zero for the process.

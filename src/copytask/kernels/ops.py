@@ -35,7 +35,8 @@ derivative: a double backward through them raises an error that says so (build t
 `fused=False` for one).
 
 The Transformer's kernels (`attention`, `attention_step`, `transformer_layer`) are in
-`kernels.transformer_ops`, with the same contract. They are built and loaded by `kernels.build`.
+`kernels.transformer_ops`, Mamba's (its convolution, and its scan with the gate) in `kernels.mamba_ops`, with the
+same contract. They are built and loaded by `kernels.build`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ Luong: the state after it, s_t); a score class decides how the query q scores an
     scaled_dot  ScaledDotAttention   q^T h / sqrt(d)
     general     GeneralAttention     q^T W h
     multihead   MultiHeadAttention   torch's nn.MultiheadAttention
+    linear      LinearAttention      phi(W_q q)^T S / phi(W_q q)^T z, a fixed-size summary of h (linear_attention.py)
 
 An attention type is its class here (a subclass of `Attention` with `@register_attention("<score>")`
 that defines `scores`, and `project_keys` where the keys are a projection of the encoder states),
@@ -18,8 +19,9 @@ up in ATTENTION_TYPES (`make_attention`), and `build.check_buildable` refuses a 
 cannot compute (docs/models.md).
 
 Contract: query (B, T_dec, d_s), keys from `project_keys`, values (B, T_enc, d_h), mask (B, T_enc),
-positions (T_dec,) the query's output steps (local-m only) -> context (B, T_dec, d_h), weights
-(B, T_dec, T_enc) summing to 1 over valid positions (local-p: at most 1, zero outside the window).
+positions (T_dec,) the query's output steps (local-m only), summary `summarise`'s or None (then computed
+in the call) -> context (B, T_dec, d_h), weights (B, T_dec, T_enc) summing to 1 over valid positions
+(local-p: at most 1, zero outside the window).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config.schema import LOCAL
+from ..config.model_keys import LOCAL
 from ..kernels import ops
 
 ADDITIVE_CHUNK = 2**19  # elements of the additive score's tanh tensor computed at once on CPU (2 MB)
@@ -122,6 +124,15 @@ class Attention(nn.Module):
         decoder step. Here the states themselves; a score that projects them overrides this."""
         return encoder_states
 
+    def summarise(self, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor | None:
+        """What the score reads of the whole source at every step, computed once per sequence from keys, values
+        and mask: `forward`'s `summary`. None here: a softmax score reads every encoder state itself."""
+        return None
+
+    def state_floats(self, length: int) -> int:
+        """Floats per sequence the score can read of a source of `length` symbols: every encoder state here."""
+        return length * self.key_size
+
     def scores(self, query: Tensor, keys: Tensor) -> Tensor:
         """The score of every (head, decoder step, source position): query (B, T_dec, d_s), keys from
         `project_keys` (B, T_enc, ...) -> (B, heads, T_dec, T_enc)."""
@@ -145,10 +156,16 @@ class Attention(nn.Module):
         assert keys.shape[:2] == (batch, t_enc) and mask.shape == (batch, t_enc), "keys/mask do not match values"
 
     def forward(
-        self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, positions: Tensor | None = None
+        self,
+        query: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        mask: Tensor,
+        positions: Tensor | None = None,
+        summary: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """query (B, T_dec, d_s), keys (B, T_enc, ...), values (B, T_enc, d_h), mask (B, T_enc), positions
-        (T_dec,) -> context (B, T_dec, d_h), weights (B, T_dec, T_enc), the mean over heads."""
+        (T_dec,), summary `summarise`'s or None -> context (B, T_dec, d_h), weights (B, T_dec, T_enc), head mean."""
         self.check_shapes(query, keys, values, mask)
         batch, t_dec, t_enc = query.size(0), query.size(1), values.size(1)
         scores = self.scores(query, keys)  # (B, heads, T_dec, T_enc)
@@ -398,7 +415,13 @@ class MultiHeadAttention(Attention):
         assert mha_fits, "mha does not match"
 
     def forward(
-        self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, positions: Tensor | None = None
+        self,
+        query: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        mask: Tensor,
+        positions: Tensor | None = None,
+        summary: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """As `Attention.forward`; keys are the encoder states (B, T_enc, d)."""
         if self.intervention is not None:

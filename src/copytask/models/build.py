@@ -1,4 +1,4 @@
-"""The model a config describes: the GRU encoder-decoder with its attention, or the Transformer."""
+"""The model a config describes: the GRU encoder-decoder with its attention, the Transformer, or Mamba."""
 
 from __future__ import annotations
 
@@ -7,22 +7,24 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ..config.checks import check_memory
-from ..config.model_keys import is_transformer, position_rows
+from ..config.model_keys import is_transformer, model_name, position_rows
 from ..console import ConfigError
 from ..data.vocab import total_vocab
 from .attention import ATTENTION_TYPES
+from .mamba import MambaSeq2Seq
 from .recurrent import Seq2Seq, count_parameters
 from .transformer import TransformerSeq2Seq
 
-Model = Seq2Seq | TransformerSeq2Seq  # what `build_model` makes, and what training, the analysis and decode take
+# what `build_model` makes, and what training, the analysis and decode take
+Model = Seq2Seq | TransformerSeq2Seq | MambaSeq2Seq
 
 
 def build_model(
     cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq, transformer_class: type[nn.Module] = TransformerSeq2Seq
 ) -> nn.Module:
-    """The configured model: `transformer_class` for model=transformer, else `model_class`, which may
-    be any classes with TransformerSeq2Seq's and Seq2Seq's constructor and interface (the benchmark
-    passes `reference.ReferenceTransformer` and `reference.ReferenceSeq2Seq`)."""
+    """The configured model: `transformer_class` for model=transformer, MambaSeq2Seq for model=mamba, else
+    `model_class`, which may be any classes with TransformerSeq2Seq's and Seq2Seq's constructor and interface
+    (the benchmark passes `reference.ReferenceTransformer` and `reference.ReferenceSeq2Seq`)."""
     if is_transformer(cfg):
         model = cfg.model
         return transformer_class(
@@ -34,6 +36,17 @@ def build_model(
             model.positions,
             position_rows(cfg),
             model.dropout,
+            fused=cfg.train.get("fused", True),
+        )
+    if model_name(cfg) == "mamba":
+        model = cfg.model
+        return MambaSeq2Seq(
+            total_vocab(cfg.task.vocab_size),
+            model.d_model,
+            model.layers,
+            model.d_state,
+            model.d_conv,
+            model.expand,
             fused=cfg.train.get("fused", True),
         )
     return model_class(

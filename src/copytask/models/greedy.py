@@ -6,53 +6,27 @@ from __future__ import annotations
 import torch
 
 from ..data.batches import Batch
-from ..data.scoring import sequence_scores
+from ..data.scoring import accuracy
 from .build import Model
+from .chunks import over_chunks, pad_to
 
 # Sequences greedily decoded at once on CPU: smaller pieces keep a decoder step's tensors in cache
 # (docs/bench.md, Speed levers).
 EVAL_CHUNK = 128
 
 
-@torch.no_grad()
 def evaluate(model: Model, batch: Batch, chunk_size: int | None = None) -> dict:
-    """Greedy decoding (no teacher forcing) on `batch`, scored by `sequence_scores`: token accuracy
-    over the content positions, exact-sequence accuracy (every symbol and the EOS right) and the
-    share of outputs that ended early (an EOS before the target's end). Also returns the decoded
+    """Greedy decoding (no teacher forcing) on `batch`, scored by `data.scoring.accuracy` (token and
+    exact-sequence accuracy, the share that ended early, accuracy by position), with the decoded
     tokens (B, T_dec) and attention weights (B, T_dec, T_enc) or None. `chunk_size` sequences are
     decoded at a time: by default EVAL_CHUNK on CPU, all at once on a GPU."""
     if chunk_size is None:
         chunk_size = len(batch) if batch.src.is_cuda else EVAL_CHUNK
-    was_training = model.training
-    model.eval()
-    tokens, weights = [], []
-    for start in range(0, len(batch), chunk_size):
-        part = batch.select(slice(start, start + chunk_size))
-        out, w = model.greedy(part.src, part.src_lengths, steps=batch.tgt_out.size(1))
-        tokens.append(_pad_to(out, batch.tgt_out.size(1)))
-        weights.append(None if w is None else _pad_to(w, batch.src.size(1), dim=2))
-    model.train(was_training)
-    tokens = torch.cat(tokens)
-    scores = sequence_scores(tokens, batch)
-    return {
-        "token_acc": scores.hits.sum().item() / scores.symbols.sum().item(),
-        "seq_acc": scores.exact.float().mean().item(),
-        "ended_early": scores.early.float().mean().item(),
-        "tokens": tokens,
-        "weights": None if weights[0] is None else torch.cat(weights),
-    }
+    steps = batch.tgt_out.size(1)
 
+    def decode(part: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, weights = model.greedy(part.src, part.src_lengths, steps=steps)
+        return pad_to(out, steps), None if weights is None else pad_to(weights, batch.src.size(1), dim=2)
 
-def rounded(weights: torch.Tensor) -> list:
-    """Attention weights as nested lists with four decimals: small enough for a length-80 map in
-    JSON, exact enough for a heatmap."""
-    return weights.double().mul(1e4).round().div(1e4).tolist()
-
-
-def _pad_to(t: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
-    missing = size - t.size(dim)
-    if missing == 0:
-        return t
-    pad_shape = list(t.shape)
-    pad_shape[dim] = missing
-    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+    tokens, weights = over_chunks(model, batch, chunk_size, decode)
+    return accuracy(tokens, batch) | {"tokens": tokens, "weights": weights}

@@ -12,14 +12,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..config.schema import DECODERS
+from ..config.model_keys import DECODERS
 from ..data.batches import length_mask
 from ..data.vocab import PAD
 from ..kernels import ops
 from .attention import AdditiveAttention, Attention, make_attention
 from .decoding import greedy_search
 
-Memory = tuple[Tensor, Tensor] | None  # (keys, values) the attention reads at every step
+# What the attention reads at every step: (keys, values), and Luong's (keys, values, summary), the summary
+# being what its score computes of the whole source once per sequence (`Attention.summarise`; None: none)
+Memory = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor | None] | None
 
 
 class Encoder(nn.Module):
@@ -43,9 +45,10 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
     """What `Seq2Seq` asks of a decoder: `forward` (teacher forcing), `step` (one greedy step), and
     these two, which by default pass the encoder's output through: `memory`, what every step reads
-    of the encoder states (None: nothing), and `initial_state`, the first step's hidden state."""
+    of the encoder states (B, T_enc, H) and their mask (B, T_enc) (None: nothing), and `initial_state`,
+    the first step's hidden state."""
 
-    def memory(self, encoder_states: Tensor) -> Memory:
+    def memory(self, encoder_states: Tensor, src_mask: Tensor) -> Memory:
         return None
 
     def initial_state(self, final: Tensor) -> Tensor:
@@ -146,7 +149,7 @@ class BahdanauDecoder(Decoder):
         self.out = nn.Linear(2 * hidden_size, vocab)
         self.fused = fused  # teacher forcing on CPU in ops.bahdanau_decode
 
-    def memory(self, encoder_states: Tensor) -> Memory:
+    def memory(self, encoder_states: Tensor, src_mask: Tensor) -> Memory:
         return self.attention.project_keys(encoder_states), encoder_states  # U_a h once per sequence
 
     def _advance(self, embedded: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor):
@@ -157,7 +160,7 @@ class BahdanauDecoder(Decoder):
 
     def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
         embedded = self.embedding(tgt_in)  # (B, T_dec, E)
-        memory = self.memory(encoder_states)
+        memory = self.memory(encoder_states, src_mask)
         attention = self.attention
         if self.fused and attention.intervention is None and ops.usable(embedded):
             w_q, v = attention.query_proj.weight, attention.v.weight[0]
@@ -201,21 +204,22 @@ class LuongDecoder(Decoder):
         self.combine = nn.Linear(2 * hidden_size, hidden_size)  # W_c
         self.out = nn.Linear(hidden_size, vocab)
 
-    def memory(self, encoder_states: Tensor) -> Memory:
-        return self.attention.project_keys(encoder_states), encoder_states
+    def memory(self, encoder_states: Tensor, src_mask: Tensor) -> Memory:
+        keys = self.attention.project_keys(encoder_states)
+        return keys, encoder_states, self.attention.summarise(keys, encoder_states, src_mask)
 
     def _readout(self, states: Tensor, memory: Memory, src_mask: Tensor, positions: Tensor):
         """states s_t (B, T_dec, H) at output steps `positions` (T_dec,) -> logits (B, T_dec, V),
         weights (B, T_dec, T_enc)."""
-        keys, values = memory
-        context, weights = self.attention(states, keys, values, src_mask, positions)
+        keys, values, summary = memory
+        context, weights = self.attention(states, keys, values, src_mask, positions, summary)
         attentional = torch.tanh(self.combine(torch.cat([states, context], dim=-1)))
         return self.out(attentional), weights
 
     def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
         states, _ = self.rnn(self.embedding(tgt_in), final[None])  # (B, T_dec, H), all steps at once
         positions = torch.arange(tgt_in.size(1), device=tgt_in.device)
-        return self._readout(states, self.memory(encoder_states), src_mask, positions)
+        return self._readout(states, self.memory(encoder_states, src_mask), src_mask, positions)
 
     def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, position: Tensor):
         """position (1,): the output step, on the device (local-m aligns with it)."""
@@ -240,6 +244,7 @@ class Seq2Seq(nn.Module):
         window: int | None = None,  # local: the window's half-width D
     ):
         super().__init__()
+        self.hidden_size = hidden_size
         self.encoder = Encoder(vocab, embedding_size, hidden_size, bidirectional, fused)
         if decoder == "plain":
             self.decoder = PlainDecoder(vocab, embedding_size, hidden_size, fused)
@@ -268,6 +273,12 @@ class Seq2Seq(nn.Module):
         """The longest source the model is defined at: any (as for the Transformer's sinusoids)."""
         return None
 
+    def state_floats(self, length: int) -> int:
+        """Floats per sequence the decoder can read of a source of `length` symbols: the encoder's final
+        state handed over (H), and what its attention reads (`Attention.state_floats`: every encoder state,
+        length x H, for a softmax score; linear attention's S and z)."""
+        return self.hidden_size + (0 if self.attention is None else self.attention.state_floats(length))
+
     def forward(self, src: Tensor, src_lengths: Tensor, tgt_in: Tensor) -> tuple[Tensor, Tensor | None]:
         """Teacher forcing: -> logits (B, T_dec, V), weights (B, T_dec, T_enc) or None."""
         encoder_states, final = self.encoder(src, src_lengths)
@@ -285,9 +296,8 @@ class Seq2Seq(nn.Module):
         (`models.decoding`: greedy and beam search both drive it)."""
         encoder_states, final = self.encoder(src, src_lengths)
         src_mask = length_mask(src_lengths, src.size(1))
-        return RecurrentDecoding(
-            self.decoder, self.decoder.initial_state(final), self.decoder.memory(encoder_states), src_mask, steps
-        )
+        memory = self.decoder.memory(encoder_states, src_mask)
+        return RecurrentDecoding(self.decoder, self.decoder.initial_state(final), memory, src_mask, steps)
 
     @torch.no_grad()
     def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor | None]:

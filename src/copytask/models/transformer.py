@@ -49,6 +49,7 @@ from ..data.vocab import PAD
 from ..kernels import ops, transformer_ops
 from .attention import MultiHeadAttention, masked_softmax
 from .decoding import greedy_search
+from .positions import LearnedPositions, SinusoidalPositions
 
 
 def scaled_dot_product(
@@ -68,37 +69,6 @@ def scaled_dot_product(
         allowed = allowed & key_mask[:, None, :]  # (B, T, S)
     weights = F.dropout(masked_softmax(scores, allowed[:, None]), dropout)
     return (weights @ split(v)).transpose(1, 2).flatten(2)
-
-
-class SinusoidalPositions(nn.Module):
-    """PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(p / 10000^(2i/d)) (Vaswani et al., 2017,
-    section 3.5): no parameters, defined at every position."""
-
-    def __init__(self, d_model: int):
-        super().__init__()
-        self.d_model = d_model
-
-    def forward(self, positions: Tensor) -> Tensor:
-        """positions (T,) -> (T, d)."""
-        frequencies = torch.exp(
-            torch.arange(0, self.d_model, 2, device=positions.device) * (-math.log(10000.0) / self.d_model)
-        )
-        angles = positions.float()[:, None] * frequencies[None, :]  # (T, ceil(d / 2))
-        table = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # sin, cos interleaved
-        return table[:, : self.d_model]
-
-
-class LearnedPositions(nn.Module):
-    """A learned table, one row per position 0 .. rows - 1 (Gehring et al., 2017; BERT). Rows past
-    the lengths trained on keep their initialisation; a position past the table is an error."""
-
-    def __init__(self, rows: int, d_model: int):
-        super().__init__()
-        self.table = nn.Embedding(rows, d_model)
-
-    def forward(self, positions: Tensor) -> Tensor:
-        """positions (T,) -> (T, d)."""
-        return self.table(positions)
 
 
 class TransformerSeq2Seq(nn.Module):
@@ -165,6 +135,11 @@ class TransformerSeq2Seq(nn.Module):
     def longest_source(self) -> int | None:
         """The longest source the positions cover (learned: the table's rows - 1); None: any."""
         return self.positions.table.num_embeddings - 1 if isinstance(self.positions, LearnedPositions) else None
+
+    def state_floats(self, length: int) -> int:
+        """Floats per sequence the decoder can read of a source of `length` symbols: the encoder's output,
+        which every cross-attention reads (length x d)."""
+        return length * self.d_model
 
     def _embed(self, embedding: nn.Embedding, tokens: Tensor, start: int = 0) -> Tensor:
         """tokens (B, T) at positions start .. start + T - 1 -> (B, T, d)."""

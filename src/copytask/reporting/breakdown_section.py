@@ -134,6 +134,8 @@ def shown_share(share: pd.Series) -> str:
     return mean if not low else f"{mean} [{low}, {high}]"
 
 
+# what a model probed hands its decoder of the source, by family (`model.summary_state`)
+HANDED_OVER = {"gru": "a GRU decoder's initial state", "mamba": "Mamba's SSM state and convolution window per layer"}
 PROBE_COLUMNS = {"probe_acc": "trained", "probe_untrained_acc": "untrained", "probe_control_acc": "control task"}
 
 
@@ -204,11 +206,13 @@ def breakdown_section(analyses: list[dict], settings: pd.DataFrame | None, out: 
     if not probes.empty:
         figures.append(plot_probe(with_settings(probes), out / PROBE_FIGURE, keys))
         without = sorted(set(table["attention"]) - set(probes["attention"]))
+        families = dict.fromkeys("mamba" if label == "mamba" else "gru" for label in probes["attention"])
+        handed = "; ".join(HANDED_OVER[family] for family in families)
         lines += [
             "### What the summary vector holds: a linear probe",
             "",
-            "A linear map from the summary vector (what the model hands its decoder of the source: a GRU decoder's "
-            "initial state) to the symbol at each source position, fitted by ridge regression (its penalty chosen "
+            f"A linear map from the summary vector (what the model hands its decoder of the source: {handed}) to the "
+            "symbol at each source position, fitted by ridge regression (its penalty chosen "
             "on a quarter of the fitting sequences held out of the fit) on sequences the run never saw (none of "
             "its training batches, validation or test set) and scored on the test set. Two controls: the same probe "
             "on the run's untrained model (its initial weights from its seed; dotted), as Conneau et al. (2018) read "

@@ -34,6 +34,9 @@ ALIGNMENT_COLUMNS = (
     "align_mass",
     "align_adjacent",
 )  # from analysis.json, empty for runs without attention or analysis
+# from metrics.json: floats per sequence the decoder can read of a source of the run's length; empty for runs from
+# before it was recorded
+STATE_FLOATS = "state_floats"
 TARGET_STEP = "target_step"  # from history.csv: the first evaluation step at train.target_acc, empty if never reached
 # from analysis.json's breakdown, empty where there is none: the teacher-forced accuracy, then (`breakdown_columns`)
 # each beam width's and the probe's
@@ -135,8 +138,9 @@ def load(grid: list[GridRun]) -> Loaded:
         configs = pd.DataFrame(configs)
         settings = setting_keys(configs, table["attention"])
         table = pd.concat([table, configs[settings]], axis=1)
-        first = [*COLUMNS, TARGET_STEP, *ALIGNMENT_COLUMNS, *TEACHER_FORCED, *settings]
+        first = [*COLUMNS, STATE_FLOATS, TARGET_STEP, *ALIGNMENT_COLUMNS, *TEACHER_FORCED, *settings]
         table = table.reindex(columns=[*first, *(c for c in table.columns if c not in first)])
+        table[STATE_FLOATS] = table[STATE_FLOATS].astype("Int64")  # a count, empty where a run has none
     return Loaded(table, runs, missing, analyses, settings, mixed_line({row["run"]: row for row in rows}))
 
 
@@ -146,7 +150,7 @@ def save(loaded: Loaded, runs_dir: Path) -> Path:
     path = Path(runs_dir) / RESULTS_CSV
     breakdown = [c for c in loaded.table.columns if c.startswith(("beam", "probe"))]
     table = loaded.table[
-        [*COLUMNS, TARGET_STEP, *ALIGNMENT_COLUMNS, *TEACHER_FORCED, *breakdown, *loaded.settings]
+        [*COLUMNS, STATE_FLOATS, TARGET_STEP, *ALIGNMENT_COLUMNS, *TEACHER_FORCED, *breakdown, *loaded.settings]
     ].copy()
     table["config"] = [f"{run}/{store.CONFIG}" for run in table["run"]]
     store.atomic_write(path, table.to_csv(index=False))
@@ -196,8 +200,8 @@ def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
     """One row per (settings..., length, attention), baseline first within each: seeds, mean and
     interval of token and sequence accuracy (never narrower than the held-out set's own
     uncertainty where the table has `eval_size`: see `interval`) and of the steps to the target accuracy (over the
-    `reached` runs that got there), chance, params, and the gap of each mean to the mean
-    of the baseline with the same settings and length (empty where there is no such baseline;
+    `reached` runs that got there), chance, params, state floats (NA where the runs have none), and the gap of
+    each mean to the mean of the baseline with the same settings and length (empty where there is no such baseline;
     `attention.*` settings are not matched, as the baseline has no attention)."""
     keys = [*settings, "length", "attention"]
     rows = []
@@ -216,6 +220,7 @@ def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
         row["reached"] = len(reached)
         row["chance"] = group["chance"].iloc[0]
         row["params"] = group["params"].iloc[0]
+        row[STATE_FLOATS] = group[STATE_FLOATS].iloc[0] if STATE_FLOATS in group else pd.NA
         rows.append(row)
     summary = pd.DataFrame(rows)
     order = [BASELINE] + [a for a in dict.fromkeys(table["attention"]) if a != BASELINE]
@@ -241,6 +246,11 @@ def setting_value(value: object) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def count(value: object) -> str:
+    """`1,104`; empty where there is none (NaN, NA)."""
+    return "" if pd.isna(value) else f"{int(value):,}"
 
 
 def percent(value: float) -> str:
@@ -283,6 +293,7 @@ def comparison_table(summary: pd.DataFrame, settings: list[str] = ()) -> pd.Data
             "steps to target [95% CI]": [steps(r) for r in summary.itertuples()],
             "chance %": summary["chance"].map(percent),
             "params": summary["params"].map("{:,}".format),
+            "state floats per sequence": summary.get(STATE_FLOATS, pd.Series(pd.NA, summary.index)).map(count),
             f"token gap vs {BASELINE}": summary["token_acc_gap"].map(gap),
             f"seq gap vs {BASELINE}": summary["seq_acc_gap"].map(gap),
         }

@@ -28,6 +28,7 @@ from .folders import (
     lock_run,
     read_json,
     read_progress,
+    rounded,
     write_json,
     write_progress,
 )

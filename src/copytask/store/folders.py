@@ -1,6 +1,6 @@
-"""A run folder's files: their names, atomic writes, JSON, locks (one process trains a run at a
-time), the progress of a run in training, and which runs are complete. A folder
-`runs_dir/<name>/` is complete once a readable `metrics.json` exists: that file is written last,
+"""A run folder's files: their names, atomic writes, JSON (with attention weights rounded for it), locks
+(one process trains a run at a time), the progress of a run in training, and which runs are complete. A
+folder `runs_dir/<name>/` is complete once a readable `metrics.json` exists: that file is written last,
 atomically, so a killed run never looks finished."""
 
 from __future__ import annotations
@@ -9,9 +9,12 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from filelock import AcquireReturnProxy, FileLock, Timeout
+
+if TYPE_CHECKING:  # the store imports no torch: the command line reads run folders without it
+    import torch
 
 METRICS = "metrics.json"
 CONFIG = "config.yaml"
@@ -110,6 +113,12 @@ def write_json(path: Path, obj: Any) -> None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def rounded(weights: torch.Tensor) -> list:
+    """Attention weights as nested lists with four decimals: small enough for a length-80 map in
+    JSON, exact enough for a heatmap."""
+    return weights.double().mul(1e4).round().div(1e4).tolist()
 
 
 def write_progress(folder: Path, step: int, steps: int) -> None:

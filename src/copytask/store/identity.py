@@ -45,9 +45,11 @@ UNUSED_UNLESS = {
     "attention.window": lambda config: config["attention"].get("local") is not None,
     "attention": lambda config: model_name(config) == "gru",
     "model.max_length": lambda config: config["model"].get("positions") == "learned",
-    **{
-        f"model.{key}": (lambda config, name=name: model_name(config) == name)
-        for name, keys in MODEL_KEYS.items()
+    **{  # a key two models share (model.layers, model.d_model) is read by either
+        f"model.{key}": (
+            lambda config, key=key: model_name(config) in [name for name, keys in MODEL_KEYS.items() if key in keys]
+        )
+        for keys in MODEL_KEYS.values()
         for key in keys
     },
 }
@@ -109,17 +111,19 @@ def attention_label(name: str, heads: int = 1) -> str:
 
 def architecture(cfg: DictConfig) -> str:
     """What a run's model is, in a word: a GRU model's attention type (`attention.name`), or
-    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer. Run names
+    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer, or `mamba`. Run names
     start with it; metrics.json records it as `attention`."""
     if is_transformer(cfg):
         return "transformer" if cfg.model.positions == "sinusoidal" else f"transformer_{cfg.model.positions}"
+    if model_name(cfg) == "mamba":
+        return "mamba"
     return cfg.attention.name
 
 
 def model_label(cfg: DictConfig) -> str:
     """How tables, figures and files name a run's model: `architecture`, with a GRU model's head
     count where it has several (`attention_label`)."""
-    if is_transformer(cfg):
+    if model_name(cfg) != "gru":
         return architecture(cfg)
     return attention_label(cfg.attention.name, cfg.attention.get("heads", 1))
 

@@ -27,7 +27,7 @@ from ..data.splits import heldout_keys, training_batch
 from ..data.vocab import PAD
 from ..kernels.ops import runs_fused
 from ..models.build import build_model, check_buildable
-from ..models.greedy import evaluate, rounded
+from ..models.greedy import evaluate
 from ..models.recurrent import Seq2Seq, count_parameters
 from ..store import replacement
 from ..store.provenance import provenance, reused
@@ -322,6 +322,8 @@ def run_metrics(run: Run, result: dict, train_seconds: float) -> dict:
         "val_seq_acc": final["val_seq_acc"],
         "chance": 1.0 / cfg.task.vocab_size,
         "params": count_parameters(run.model),
+        # what the decoder can read of a source of the trained (variable lengths: the longest) length, per sequence
+        "state_floats": run.model.state_floats(cfg.task.length),
         "steps": final["step"],
         "step_budget": cfg.train.steps,
         "final_loss": final["loss"],
@@ -361,7 +363,7 @@ def attention_samples(cfg: DictConfig, heldout: Batch, result: dict) -> dict:
                 "source": heldout.src[i, :length].tolist(),
                 "target": heldout.tgt_out[i, : length + 1].tolist(),
                 "output": result["tokens"][i, : length + 1].tolist(),
-                "weights": None if weights is None else rounded(weights[i, : length + 1, :length]),
+                "weights": None if weights is None else store.rounded(weights[i, : length + 1, :length]),
             }
         )
     return {"attention": store.architecture(cfg), "task": cfg.task.name, "samples": samples}

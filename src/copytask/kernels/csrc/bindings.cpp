@@ -24,6 +24,15 @@ std::vector<Tensor> attention_forward(const Tensor& x, const Tensor& kv, const T
 std::vector<Tensor> attention_backward(const Tensor& grad_out, const Tensor& x, const Tensor& kv, const Tensor& out,
                                        const Tensor& lse, const Tensor& mask, int64_t heads, bool causal);
 std::vector<Tensor> attention_step(const Tensor& q, const Tensor& keys, const Tensor& values, const Tensor& mask, int64_t S);
+Tensor causal_conv_forward(const Tensor& inputs, const Tensor& weight, const Tensor& bias);
+std::vector<Tensor> causal_conv_backward(const Tensor& grad_out, const Tensor& inputs, const Tensor& weight,
+                                         const Tensor& bias);
+std::vector<Tensor> selective_scan_forward(const Tensor& u, const Tensor& dt, const Tensor& mask, const Tensor& A,
+                                           const Tensor& Bm, const Tensor& Cm, const Tensor& h0, const Tensor& D,
+                                           const Tensor& z);
+std::vector<Tensor> selective_scan_backward(const Tensor& grad_out, const Tensor& grad_final, const Tensor& u,
+                                            const Tensor& dt, const Tensor& mask, const Tensor& A, const Tensor& Bm,
+                                            const Tensor& Cm, const Tensor& h0, const Tensor& D, const Tensor& z);
 Tensor transformer_layer(const Tensor& x, const Tensor& memory, const Tensor& mask, const std::vector<Tensor>& params,
                          int64_t heads, double eps);
 
@@ -38,4 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_backward", &attention_backward, "multi-head scaled dot-product attention, backward");
   m.def("attention_step", &attention_step, "one greedy decoding step's attention over a cache of keys and values");
   m.def("transformer_layer", &transformer_layer, "a Transformer encoder or decoder layer as one autograd node (csrc/layers.cpp)");
+  m.def("causal_conv_forward", &causal_conv_forward, "Mamba's causal depthwise convolution and SiLU (csrc/mamba.cpp)");
+  m.def("causal_conv_backward", &causal_conv_backward, "Mamba's causal depthwise convolution and SiLU, backward");
+  m.def("selective_scan_forward", &selective_scan_forward, "Mamba's selective scan, D skip and gate (csrc/mamba.cpp)");
+  m.def("selective_scan_backward", &selective_scan_backward, "Mamba's selective scan, D skip and gate, backward");
 }

@@ -31,7 +31,7 @@ def test_it_refuses_without_cuda_in_one_line(tmp_path):
 def test_its_check_and_sweep_rehearse_on_the_cpu(tmp_path):
     sweep = [arg for arg in TINY if arg != "train.device=cpu"] + GRID
     result = gpu_check(
-        *("--device", "cpu", "--out", str(tmp_path), "--parts", "check", "sweep", "--steps", "2"),
+        *("--device", "cpu", "--out", str(tmp_path), "--parts", "check", "sweep", "--steps", "2", "--length", "4"),
         *("--sweep-jobs", "2", "--sweep-args", *sweep),
     )
     assert result.returncode == 0, result.stdout + result.stderr

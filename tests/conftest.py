@@ -61,6 +61,28 @@ TASK_OPTIONS = options("task")
 GRID = ["attention=none,luong_general", "task.length=3,6", "seed=0,1"]
 
 
+# Fixtures that train runs for the tests that read them: such a test is slow (the quick tier,
+# `-m "not slow"`, leaves it out) wherever its fixture's cost falls.
+TRAINING_FIXTURES = {
+    "swept",
+    "runs_copy",
+    "settings_swept",
+    "searched",
+    "analysed_runs",
+    "runs",
+    "trained",
+    "trained_run",
+    "fixed_state_runs",
+    "slurm",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if TRAINING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread() -> Iterator[None]:
     """One torch CPU thread in each test process, as TINY gives the runs: torch's default, one per core,

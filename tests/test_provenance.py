@@ -24,6 +24,8 @@ from copytask.training.loop import train
 
 from .conftest import TINY, run_cli
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 
 def record_computation(folder: Path, computation: int | None) -> None:
     """Make the complete run in `folder` look computed by other code: another `computation`, or none

@@ -25,7 +25,10 @@ from .conftest import TINY, pythonpath, run_cli
 
 # Under pytest-xdist each worker that runs some of these starts its own one-node SLURM (own ports,
 # own folder): they do not share one.
-pytestmark = pytest.mark.skipif(bool(slurm_cluster.unavailable()), reason=f"no SLURM: {slurm_cluster.unavailable()}")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(slurm_cluster.unavailable()), reason=f"no SLURM: {slurm_cluster.unavailable()}"),
+]
 
 # One CPU per job, so two jobs run at once on a two-core node; 1 GB each.
 SLURM = ["hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1"]
@@ -153,7 +156,6 @@ def test_a_slurm_sweep_gives_the_local_launchers_runs_and_numbers_on_a_quiet_ter
     assert (tmp_path / "slurm" / ".sweep" / "slurm.log").read_text().count("complete, not submitted") == 2
 
 
-@pytest.mark.slow
 def test_killed_cancelled_and_preempted_jobs_are_named_or_requeued_and_the_rerun_continues_them(slurm, tmp_path):
     runs_dir = tmp_path / "runs"
     # three runs, one CPU each on a two-CPU node: two train, the third waits in the queue.
@@ -207,7 +209,6 @@ def test_killed_cancelled_and_preempted_jobs_are_named_or_requeued_and_the_rerun
     assert not (killed.folder / store.FAILED).exists() and not (cancelled.folder / store.FAILED).exists()
 
 
-@pytest.mark.slow
 def test_a_job_past_its_time_limit_is_requeued_and_finishes(slurm, tmp_path):
     runs_dir = tmp_path / "runs"
     # A two-minute limit, and a first attempt that holds after its checkpoint at step 20 until it is
@@ -249,7 +250,6 @@ def test_train_device_cuda_on_a_node_without_a_gpu_fails_each_job_in_one_line(sl
     assert "0/2 runs complete (0 trained now), 2 failed" in result.stdout
 
 
-@pytest.mark.slow
 def test_a_second_sweep_while_the_first_runs_leaves_the_first_ones_runs_alone(slurm, tmp_path):
     runs_dir = tmp_path / "runs"
     # two CPUs per job: the node runs one job at a time, so the first sweep's second run waits in the

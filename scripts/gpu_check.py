@@ -2,9 +2,9 @@
 
     python scripts/gpu_check.py [--out runs/gpu_check] [--parts check bench sweep suite]
 
-- check: trains one run per attention setting (configs/attention), the Transformer and Mamba at length 40 on cuda, every
-  training step under torch.cuda.set_sync_debug_mode("error"), so that a host sync in a step stops
-  its run; trains Luong general again on cuda (is a CUDA run reproducible?) and once on cpu (how far
+- check: trains one run per attention setting (configs/attention), the Transformer and Mamba at length 40
+  (`--length`) on cuda, every training step under torch.cuda.set_sync_debug_mode("error"), so that a host sync in
+  a step stops its run; trains Luong general again on cuda (is a CUDA run reproducible?) and once on cpu (how far
   apart are the devices after training?); greedy-decodes one run's held-out set on cuda and on cpu,
   analyses it on cuda, and decodes it with `python -m copytask decode` (a GPU checkpoint on the CPU);
 - bench: `python -m copytask bench --lengths 80` on cuda and on cpu;
@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LENGTH = 40
 BENCH = ["--lengths", "80"]
 MEMORY_ATTENTIONS = ["bahdanau", "luong_general"]  # the peak-memory children: each starts CUDA afresh (seconds)
 PARTS = ("check", "bench", "sweep", "suite")
@@ -61,7 +60,7 @@ def copytask(*args: str, out: Path, limit: float | None = None) -> tuple[int | N
     return run_logged([sys.executable, "-m", "copytask", *args], out / f"{args[0]}.log", limit)
 
 
-def training_check(out: Path, device: str, steps: int, started: float) -> tuple[list[str], bool]:
+def training_check(out: Path, device: str, steps: int, length: int, started: float) -> tuple[list[str], bool]:
     """The check part on `device` (cuda; cpu rehearses it): (its report's lines, whether every run trained)."""
     import pandas as pd
     import torch
@@ -99,7 +98,7 @@ def training_check(out: Path, device: str, steps: int, started: float) -> tuple[
                 "config",
                 overrides=[
                     *models[name],
-                    f"task.length={LENGTH}",
+                    f"task.length={length}",
                     f"train.device={on}",
                     f"train.steps={steps}",
                     "train.eval_every=100",
@@ -145,16 +144,16 @@ def training_check(out: Path, device: str, steps: int, started: float) -> tuple[
             model, _ = load_run(folder, device=on)
             tokens[on] = evaluate(model, splits.test_batch(cfg).to(on))["tokens"].cpu()
         agree = f"{int((tokens[gpu] == tokens['cpu']).all(1).sum())} of {len(tokens['cpu'])}"
-        analysis.analyze([folder], lengths=[LENGTH], eval_size=128, progress=False, device=gpu)
+        analysis.analyze([folder], lengths=[length], eval_size=128, progress=False, device=gpu)
         recorded = store.read_json(folder / store.ANALYSIS) if (folder / store.ANALYSIS).is_file() else {}
         drop = recorded.get("drop", {}).get("uniform", float("nan"))
         analysed = f"device {recorded.get('device')}, drop under uniform {drop:.3f}"
-        status, output, _ = copytask("decode", str(folder), "--random", "2", "--length", str(LENGTH), out=out)
+        status, output, _ = copytask("decode", str(folder), "--random", "2", "--length", str(length), out=out)
         decoded = "ok" if status == 0 else f"exit {status}: {output.strip().splitlines()[-1:]}"
 
     watched = '`torch.cuda.set_sync_debug_mode("error")`' if gpu == "cuda" else "no sync check (a CPU rehearsal)"
     lines = [
-        f"Training at length {LENGTH}, {steps} steps, every step under {watched}:",
+        f"Training at length {length}, {steps} steps, every step under {watched}:",
         "",
         "| attention | device | token acc | seq acc | train s | ms per step (with build) | fused | result |",
         "|---|---|---|---|---|---|---|---|",
@@ -279,6 +278,7 @@ def main() -> int:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: rehearse it all without a GPU")
     parser.add_argument("--steps", type=int, default=200, help="check: training steps per run (evaluated every 100)")
+    parser.add_argument("--length", type=int, default=40, help="check: the copy task's length")
     parser.add_argument("--sweep-jobs", type=int, default=12, help="sweep: jobs side by side")
     parser.add_argument("--sweep-limit", type=float, default=240, help="sweep: seconds before it is stopped")
     parser.add_argument("--sweep-args", nargs="*", default=[], help="sweep: more overrides (a smaller grid)")
@@ -313,7 +313,7 @@ def main() -> int:
     print(f"fused CPU kernels: {'built' if status == 0 else 'not built (CPU runs use torch ops)'}", flush=True)
 
     parts = {
-        "check": lambda: training_check(out, args.device, args.steps, started),
+        "check": lambda: training_check(out, args.device, args.steps, args.length, started),
         "bench": lambda: bench_tables(out, args.device, started),
         "sweep": lambda: default_sweep(out, args.device, args.sweep_jobs, args.sweep_limit, args.sweep_args),
         "suite": lambda: fast_suite(out, args.suite_jobs, args.suite_limit),

@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -59,6 +59,43 @@ TASK_OPTIONS = options("task")
 
 # The grid: 2 attention types x 2 lengths x 2 seeds (two seeds give an interval).
 GRID = ["attention=none,luong_general", "task.length=3,6", "seed=0,1"]
+
+
+# Fixtures that train runs for the tests that read them: such a test is slow (the quick tier,
+# `-m "not slow"`, leaves it out) wherever its fixture's cost falls.
+TRAINING_FIXTURES = {
+    "swept",
+    "runs_copy",
+    "settings_swept",
+    "searched",
+    "analysed_runs",
+    "runs",
+    "trained",
+    "trained_run",
+    "fixed_state_runs",
+    "slurm",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if TRAINING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One torch CPU thread in each test process, as TINY gives the runs: torch's default, one per core,
+    in each of pytest-xdist's workers (one per core too) spin-waits its threads for cores the other
+    workers hold; the suite's models and decodings took about twice the CPU time for it. The tests'
+    own process only: the library changes no process-wide state, and the commands the tests start
+    keep torch's default."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def needs(module: str, install: str) -> pytest.MarkDecorator:

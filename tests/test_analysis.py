@@ -32,6 +32,7 @@ def masked_random_weights(rows: int = 4, seed: int = 0):
     return torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), -1), mask
 
 
+@pytest.mark.slow
 def test_uniform_weights_are_uniform_over_valid_positions_only():
     weights, mask = masked_random_weights()
     uniform = analysis.uniform_weights(weights, mask)
@@ -126,6 +127,7 @@ def tiny_model(heads: int = 1) -> Seq2Seq:
     return Seq2Seq(total_vocab(4), "luong", "general", embedding_size=8, hidden_size=8, heads=heads).eval()
 
 
+@pytest.mark.slow
 def test_interventions_act_inside_greedy_decoding_and_are_removed_after():
     model = tiny_model(heads=2)
     batch = make_batch("copy", 6, 5, 4, torch.Generator().manual_seed(1), min_length=2)

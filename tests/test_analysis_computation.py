@@ -20,6 +20,8 @@ from copytask.store.provenance import ANALYSIS_COMPUTATION
 from .conftest import TINY
 from .test_computation import BUDGET, EVAL_SIZE, LENGTH
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 RECORDED_WITH = 2  # the ANALYSIS_COMPUTATION the values below were recorded with
 SETTINGS = Settings(beam_widths=(1, 3), probe_size=256)
 BEAM_SIZE = 32  # analysis.eval_size: the beams', the counterfactuals' and the alignment's sequences

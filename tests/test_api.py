@@ -19,6 +19,8 @@ from copytask import store
 
 from .conftest import TINY, pythonpath
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 
 def test_import_copytask_loads_no_heavy_module():
     code = "import sys, copytask; print(sorted({'torch', 'pandas', 'matplotlib'} & set(sys.modules)))"
@@ -260,7 +262,6 @@ print(json.dumps({
 """
 
 
-@pytest.mark.slow
 def test_the_api_leaves_the_callers_process_as_it_found_it(tmp_path):
     own_configs = tmp_path / "my_configs"
     own_configs.mkdir()

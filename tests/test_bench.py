@@ -25,6 +25,8 @@ from copytask.bench.measures import (
     time_to_target,
 )
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 
 @pytest.mark.slow  # about 30 s on two idle cores: model set-up, FLOP counting, two fresh processes
 def test_quick_bench_writes_the_table(tmp_path):

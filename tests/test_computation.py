@@ -16,6 +16,8 @@ from copytask.store.provenance import COMPUTATION
 
 from .conftest import ATTENTION_OPTIONS, TINY
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 RECORDED_WITH = 1  # the COMPUTATION the values below were recorded with
 LENGTH, EVAL_SIZE, VAL_SIZE = 4, 64, 16
 BUDGET = [

@@ -105,6 +105,7 @@ def interventions() -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ragged", [False, True], ids=["fixed", "ragged"])
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_a_step_decoding_and_interventions_run_on_the_meta_device(config, attention, ragged):
@@ -245,6 +246,7 @@ def fake_slurm(fake_slurm, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
+@pytest.mark.slow
 def test_a_gpu_sweep_is_submitted_from_a_machine_without_a_gpu(fake_slurm, tmp_path):
     grid = check_grid([*TINY, f"runs_dir={tmp_path / 'runs'}", "hydra/launcher=slurm", "train.device=cuda"])
     assert len(grid) == 4 and {run.config.train.device for run in grid} == {"cuda"}
@@ -274,6 +276,7 @@ def test_a_local_sweep_on_cuda_is_still_checked_here(fake_slurm):
         check_grid([*TINY, "train.device=cuda"])
 
 
+@pytest.mark.slow
 def test_the_slurm_launcher_without_slurm_is_refused_in_one_line(tmp_path):
     path = os.pathsep.join(
         d

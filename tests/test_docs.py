@@ -97,6 +97,7 @@ def check_first_job(overrides: list[str]) -> None:
         compose_grid(overrides, check=first)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where,args", COMMANDS, ids=[where for where, _ in COMMANDS])
 def test_a_documented_command_is_accepted_as_written(where, args, fake_slurm):
     try:

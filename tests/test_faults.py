@@ -15,6 +15,8 @@ from copytask.sweeps.grid import compose_grid
 
 from .conftest import TINY, pythonpath, run_cli
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 # Four runs of about a second each, one after another (the basic launcher): long enough to be
 # caught in the middle of one.
 SWEEP = [
@@ -27,7 +29,6 @@ SWEEP = [
 ]
 
 
-@pytest.mark.slow
 def test_a_sweep_killed_mid_run_resumes_without_retraining_or_duplicating(tmp_path):
     runs_dir = tmp_path / "runs"
     args = [*SWEEP, f"runs_dir={runs_dir}"]

@@ -12,6 +12,8 @@ import torch
 
 from .conftest import GRID, TINY
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 
@@ -27,11 +29,10 @@ def test_it_refuses_without_cuda_in_one_line(tmp_path):
     assert "has no CUDA device" in result.stderr and "rehearse it here with --device cpu" in result.stderr
 
 
-@pytest.mark.slow
 def test_its_check_and_sweep_rehearse_on_the_cpu(tmp_path):
     sweep = [arg for arg in TINY if arg != "train.device=cpu"] + GRID
     result = gpu_check(
-        *("--device", "cpu", "--out", str(tmp_path), "--parts", "check", "sweep", "--steps", "2"),
+        *("--device", "cpu", "--out", str(tmp_path), "--parts", "check", "sweep", "--steps", "2", "--length", "4"),
         *("--sweep-jobs", "2", "--sweep-args", *sweep),
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -42,7 +43,6 @@ def test_its_check_and_sweep_rehearse_on_the_cpu(tmp_path):
     assert "### sweep" in report and "8 runs finished" in report and "luong_general" in report
 
 
-@pytest.mark.slow
 def test_a_part_stopped_at_its_time_limit_says_so_and_is_no_failure(tmp_path):
     sweep = [arg for arg in TINY if arg != "train.device=cpu"] + GRID
     result = gpu_check(

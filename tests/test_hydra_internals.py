@@ -3,6 +3,7 @@ a Hydra release that changes them fails here first."""
 
 from __future__ import annotations
 
+import pytest
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -24,6 +25,7 @@ def test_override_args_separates_hydra_flags_from_overrides():
     assert override_args(["--cfg", "job", "seed=1", "task.length=5,10"]) == ["seed=1", "task.length=5,10"]
 
 
+@pytest.mark.slow
 def test_a_sweep_expands_like_the_basic_sweeper_with_the_command_line_replacing_a_list():
     GlobalHydra.instance().clear()
     try:

@@ -268,6 +268,7 @@ for call in calls:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("process", ["cpu", "cuda"], ids=["cpu-only process", "after CUDA's initialisation"])
 def test_kernels_refuse_what_they_cannot_read_without_crashing(kernel, process):
     """They read raw float pointers by sizes taken from a few tensors: a strided or float64 tensor, or
@@ -515,6 +516,7 @@ def test_autocast_to_bfloat16_runs_the_kernels_in_float32(kernel, attention, sco
         torch.testing.assert_close(a.grad, b.grad, atol=0.03, rtol=0.1, msg=name)
 
 
+@pytest.mark.slow
 def test_ops_are_registered_as_torch_asks(kernel):
     """torch.library.opcheck: schema, autograd registration, fake tensors (torch.compile) and the
     autograd formula under AOT tracing, for each op on small inputs."""
@@ -605,6 +607,7 @@ def test_a_build_held_too_long_elsewhere_falls_back_to_torch(monkeypatch, fresh_
             assert ops.kernel() is None
 
 
+@pytest.mark.slow
 def test_build_command_says_where(kernel):
     done = run_cli("build")
     assert done.returncode == 0, done.stderr
@@ -623,6 +626,7 @@ assert ops.kernel() is not None
 """
 
 
+@pytest.mark.slow
 def test_loading_the_kernels_on_a_cuda_build_without_a_gpu_says_nothing_of_cuda_home(kernel, tmp_path):
     """torch's extension builder logs "No CUDA runtime is found, using CUDA_HOME=..." when it is imported there:
     noise on every CPU run, since the kernels are CPU-only."""
@@ -663,6 +667,7 @@ print(mallinfo2().hblkhd - mapped)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator statistics")
 def test_the_kernels_leave_the_allocator_alone(kernel):
     """Loading and running the kernels changes no process-wide setting: glibc still maps a large

@@ -19,6 +19,7 @@ from copytask.data.splits import heldout_keys, sequence_keys, training_batch
 from .conftest import ATTENTION_OPTIONS, TINY, pythonpath
 
 
+@pytest.mark.slow
 def test_a_heldout_set_of_every_sequence_is_refused_through_the_cli_at_once(tmp_path):
     """The command of issue 19: 8 possible sequences, 128 held out. It used to loop for ever in
     `training_batch`; the timeout turns such a hang into a failure."""
@@ -78,6 +79,7 @@ def test_a_heldout_set_that_leaves_too_few_training_sequences_is_refused_naming_
     assert advice in message
 
 
+@pytest.mark.slow
 def test_the_advice_of_a_refusal_is_accepted(make_config):
     """Each value the message proposes, alone, makes the config valid, and one step short of it does not."""
     base = [*TINY, "task.length=3", "task.vocab_size=2", "train.eval_size=16", "train.val_size=1"]
@@ -196,6 +198,7 @@ def test_the_memory_check_compares_the_estimate_with_the_machines_memory(make_co
     ],
     ids=["default", "attention_zoo", "budget", "capacity-256", "fixed_state"],
 )
+@pytest.mark.slow
 def test_every_preset_fits_a_small_machine(preset, monkeypatch):
     """No preset's run is refused on a machine with 2 GiB (capacity's bigger grid included)."""
     from copytask.sweeps.grid import check_grid
@@ -205,6 +208,7 @@ def test_every_preset_fits_a_small_machine(preset, monkeypatch):
     assert len(grid) >= 36
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", list(ATTENTION_OPTIONS))  # every option of configs/attention/
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_the_estimates_parameter_count_is_the_models_but_its_attentions(make_config, attention, bidirectional):

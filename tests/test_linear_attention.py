@@ -346,6 +346,7 @@ def test_a_table_without_state_floats_draws_no_state_figure():
     assert rank_table(loaded).empty
 
 
+@pytest.mark.slow
 def test_the_preset_sweeps_each_family_over_its_own_size(monkeypatch):
     from copytask.sweeps.grid import check_grid
 

@@ -18,6 +18,8 @@ from copytask.training.loop import train
 
 from .conftest import MLFLOW, TENSORBOARD, TINY, pythonpath, run_cli
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 RECORDED = ("loss", "val_token_acc", "val_seq_acc", "seconds")  # history.csv's columns besides the step
 
 
@@ -142,7 +144,6 @@ def test_mlflow_logs_the_history_the_identity_and_the_attention_map(make_config)
     assert mlflow.active_run() is None and "MLFLOW_TRACKING_URI" not in os.environ
 
 
-@pytest.mark.slow
 @MLFLOW
 def test_a_sweep_is_one_mlflow_experiment_with_one_run_per_copytask_run(tmp_path):
     from mlflow.tracking import MlflowClient

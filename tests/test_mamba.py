@@ -277,6 +277,7 @@ def test_under_autocast_to_bfloat16_the_kernels_run_in_float32():
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.1)
 
 
+@pytest.mark.slow
 def test_the_ops_are_registered_as_torch_asks():
     needs_kernel(True)
     inputs = block_inputs(batch=2, steps=3, channels=5, states=2)
@@ -493,6 +494,7 @@ def test_bad_values_are_refused_in_one_line(overrides, message):
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_run_names_name_mamba_and_leave_the_others(make_config):
     assert store.run_name(make_config()) == "luong_general-copy20-seed0-49c90a6e"  # since commit d3a649a
     name = store.run_name(make_config("model=mamba"))
@@ -507,6 +509,7 @@ def test_run_names_name_mamba_and_leave_the_others(make_config):
     assert store.run_name(make_config("model=transformer", "model.layers=1")) != transformer
 
 
+@pytest.mark.slow
 def test_a_tiny_mamba_run_through_the_cli_decode_with_a_beam_and_analyze(tmp_path):
     runs_dir = tmp_path / "runs"
     trained = run_cli("train", *TINY_MAMBA, f"runs_dir={runs_dir}")
@@ -531,6 +534,7 @@ def test_a_tiny_mamba_run_through_the_cli_decode_with_a_beam_and_analyze(tmp_pat
     assert 0 <= breakdown["teacher_forced"]["token_acc"] <= 1
 
 
+@pytest.mark.slow
 def test_a_sweep_mixing_mamba_with_the_gru_is_analysed_compared_and_reported(tmp_path):
     runs_dir = tmp_path / "runs"
     grid = ["architecture=mamba,luong_general", "~hydra.sweeper.params.attention", "task.length=3", "seed=0"]

@@ -117,6 +117,7 @@ def test_heads_are_refused_where_undefined_or_indivisible():
         (["attention=luong_general", "attention.score=null"], "attention=luong_general: unknown attention score None"),
     ],
 )
+@pytest.mark.slow
 def test_config_validation_names_the_bad_value(overrides, message):
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)

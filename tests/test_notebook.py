@@ -12,10 +12,11 @@ import pytest
 
 from .conftest import TINY, pythonpath
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "copytask.ipynb"
 
 
-@pytest.mark.slow
 def test_the_notebook_runs_and_shows_its_tables_figures_and_a_decoded_sequence(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

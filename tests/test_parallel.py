@@ -22,6 +22,7 @@ from .conftest import OPTUNA, TINY
     available=st.none() | st.floats(0, 4e6),  # MiB: up to 4 TiB
     job=st.floats(1, 1e5),
 )
+@pytest.mark.slow
 def test_one_job_per_core_as_many_as_memory_holds_and_never_none(cores, available, job):
     jobs = parallel_jobs(cores, available, job)
 

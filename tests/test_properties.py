@@ -25,6 +25,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -37,6 +38,8 @@ from copytask.data.batches import task_batch
 from copytask.models.build import build_model
 
 from .conftest import ATTENTION_OPTIONS, NO_ATTENTION, TASK_OPTIONS, pythonpath
+
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
 
 ATTENTIONS = list(ATTENTION_OPTIONS)
 ARCHITECTURES = sorted(path.stem for path in (Path(config_dir()) / "architecture").glob("*.yaml"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,10 +18,13 @@ import copytask
 from copytask import store
 from copytask.store import provenance, replacement
 from copytask.store.provenance import COMPUTATION, checkout_state, mixed_line
+from copytask.sweeps.grid import compose_grid
 from copytask.training import checkpoints, loop
 from copytask.training.loop import train
 
 from .conftest import TINY, run_cli
+
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
 
 
 def record_computation(folder: Path, computation: int | None) -> None:
@@ -120,23 +124,23 @@ def test_train_says_in_one_line_why_it_trains_a_complete_run_again(make_config):
     assert store.read_json(store.run_dir(cfg) / store.METRICS)["computation"] == COMPUTATION
 
 
-def test_a_sweep_trains_runs_computed_by_other_code_again_and_says_how_many_and_why(tmp_path, caplog):
-    grid = [*TINY, "attention=none", "task.length=3", "seed=0,1,2"]
-    copytask.sweep(grid, runs_dir=tmp_path)
-    folders = sorted(folder for folder in tmp_path.iterdir() if store.is_complete(folder))
+def test_a_sweep_trains_runs_computed_by_other_code_again_and_says_how_many_and_why(runs_copy, caplog):
+    grid = [*TINY, "attention=none,luong_general", "task.length=3", "seed=0,1"]  # four of the swept runs
+    folders = [store.run_dir(run.config) for run in compose_grid([*grid, f"runs_dir={runs_copy}"])[1]]
+    assert all(map(store.is_complete, folders))
     record_computation(folders[0], 0)
     record_computation(folders[1], None)
-    kept = (folders[2] / store.METRICS).stat().st_mtime_ns
+    kept = [(folder / store.METRICS).stat().st_mtime_ns for folder in folders[2:]]
     with caplog.at_level("INFO", logger="copytask"):
-        table = copytask.sweep(grid, runs_dir=tmp_path)
+        table = copytask.sweep(grid, runs_dir=runs_copy)
     lines = [record.getMessage() for record in caplog.records if "computed by other code" in record.getMessage()]
     assert lines == [
         "sweep: 2 complete runs: computed by other code (1 run records computation 0, 1 run records no "
         f"computation (made before copytask recorded it); this code's is {COMPUTATION}): trained again, old "
         "results kept until the new ones are complete"
     ]
-    assert (table["computation"] == COMPUTATION).all() and len(table) == 3
-    assert (folders[2] / store.METRICS).stat().st_mtime_ns == kept  # this code's run is reused
+    assert (table["computation"] == COMPUTATION).all() and len(table) == 4
+    assert [(folder / store.METRICS).stat().st_mtime_ns for folder in folders[2:]] == kept  # this code's: reused
 
 
 def test_a_checkpoint_of_other_code_is_set_aside_not_resumed(make_config, monkeypatch):
@@ -164,11 +168,11 @@ def test_the_mixed_line_names_the_runs_made_by_each_code():
     )
 
 
-def test_a_table_of_runs_made_by_different_code_says_so_naming_them(tmp_path, recwarn):
+def test_a_table_of_runs_made_by_different_code_says_so_naming_them(swept, tmp_path, recwarn):
     """compare and report (a line under the table, and in report.md) and the library's results and
     compare (a CopytaskWarning) name the runs made by each code; a table of one code says nothing."""
-    grid = [*TINY, "attention=none", "task.length=3", "seed=0,1,2"]
-    copytask.sweep(grid, runs_dir=tmp_path)
+    for folder in sorted(store.complete_runs(swept[0]))[:3]:  # three of the swept runs, no sweep record
+        shutil.copytree(folder, tmp_path / folder.name)
     copytask.results(tmp_path)
     assert not [w for w in recwarn if issubclass(w.category, copytask.CopytaskWarning)]
     first, second, third = sorted(folder.name for folder in tmp_path.iterdir() if store.is_complete(folder))

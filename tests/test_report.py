@@ -21,6 +21,8 @@ from copytask.sweeps.grid import compose_grid
 
 from .conftest import TINY, overrides, run_cli
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 
 def test_report_skips_corrupt_and_half_written_runs_with_a_warning(runs_copy):
     table = pd.read_csv(runs_copy / "results.csv")

@@ -19,6 +19,8 @@ from copytask.training.loop import train
 
 from .conftest import pythonpath, run_cli
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 # Long enough for three evaluations and numbers above chance; no early stop, so every run trains its budget.
 RUN = [
     "experiment=quick",
@@ -69,7 +71,6 @@ def history(folder) -> pd.DataFrame:
     return pd.read_csv(folder / store.HISTORY).drop(columns="seconds")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "model",
     [["attention=luong_general"], ["model=transformer", "model.dropout=0.1"], ["model=mamba", "model.d_model=8"]],

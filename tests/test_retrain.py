@@ -27,6 +27,8 @@ from copytask.training.loop import train
 from .conftest import TINY
 from .test_resume import SAME, killed_at
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 # Ten steps with one checkpoint (at step 5, the evaluation before the last): the least a resumed retraining needs.
 # The grid's keys pinned, so that a sweep of these overrides is this one run.
 RUN = [*TINY, "train.patience=null", "attention=none", "task.length=3", "seed=0"]
@@ -88,7 +90,6 @@ def untrained(*args, **kwargs):
     raise AssertionError("trained again")
 
 
-@pytest.mark.slow
 def test_a_retraining_killed_by_sigkill_keeps_the_old_results_for_every_reader_and_the_rerun_completes_it(old):
     compose, folder, old_metrics = old
     uninterrupted = pd.read_csv(folder / store.HISTORY).drop(columns="seconds")

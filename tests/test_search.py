@@ -24,6 +24,8 @@ from copytask.sweeps.jobs import hydra_job
 
 from .conftest import OPTUNA, TINY, run_cli
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 
 def test_a_complete_run_skipped_by_a_job_still_returns_its_objective(tmp_path):
     overrides = [*TINY, f"runs_dir={tmp_path}", "attention=none", "task.length=3"]

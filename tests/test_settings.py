@@ -16,6 +16,8 @@ from copytask.reporting.tables import summarise
 
 from .conftest import TINY, run_cli
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 SIZES = (8, 16)
 GRID = ["attention=none,luong_general", "task.length=3,6", f"model.hidden_size={','.join(map(str, SIZES))}", "seed=0,1"]
 

@@ -25,14 +25,17 @@ from .conftest import TINY, pythonpath, run_cli
 
 # Under pytest-xdist each worker that runs some of these starts its own one-node SLURM (own ports,
 # own folder): they do not share one.
-pytestmark = pytest.mark.skipif(bool(slurm_cluster.unavailable()), reason=f"no SLURM: {slurm_cluster.unavailable()}")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(slurm_cluster.unavailable()), reason=f"no SLURM: {slurm_cluster.unavailable()}"),
+]
 
 # One CPU per job, so two jobs run at once on a two-core node; 1 GB each.
 SLURM = ["hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1"]
 GRID = ["attention=none,luong_general", "task.length=3", "seed=0"]
-# A run that trains for a while (several seconds, a checkpoint every 20 steps): long enough to be
-# caught in the middle; no early stop.
-STEPS = 400
+# A run with one checkpoint (at step 20) before its end; no early stop. A sweep that must be caught
+# in the middle of it holds its first attempts at that checkpoint (`sweep_in_background`'s release).
+STEPS = 40
 LONG = [
     *(o for o in TINY if not o.startswith("train.steps=")),
     f"train.steps={STEPS}",
@@ -60,10 +63,20 @@ def metrics_of(runs_dir: Path, args: list[str]) -> dict[str, dict]:
     return {run.folder.name: store.read_json(run.folder / store.METRICS) for run in grid}
 
 
-def sweep_in_background(args: list[str], log: Path) -> subprocess.Popen:
+# On a sweep's PYTHONPATH: its jobs' first attempts hold at their checkpoint until released
+HOLDS = Path(__file__).with_name("first_attempt_holds")
+
+
+def holding(release: Path) -> dict[str, str]:
+    """The environment of a sweep whose jobs' first attempts hold after their checkpoint until the file
+    `release` exists (tests/first_attempt_holds), or SLURM signals or kills them."""
+    return {**os.environ, "PYTHONPATH": pythonpath(HOLDS), "COPYTASK_TEST_RELEASE": str(release)}
+
+
+def sweep_in_background(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "copytask", "sweep", *args],
-        env={**os.environ, "PYTHONPATH": pythonpath()},
+        env=env or {**os.environ, "PYTHONPATH": pythonpath()},
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         text=True,
@@ -143,7 +156,6 @@ def test_a_slurm_sweep_gives_the_local_launchers_runs_and_numbers_on_a_quiet_ter
     assert (tmp_path / "slurm" / ".sweep" / "slurm.log").read_text().count("complete, not submitted") == 2
 
 
-@pytest.mark.slow
 def test_killed_cancelled_and_preempted_jobs_are_named_or_requeued_and_the_rerun_continues_them(slurm, tmp_path):
     runs_dir = tmp_path / "runs"
     # three runs, one CPU each on a two-CPU node: two train, the third waits in the queue.
@@ -157,11 +169,11 @@ def test_killed_cancelled_and_preempted_jobs_are_named_or_requeued_and_the_rerun
         f"runs_dir={runs_dir}",
     ]
     killed, preempted, cancelled = compose_grid(args)[1]
-    sweep = sweep_in_background(args, tmp_path / "sweep.txt")
+    sweep = sweep_in_background(args, tmp_path / "sweep.txt", holding(tmp_path / "never"))  # held at step 20
     try:
         wait_until(
-            lambda: min(checkpointed_step(killed.folder), checkpointed_step(preempted.folder)) >= 20,
-            "two runs' first checkpoint",
+            lambda: min(checkpointed_step(killed.folder), checkpointed_step(preempted.folder)) == 20,
+            "two runs' checkpoint",
             sweep,
         )
         jobs = job_ids(runs_dir)
@@ -182,11 +194,11 @@ def test_killed_cancelled_and_preempted_jobs_are_named_or_requeued_and_the_rerun
     assert "without a result" in named[killed.folder.name]
     assert "1/3 runs complete (1 trained now), 2 failed" in terminal
     requeued = store.read_json(preempted.folder / store.METRICS)
-    assert requeued["resumed_from"] >= 20 and requeued["steps"] == STEPS
+    assert requeued["resumed_from"] == 20 and requeued["steps"] == STEPS
     job_log = next((runs_dir / ".sweep" / ".submitit").glob(f"{jobs[preempted.folder.name]}/*_log.err")).read_text()
     assert "this job is preempted" in job_log and "DUE TO JOB REQUEUE" in job_log
     killed_at = checkpointed_step(killed.folder)
-    assert 20 <= killed_at < STEPS and not store.is_complete(killed.folder)
+    assert killed_at == 20 < STEPS and not store.is_complete(killed.folder)
 
     again = run_cli("sweep", *args)  # the same command: trains what is missing, the killed run from its checkpoint
     assert again.returncode == 0, again.stderr
@@ -197,20 +209,16 @@ def test_killed_cancelled_and_preempted_jobs_are_named_or_requeued_and_the_rerun
     assert not (killed.folder / store.FAILED).exists() and not (cancelled.folder / store.FAILED).exists()
 
 
-@pytest.mark.slow
 def test_a_job_past_its_time_limit_is_requeued_and_finishes(slurm, tmp_path):
     runs_dir = tmp_path / "runs"
-    # A two-minute limit, and a first attempt slowed down (tests/first_attempt_slow: 80 ms a step, so
-    # 1200 steps would take 96 s): SLURM signals the job (USR2, signal_delay_s before the limit, but
-    # slurmctld looks every 30 s: 60 to 90 s after the start, when the run has written a checkpoint
-    # even where Python took long to start on a loaded machine, and still trains), submitit requeues
-    # it, and the requeued attempt continues the run from its checkpoint at full speed, to its end.
-    # (A one-minute limit signalled 20 to 50 s after the start: once, on a loaded machine, before the
-    # first checkpoint, and the rerun then trained from step 0.)
+    # A two-minute limit, and a first attempt that holds after its checkpoint at step 20 until it is
+    # signalled: SLURM signals the job (USR2, signal_delay_s before the limit, but slurmctld looks every
+    # 30 s: 60 to 90 s after the start, when the run has written its checkpoint even where Python took
+    # long to start on a loaded machine), submitit requeues it, and the requeued attempt continues the
+    # run from its checkpoint to its end. (A one-minute limit signalled 20 to 50 s after the start:
+    # once, on a loaded machine, before the first checkpoint, and the rerun then trained from step 0.)
     args = [
-        *(o for o in LONG if not o.startswith("train.steps=")),
-        "train.steps=1200",
-        "train.eval_every=50",
+        *LONG,
         *SLURM,
         "hydra.launcher.timeout_min=2",
         "hydra.launcher.signal_delay_s=60",
@@ -218,13 +226,16 @@ def test_a_job_past_its_time_limit_is_requeued_and_finishes(slurm, tmp_path):
         f"runs_dir={runs_dir}",
     ]
     (run,) = compose_grid(args)[1]
-    env = {**os.environ, "PYTHONPATH": pythonpath(Path(__file__).with_name("first_attempt_slow"))}
     result = subprocess.run(
-        [sys.executable, "-m", "copytask", "sweep", *args], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-m", "copytask", "sweep", *args],
+        capture_output=True,
+        text=True,
+        env=holding(tmp_path / "never"),
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
     metrics = store.read_json(run.folder / store.METRICS)
-    assert 0 < metrics["resumed_from"] < 1200 and metrics["steps"] == 1200
+    assert metrics["resumed_from"] == 20 and metrics["steps"] == STEPS
     job_log = next((runs_dir / ".sweep" / ".submitit").glob("*/*_log.err")).read_text()
     assert "this job is timed-out" in job_log and "DUE TO JOB REQUEUE" in job_log
 
@@ -239,29 +250,38 @@ def test_train_device_cuda_on_a_node_without_a_gpu_fails_each_job_in_one_line(sl
     assert "0/2 runs complete (0 trained now), 2 failed" in result.stdout
 
 
-@pytest.mark.slow
 def test_a_second_sweep_while_the_first_runs_leaves_the_first_ones_runs_alone(slurm, tmp_path):
     runs_dir = tmp_path / "runs"
-    # two CPUs per job: the node runs one job at a time, so the first sweep's second run waits in the queue;
-    # twenty times the steps: the first run still trains while the second sweep starts (its checks build
-    # every job's model on torch's meta device first), also on a loaded machine
+    # two CPUs per job: the node runs one job at a time, so the first sweep's second run waits in the
+    # queue; the first run holds at its checkpoint (`holding`) until the second sweep has decided what to
+    # submit (its checks build every job's model on torch's meta device first) and submitted it
     args = [
-        *(o for o in LONG if not o.startswith(("seed=", "train.steps="))),
+        *(o for o in LONG if not o.startswith("seed=")),
         "seed=0,1",
-        f"train.steps={20 * STEPS}",
         *SLURM,
         "hydra.launcher.cpus_per_task=2",
         f"runs_dir={runs_dir}",
     ]
     first_run, second_run = compose_grid(args)[1]
-    first = sweep_in_background(args, tmp_path / "first.txt")
+    release = tmp_path / "release"
+    first = sweep_in_background(args, tmp_path / "first.txt", holding(release))
+    second = None
     try:
-        wait_until(lambda: store.is_locked(first_run.folder), "the first sweep's first run to train", first)
-        second = run_cli("sweep", *args)  # the same grid, the same runs_dir
+        wait_until(lambda: checkpointed_step(first_run.folder) == 20, "the first sweep's first run to hold", first)
+        second = sweep_in_background(args, tmp_path / "second.txt")  # the same grid, the same runs_dir
+        submitted = re.compile(rf": SLURM job \S+: {second_run.folder.name} \(")
+        wait_until(
+            lambda: len(submitted.findall((runs_dir / ".sweep" / "slurm.log").read_text())) == 2,
+            "the second sweep to submit the first one's queued run",
+            second,
+        )
+        release.touch()
         assert first.wait(timeout=300) == 0, (tmp_path / "first.txt").read_text()
+        assert second.wait(timeout=300) == 0, (tmp_path / "second.txt").read_text()
     finally:
-        first.kill()
-    assert second.returncode == 0, second.stderr
+        for sweep in (first, second):
+            if sweep is not None:
+                sweep.kill()
     log = (runs_dir / ".sweep" / "slurm.log").read_text()
     assert f"{first_run.folder.name} being trained by another process, not submitted" in log
     # the first sweep's queued run: the second sweep's job found it held or complete, and trained nothing

@@ -20,6 +20,8 @@ from copytask.training.loop import train
 
 from .conftest import TINY, pythonpath, run_cli
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)], ids=["022", "027", "002"])
 def test_atomic_write_gives_the_permissions_the_umask_gives(tmp_path, umask, mode):

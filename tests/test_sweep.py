@@ -20,6 +20,8 @@ from copytask.sweeps.grid import compose_grid
 
 from .conftest import ATTENTION_OPTIONS, TINY, overrides, pythonpath, run_cli
 
+pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
+
 EXPECTED = set(itertools.product(["none", "luong_general"], [3, 6], [0, 1]))
 
 
@@ -149,7 +151,6 @@ def test_train_refuses_an_unknown_key_instead_of_training_the_default(tmp_path):
     assert "+task.lenght" not in process.stderr and not any(tmp_path.iterdir())
 
 
-@pytest.mark.slow
 def test_sweep_through_submitit_local(tmp_path):
     process = run_cli(
         "sweep",

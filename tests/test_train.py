@@ -41,6 +41,7 @@ def test_a_run_records_its_progress_while_it_trains_and_not_once_complete(make_c
     assert not (store.run_dir(cfg) / store.PROGRESS).exists() and store.read_progress(store.run_dir(cfg)) == 0.0
 
 
+@pytest.mark.slow
 def test_train_through_the_cli_writes_a_complete_run_folder(tmp_path):
     result = run_cli("train", *TINY, "attention=bahdanau", f"runs_dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -105,6 +106,7 @@ def test_bad_values_are_refused_before_training(make_config, override, named):
         ("train.steps=null", "train.steps must not be null"),
     ],
 )
+@pytest.mark.slow
 def test_a_value_of_the_wrong_type_is_refused_by_the_schema_in_one_line(override, message):
     with pytest.raises(ConfigError) as refused:
         compose_grid([override], multirun=False)  # Hydra refuses it while composing, before validate
@@ -123,6 +125,7 @@ def test_cuda_refused_where_there_is_none(make_config):
         validate(make_config(*TINY, "train.device=cuda"))
 
 
+@pytest.mark.slow
 def test_cli_bad_input_is_one_clear_line_and_a_failing_exit(tmp_path):
     result = run_cli("train", *TINY, "task.length=0", f"runs_dir={tmp_path}", cwd=tmp_path)
     assert result.returncode != 0
@@ -266,6 +269,7 @@ def test_nonfinite_loss_stops_the_run_naming_it_and_the_step(make_config, monkey
     assert not store.is_complete(store.run_dir(cfg)) and not (store.run_dir(cfg) / store.METRICS).exists()
 
 
+@pytest.mark.slow
 def test_a_diverging_run_is_a_failed_job_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("copytask.training.loop.train_step", diverging(lambda batch: batch.src.size(1) == 6))
 
@@ -281,6 +285,7 @@ def test_a_diverging_run_is_a_failed_job_and_the_sweep_goes_on(tmp_path, monkeyp
     assert "1/2 runs complete (1 trained now), 1 failed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab_size, chance", [(4, "25.0%"), (16, "6.2%")])
 def test_chance_and_the_summary_follow_the_vocabulary(tmp_path, vocab_size, chance):
     """Chance is 1 / task.vocab_size at any vocabulary, in metrics.json, the run's summary line and

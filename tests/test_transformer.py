@@ -417,6 +417,7 @@ def test_refusals_are_one_line(make_config, overrides, message):
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_run_names_keep_the_gru_runs_and_name_the_new_ones(make_config):
     # the names these runs have had since the validation set (commit d3a649a; before it, since commit 289b03a,
     # d488c388 and efc64378): the model group and architecture presets rename no GRU run
@@ -464,6 +465,7 @@ def test_maps_heads_and_counterfactuals_go_through_the_cross_attention(make_conf
     torch.testing.assert_close(replaced, torch.full_like(replaced, 1 / 6))
 
 
+@pytest.mark.slow
 def test_a_tiny_transformer_run_through_the_cli_and_decode_on_it(tmp_path):
     runs_dir = tmp_path / "runs"
     trained = run_cli("train", *TINY_TRANSFORMER, f"runs_dir={runs_dir}")
@@ -491,6 +493,7 @@ def parameter_count_of(folder) -> int:
     return parameter_count(OmegaConf.load(folder / store.CONFIG))
 
 
+@pytest.mark.slow
 def test_a_sweep_mixing_gru_and_transformer_models_is_analysed_at_the_lengths_asked(tmp_path):
     runs_dir = tmp_path / "runs"
     grid = [

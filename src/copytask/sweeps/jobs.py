@@ -179,7 +179,7 @@ class SweepSummary(Callback):
                 Path(config.hydra.sweep.dir), trials, enabled=config.train.progress, at_once=self.at_once
             )
         else:
-            runs = expand(config)
+            runs = self.runs = expand(config)
             if not config.retrain and (line := store.provenance.retrained_line([run.folder for run in runs])):
                 console.log.info(f"sweep: {line}")  # before the bar: why runs it counts as done train again
             self.at_once = jobs_at_once(config.hydra, len(runs))
@@ -187,8 +187,8 @@ class SweepSummary(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that run jobs in other processes (joblib, submitit) pickle the callbacks with
-        # the job; the progress bar and its thread live in the launching process only.
-        return {key: value for key, value in self.__dict__.items() if key != "progress"}
+        # the job; the progress bar and its thread, and the grid, live in the launching process only.
+        return {key: value for key, value in self.__dict__.items() if key not in ("progress", "runs")}
 
     @staticmethod
     def record(config: DictConfig) -> dict[str, Any]:
@@ -215,7 +215,7 @@ class SweepSummary(Callback):
         the report written, and one closing line. SweepFailed where a job failed."""
         self.progress.close()
         trials = search_trials(config) if proposes_jobs(config.hydra) else None
-        runs = expand(config) if trials is None else trial_runs(config, trials)
+        runs = self.runs if trials is None else trial_runs(config, trials)  # the grid composed at the start
         unfinished, elsewhere = check_statuses(runs, config.hydra.launcher.get("gpus_per_node"))
         complete = sum(store.is_complete(run.folder) for run in runs)
         trained = sum(

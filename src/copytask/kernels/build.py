@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 from types import ModuleType
 
@@ -85,7 +86,8 @@ def _quiet_torch_builder() -> Iterator[None]:
 
 
 def _cpp_extension() -> ModuleType:
-    with _quiet_torch_builder():
+    # torch 2.7 prints the CUDA_HOME line to stderr at import (2.11 and 2.13 log it)
+    with _quiet_torch_builder(), redirect_stderr(io.StringIO()):
         from torch.utils import cpp_extension
     return cpp_extension
 

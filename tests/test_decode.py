@@ -75,6 +75,15 @@ def test_alignment_marks_exactly_the_wrong_output_symbols():
     assert [match.start() for match in re.finditer(r"\S+", lines[2])][1:] == starts  # target aligned with output
 
 
+def test_an_early_eos_opens_no_gap_in_the_input_and_target_lines():
+    """Issue 80: the output's `</s>` under the input's third symbol widened that column to four characters,
+    leaving a hole in the input and target lines."""
+    source, target, output = ["a", "b", "c", "d"], ["a", "b", "c", "d", "</s>"], ["a", "b", "</s>"]
+    input_line, output_line, target_line, marks = cli_decode.alignment_lines(source, output, target)
+    assert input_line.endswith("a b c d") and target_line.endswith("a b c d </s>") and output_line.endswith("a b </s>")
+    assert marks.split() == ["^", "^", "^"]  # the wrong EOS, and the two symbols it never wrote
+
+
 def test_the_output_stops_at_its_first_eos_and_an_early_end_is_marked_under_the_target():
     from omegaconf import OmegaConf
 

@@ -35,6 +35,7 @@ from copytask import store
 from copytask.config.schema import config_dir
 from copytask.console import ConfigError
 from copytask.data.batches import task_batch
+from copytask.models.attention import ATTENTION_TYPES
 from copytask.models.build import build_model
 
 from .conftest import ATTENTION_OPTIONS, NO_ATTENTION, TASK_OPTIONS, pythonpath
@@ -112,6 +113,10 @@ VALID = {
     "attention.size": st.integers(1, 8),  # the additive score's size, linear attention's feature size
     "attention.window": st.integers(1, 4),
     "attention.variant": st.sampled_from(["null", "cho2014"]),  # cho2014 with attention=rnnencdec only
+    # a registered score, or a class named by its import path as a user's own is (docs/models.md); under an
+    # option's name only where the type is that option's
+    "attention.score": st.sampled_from([*ATTENTION_TYPES, "copytask.models.attention.DotAttention"]),
+    "attention.name": st.sampled_from(["mine", *ATTENTIONS]),
     "model.hidden_size": st.sampled_from([1, 2, 4, 6, 8, 12]),
     "model.embedding_size": st.integers(1, 8),
     "model.bidirectional": st.booleans().map(str).map(str.lower),
@@ -173,6 +178,7 @@ JUNK_VALUES = st.sampled_from(
         "[1,2]",
         "{a: 1}",
         "-0.0",
+        "???",  # OmegaConf's missing value
     ]
 )
 JUNK_OVERRIDES = st.sampled_from(
@@ -189,6 +195,9 @@ JUNK_OVERRIDES = st.sampled_from(
         "task.length",
         "seed=1=2",
         "hparams_search=nope",
+        "attention.score=no_such_module.Score",  # a class of one's own that does not import
+        "attention.score=copytask.models.attention.Nothing",
+        "attention.score=copytask.console.ConfigError",  # not an attention class
     ]
 )
 

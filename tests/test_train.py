@@ -135,6 +135,9 @@ def test_cli_bad_input_is_one_clear_line_and_a_failing_exit(tmp_path):
     assert unknown.returncode == 2
     assert unknown.stderr.strip().startswith("copytask: error: attention=foo: no such option; choose one of")
     assert len(unknown.stderr.strip().splitlines()) == 1 and "luong_general" in unknown.stderr  # names what is allowed
+    typo = run_cli("train", "attention=bahdanu", f"runs_dir={tmp_path}", cwd=tmp_path)
+    assert typo.returncode == 2 and len(typo.stderr.strip().splitlines()) == 1
+    assert "attention=bahdanu: no such option; did you mean attention=bahdanau?" in typo.stderr
 
 
 def test_train_help_says_what_each_key_means_and_trains_nothing(tmp_path, capsys):
@@ -303,13 +306,13 @@ def test_chance_and_the_summary_follow_the_vocabulary(tmp_path, vocab_size, chan
     for run in grid:
         metrics = train(run.config)
         assert metrics["chance"] == pytest.approx(1 / vocab_size) and metrics["vocab_size"] == vocab_size
-        assert f"(chance {chance})" in loop.summary_line(metrics, run.folder)  # the line the command prints
+        assert f"(chance {chance} per token)" in loop.summary_line(metrics, run.folder)  # the line the command prints
     heldout = splits.test_batch(grid[0].config)
     assert set(heldout.src.unique().tolist()) == set(range(3, 3 + vocab_size))  # every content symbol, no other
     assert build_model(grid[0].config).decoder.out.out_features == 3 + vocab_size
 
     loaded = load(grid)
-    table = comparison_table(summarise(loaded.table, loaded.settings), loaded.settings)
+    table = comparison_table(summarise(loaded.table, loaded.settings), loaded.settings, wide=True)
     assert len(table) == 4 and set(table["chance %"]) == {chance.rstrip("%")}  # 2 attention types x 2 lengths
 
 

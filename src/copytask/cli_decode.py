@@ -58,10 +58,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def alignment_lines(source: list[str], output: list[str], target: list[str]) -> list[str]:
-    """Input, output and target symbols in columns (each as wide as its widest symbol), then a line
-    with `^` under every output symbol that differs from the target, and under every target symbol
-    an output that ended early did not reach."""
-    widths = [max(len(cells[i]) for cells in (source, output, target) if i < len(cells)) for i in range(len(target))]
+    """Input, output and target symbols in columns, then a line with `^` under every output symbol that
+    differs from the target, and under every target symbol an output that ended early did not reach. A
+    column is as wide as its widest symbol but a line's last, which nothing follows: an output's EOS
+    (`</s>`) hangs past its column rather than widening it and opening a gap in the lines above and below."""
+    widths = [
+        max([1, *(len(cells[i]) for cells in (source, output, target) if i < len(cells) - 1)])
+        for i in range(len(target))
+    ]
 
     def line(name: str, cells: list[str]) -> str:
         return (f"{name:<8}" + " ".join(cell.ljust(width) for cell, width in zip(cells, widths))).rstrip()

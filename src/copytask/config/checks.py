@@ -56,10 +56,14 @@ def validate(cfg: DictConfig) -> None:
 
 
 def check_keys(cfg: DictConfig) -> None:
-    """No key the schema lacks, and every bounded integer within its bounds (MINIMUM, MAXIMUM)."""
+    """No key the schema lacks, none without a value, and every bounded integer within its bounds
+    (MINIMUM, MAXIMUM)."""
     unknown = sorted(set(dotted_keys(cfg)) - set(SCHEMA_KEYS))
     if unknown:  # added with `+key=value`: nothing would read it, yet it would rename the run
         raise ConfigError(unknown_key(unknown[0], SCHEMA_KEYS))
+    unset = sorted(OmegaConf.missing_keys(cfg))
+    if unset:  # an option of the user's own (hydra.searchpath) that leaves a key of its group out
+        raise ConfigError(f"{unset[0]} has no value: set it in its option's yaml or with {unset[0]}=VALUE")
     for key, low in MINIMUM.items():
         value = OmegaConf.select(cfg, key)
         if value is not None and value < low:

@@ -13,6 +13,7 @@ import difflib
 import itertools
 import os
 import re
+import textwrap
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -229,7 +230,9 @@ def hydra_errors(known_keys: list[str]) -> Iterator[None]:
         options = ", ".join(error.options or [])
         if f"{group}={option}" in PLUGIN_OPTIONS:  # a Hydra plugin's option, there once its extra is installed
             raise ConfigError(f"{group}={option} needs {PLUGIN_OPTIONS[f'{group}={option}']}") from None
-        raise ConfigError(f"{group}={option}: no such option; choose one of {options}") from None
+        close = difflib.get_close_matches(option, error.options or [], n=1, cutoff=0.6)
+        hint = f"did you mean {group}={close[0]}? The options: " if close else "choose one of "
+        raise ConfigError(f"{group}={option}: no such option; {hint}{options}") from None
     except OverrideParseException as error:
         raise ConfigError(str(error).strip().splitlines()[0]) from None
     except ConfigError:  # the block's own check of a composed config: already one line
@@ -314,9 +317,10 @@ def option_summary(path: Path) -> str:
     return sentence[0] if sentence else leading
 
 
-def config_help(command: str, cfg: DictConfig, choices: dict[str, str]) -> str:
+def config_help(command: str, cfg: DictConfig, choices: dict[str, str], columns: int = 100) -> str:
     """`python -m copytask train --help`: every config group with its options, and every key with
-    its default and what it means, from the comments in configs/ (one source for both)."""
+    its default and what it means, from the comments in configs/ (one source for both), wrapped at
+    `columns` characters (the terminal's width), each entry's lines indented under its first."""
     root = Path(config_dir())
     lines = [
         f"usage: python -m copytask {command} [key=value ...] [group=option ...]",
@@ -337,7 +341,8 @@ def config_help(command: str, cfg: DictConfig, choices: dict[str, str]) -> str:
     width = max(len(f"{group}={path.stem}") for group, path in options)
     for group, path in options:
         mark = "*" if choices.get(group) == path.stem else " "
-        lines.append(f"  {mark} {f'{group}={path.stem}':<{width}}  {option_summary(path)}")
+        entry = f"  {mark} {f'{group}={path.stem}':<{width}}  {option_summary(path)}"
+        lines += textwrap.wrap(entry, columns, subsequent_indent=" " * (width + 6)) or [entry]
     comments = yaml_comments(root / "config.yaml")
     for group in ("task", "model", "attention", "train", "logger"):
         comments |= yaml_comments(root / group / f"{choices[group]}.yaml", prefix=f"{group}.")
@@ -345,5 +350,6 @@ def config_help(command: str, cfg: DictConfig, choices: dict[str, str]) -> str:
     for key in dotted_keys(cfg):
         value = OmegaConf.select(cfg, key)
         meaning = comments.get(key) or comments.get(key.rsplit(".", 1)[0], "")
-        lines.append(f"  {key}={'null' if value is None else value}" + (f": {meaning}" if meaning else ""))
+        entry = f"  {key}={'null' if value is None else value}" + (f": {meaning}" if meaning else "")
+        lines += textwrap.wrap(entry, columns, subsequent_indent=" " * 6, break_on_hyphens=False) or [entry]
     return "\n".join(lines)

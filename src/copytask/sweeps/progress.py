@@ -72,7 +72,8 @@ class SweepProgress:
             dynamic_ncols=True,
             mininterval=interval,
             smoothing=0,
-            bar_format=("{desc}: {percentage:3.0f}%|{bar}| " if total is not None else "{desc} ") + clock,
+            # no percentage beside the runs finished: it is of the work (a long run weighs more), not of the runs
+            bar_format=("{desc} |{bar}| " if total is not None else "{desc} ") + clock,
         )
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.poll, args=(interval,), daemon=True)

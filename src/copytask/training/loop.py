@@ -120,8 +120,8 @@ def clear_leftovers(folder: Path, keep_checkpoint: bool) -> None:
 def summary_line(metrics: dict, folder: Path) -> str:
     """The one line the command line prints for a finished run."""
     return (
-        f"{metrics['run']}: greedy token acc {metrics['token_acc']:.2%}, seq acc {metrics['seq_acc']:.2%} "
-        f"(chance {metrics['chance']:.1%}), {metrics['steps']} steps, {metrics['train_seconds']:.1f} s, "
+        f"{metrics['run']}: greedy token acc {metrics['token_acc']:.2%} (chance {metrics['chance']:.1%} per token), "
+        f"seq acc {metrics['seq_acc']:.2%}, {metrics['steps']} steps, {metrics['train_seconds']:.1f} s, "
         f"{metrics['params']:,} params"
         + (f", resumed from step {metrics['resumed_from']}" if metrics.get("resumed_from") else "")
         + f" -> {folder}"

@@ -80,6 +80,11 @@ def test_results_compare_and_report_read_a_folder_as_the_command_line_does(runs_
     assert main(["compare", f"runs_dir={runs_copy}"]) == 0
     printed = capsys.readouterr().out
     assert comparison_table(summary).to_string(index=False) in printed  # one code path: the numbers it prints
+    table_lines = printed[printed.index("copy task:") :].splitlines()
+    assert max(map(len, table_lines)) <= 100  # fits a terminal (issue 80)
+    assert main(["compare", "--wide", f"runs_dir={runs_copy}"]) == 0
+    wide = capsys.readouterr().out
+    assert comparison_table(summary, wide=True).to_string(index=False) in wide and "steps to target" in wide
 
     written = copytask.report(runs_copy)
     assert written[0] == runs_copy / "results.csv" and written[1] == runs_copy / "report" / "report.md"

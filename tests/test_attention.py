@@ -108,7 +108,7 @@ def test_an_attention_type_is_its_class_and_nothing_else(tmp_path):
 
     try:
         one_step = ["train.steps=1", "train.eval_every=1", f"runs_dir={tmp_path}"]
-        cfg = copytask.compose([*TINY, "attention=luong_dot", "attention.score=toy", *one_step])
+        cfg = copytask.compose([*TINY, "attention=luong_dot", "attention.score=toy", "attention.name=toy", *one_step])
         metrics = copytask.train(cfg)
         model, _ = copytask.load_run(tmp_path / metrics["run"])
         assert type(model.attention) is NegativeDistanceAttention and metrics["steps"] == 1

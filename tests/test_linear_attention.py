@@ -249,7 +249,7 @@ def test_runs_from_before_show_an_empty_state_not_an_error(fixed_state_runs, tmp
     del metrics["state_floats"]
     store.write_json(copy / old / store.METRICS, metrics)
     summary = copytask.compare(copy)
-    shown = tables.comparison_table(summary, ["model.hidden_size", "attention.size"])
+    shown = tables.comparison_table(summary, ["model.hidden_size", "attention.size"], wide=True)
     assert (shown["state floats per sequence"] == "").sum() == 1 and summary[tables.STATE_FLOATS].isna().sum() == 1
     copytask.report(copy)
     again = pd.read_csv(copy / tables.RESULTS_CSV).set_index("run")

@@ -276,7 +276,7 @@ def test_steps_to_target_is_the_first_evaluation_at_target_over_the_seeds_that_r
     summary = summarise(pd.DataFrame(runs))
     attended = summary.set_index("attention").loc["luong_general"]
     assert attended[TARGET_STEP] == 150 and attended["reached"] == 2 and attended[f"{TARGET_STEP}_lo"] < 150
-    shown = comparison_table(summary).set_index("attention")["steps to target [95% CI]"]
+    shown = comparison_table(summary, wide=True).set_index("attention")["steps to target [95% CI]"]
     assert shown["none"] == "never"
     assert re.fullmatch(
         r"150 \[0, \d[\d,]*\] \(2/3\)", shown["luong_general"]

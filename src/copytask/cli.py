@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -45,6 +46,8 @@ commands:
              python -m copytask compare --missing          (only list the grid's missing runs)
              python -m copytask compare --train-missing    (train the missing runs first)
              python -m copytask compare --all runs_dir=runs (every complete run there, grouped by what varies)
+             python -m copytask compare --wide   (every column: teacher-forced accuracy, steps to target,
+                                          parameters, state floats; the default fits 100 columns)
   report   figures and report.md in runs_dir/report/ from the grid's finished runs; never trains;
            takes the same overrides and --all; report.x=KEY puts any swept numeric key on the x axis
              python -m copytask report experiment=quick
@@ -68,7 +71,7 @@ Hydra's own flags work too (--cfg job, --help)."""
 
 
 COMMANDS = ("train", "sweep", "compare", "report", "analyze", "decode", "bench", "build")
-COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all"), "report": ("--all",)}
+COMMAND_FLAGS = {"compare": ("--missing", "--train-missing", "--all", "--wide"), "report": ("--all",)}
 
 
 def entry() -> int:
@@ -112,7 +115,8 @@ def run_command(args: list[str]) -> int:
             master, [run] = compose_grid([arg for arg in rest if not arg.startswith("-")], multirun=False)
         except ConfigError as error:
             return refuse(error)
-        print(config_help(command, run.config, dict(master.hydra.runtime.choices)))
+        columns = shutil.get_terminal_size((100, 24)).columns  # not a terminal: 100
+        print(config_help(command, run.config, dict(master.hydra.runtime.choices), columns))
         return 0
     if command in ("train", "sweep"):
         from .sweeps.jobs import run_hydra  # Hydra's app and launchers: only for the commands that run them
@@ -242,7 +246,7 @@ def compare(overrides: list[str], flags: set[str]) -> int:
     and length, the baseline and each attention type side by side. Missing runs are listed with
     the command that trains them; --train-missing trains them first (the same resumable sweep);
     --missing lists them and prints no table."""
-    from .reporting.tables import comparison_table, describe_missing, table_note
+    from .reporting.tables import comparison_table, describe_missing, narrow_note, table_note
     from .sweeps.grid import sweep_command
 
     selection = selection_for("compare", overrides, flags)
@@ -278,8 +282,12 @@ def compare(overrides: list[str], flags: set[str]) -> int:
         )
         print(best_table(table, loaded.settings).to_string(index=False))
     else:
-        compared = comparison_table(table, loaded.settings)
-        print(table_note(list(dict.fromkeys(loaded.table["task"])), any(c.startswith("teacher") for c in compared)))
+        wide, tasks = "--wide" in flags, list(dict.fromkeys(loaded.table["task"]))
+        compared = comparison_table(table, loaded.settings, wide=wide)
+        if wide:
+            print(table_note(tasks, any(column.startswith("teacher") for column in compared)))
+        else:
+            print(narrow_note(tasks, sorted(set(loaded.table["chance"]))))
         print(compared.to_string(index=False))
     if loaded.mixed:  # under the table
         print(loaded.mixed)

@@ -16,7 +16,8 @@ An attention type is its class here (a subclass of `Attention` with `@register_a
 that defines `scores`, and `project_keys` where the keys are a projection of the encoder states),
 its configs/attention/<name>.yaml (`score: <score>`) and its test: building a model looks the class
 up in ATTENTION_TYPES (`make_attention`), and `build.check_buildable` refuses a config the class
-cannot compute (docs/models.md).
+cannot compute (docs/models.md). A class of the user's own, in their own module, needs neither: its
+import path is its score (`attention.score=my_scores.CosineAttention`, as Hydra's `_target_`).
 
 Contract: query (B, T_dec, d_s), keys from `project_keys`, values (B, T_enc, d_h), mask (B, T_enc),
 positions (T_dec,) the query's output steps (local-m only), summary `summarise`'s or None (then computed
@@ -26,6 +27,7 @@ in the call) -> context (B, T_dec, d_h), weights (B, T_dec, T_enc) summing to 1 
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from typing import ClassVar, TypeVar
@@ -70,7 +72,7 @@ class Attention(nn.Module):
     query_size d_s, key_size d_h; attention_size: the hidden size of a score that has one (additive);
     fused: a score's CPU kernel where it has one and it builds (False: torch's ops)."""
 
-    score: ClassVar[str]  # the `attention.score` that names the class; set by `register_attention`
+    score: ClassVar[str]  # the `attention.score` that names the class: its import path, or its registered name
     multi_head: ClassVar[bool] = False  # whether heads > 1 split it into per-head scores of slices
     same_sizes: ClassVar[bool] = False  # whether it needs d_s == d_h (a product of the query with h itself)
     local_window: ClassVar[bool] = True  # whether Luong's local window can restrict it (one head)
@@ -95,6 +97,10 @@ class Attention(nn.Module):
         self.local: str | None = None  # Luong's local attention: None (global), "predictive" or "monotonic"
         self.window: int | None = None  # local: D, the window's half-width
         self.intervention: Intervention | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.score = f"{cls.__module__}.{cls.__qualname__}"  # `register_attention` gives it a short name
 
     def restrict_to_window(self, local: str, window: int | None) -> None:
         """Luong's local attention (Luong et al., 2015, section 3.2): the score's weights restricted to a
@@ -223,10 +229,29 @@ def register_attention(score: str) -> Callable[[AttentionType], AttentionType]:
 
 
 def attention_type(score: str) -> type[Attention]:
-    """The class registered for `score`; ValueError naming the registered ones if there is none."""
-    if score not in ATTENTION_TYPES:
-        raise ValueError(f"unknown attention score {score!r}; choose one of {', '.join(ATTENTION_TYPES)}")
-    return ATTENTION_TYPES[score]
+    """The class that computes `score`: the one registered under it, or a subclass of `Attention` named by
+    its import path `module.Class` (a module of the user's own, found on sys.path: the current folder under
+    `python -m copytask`), which is imported here. ValueError, one line, where there is none."""
+    if score in ATTENTION_TYPES:
+        return ATTENTION_TYPES[score]
+    module, _, name = str(score).rpartition(".")
+    if not module:
+        raise ValueError(
+            f"unknown attention score {score!r}; choose one of {', '.join(ATTENTION_TYPES)}, "
+            "or name a class of your own by its import path, module.Class"
+        )
+    try:
+        kind = getattr(importlib.import_module(module), name)
+    except ImportError as error:
+        raise ValueError(
+            f"attention.score={score}: cannot import {module!r} ({error}); a module of your own must be on "
+            "the Python path: run python -m copytask from its folder, or add the folder to PYTHONPATH"
+        ) from None
+    except AttributeError:
+        raise ValueError(f"attention.score={score}: module {module!r} has no {name!r}") from None
+    if not (isinstance(kind, type) and issubclass(kind, Attention)):
+        raise ValueError(f"attention.score={score} is not a subclass of copytask.models.attention.Attention")
+    return kind
 
 
 def make_attention(

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..config.checks import check_memory
 from ..config.model_keys import is_transformer, model_name, position_rows
+from ..config.schema import config_dir
 from ..console import ConfigError
 from ..data.vocab import total_vocab
-from .attention import ATTENTION_TYPES
+from .attention import ATTENTION_TYPES, attention_type
 from .mamba import MambaSeq2Seq
 from .recurrent import Seq2Seq, count_parameters
 from .transformer import TransformerSeq2Seq
@@ -66,17 +69,46 @@ def build_model(
 
 def check_buildable(cfg: DictConfig) -> None:
     """What the torch-free `config.checks.validate` leaves to the attention classes, refused in one
-    ConfigError line: an `attention.score` no class is registered for, a setting the class refuses
-    (heads, Luong's local window, sizes), and a model whose exact memory estimate (its parameter
-    count and its attention's `training_floats`) exceeds the machine's. Run after `validate`, before
-    anything is written; the model is built on torch's meta device, which takes no memory and draws no
-    random number."""
+    ConfigError line: an `attention.score` no class is registered for and that imports no class of the
+    user's own, a setting the class refuses (heads, Luong's local window, sizes), a model whose exact
+    memory estimate (its parameter count and its attention's `training_floats`) exceeds the machine's,
+    and an attention type under another option's name (`check_attention_name`). Run after `validate`,
+    before anything is written; the model is built on torch's meta device, which takes no memory and
+    draws no random number."""
     score = cfg.attention.score
     if score is not None and score not in ATTENTION_TYPES:
-        raise ConfigError(f"attention.score must be one of null, {', '.join(ATTENTION_TYPES)}, got {score!r}")
+        try:
+            attention_type(score)
+        except ValueError as error:
+            if "." in str(score):
+                raise ConfigError(str(error)) from None
+            raise ConfigError(
+                f"attention.score must be one of null, {', '.join(ATTENTION_TYPES)} or a class of your own "
+                f"as module.Class, got {score!r}"
+            ) from None
     try:
         with torch.device("meta"):
             model = build_model(cfg)
     except ValueError as error:  # validate has checked the rest: this is the attention class's refusal
         raise ConfigError(f"attention={cfg.attention.name}: {error}") from None
     check_memory(cfg, count_parameters(model), {} if model.attention is None else model.attention.training_floats())
+    if model_name(cfg) == "gru":
+        check_attention_name(cfg.attention)
+
+
+def check_attention_name(attention: DictConfig) -> None:
+    """ConfigError where `attention.name`, which names the run and its rows in every table, is an option of
+    configs/attention/ whose type (its decoder, score and local window) is not this config's: a score or
+    decoder given on the command line without a name of its own (`attention.score=my_scores.Cosine` on the
+    default option would be labelled luong_general)."""
+    path = Path(config_dir()) / "attention" / f"{attention.name}.yaml"
+    if not path.is_file():
+        return
+    option = OmegaConf.load(path)
+    differs = [key for key in ("decoder", "score", "local") if option.get(key) != attention.get(key)]
+    if differs:
+        given = " ".join(f"attention.{key}={attention.get(key)}" for key in differs)
+        raise ConfigError(
+            f"{given} is not attention={attention.name}'s type, yet the run would be named {attention.name}: "
+            "give it a name of its own, attention.name=NAME"
+        )

@@ -204,7 +204,7 @@ def accuracy_section(
         f"mean minus the `{tables.BASELINE}` baseline's with the same settings and length, in percentage points (empty "
         f"where there is no such baseline). Per-run numbers: [`{tables.RESULTS_CSV}`](../{tables.RESULTS_CSV}).",
         "",
-        markdown_table(tables.comparison_table(summary, settings)),
+        markdown_table(tables.comparison_table(summary, settings, wide=True)),
         "",
         *([mixed, ""] if mixed else []),
     ]

@@ -264,8 +264,25 @@ def with_interval(mean: float, low: float, high: float) -> str:
     return f"{percent(mean)} [{percent(max(low, 0.0))}, {percent(min(high, 1.0))}]"
 
 
-def comparison_table(summary: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
-    """`summarise`'s numbers as strings for a terminal or markdown, accuracies in percent."""
+def comparison_table(summary: pd.DataFrame, settings: list[str] = (), wide: bool = False) -> pd.DataFrame:
+    """`summarise`'s numbers as strings for a terminal or markdown, accuracies in percent: the columns a
+    reader needs (NARROW, and the chance where it differs between rows), which fit 100 columns of a
+    terminal; `wide`: every column (teacher-forced accuracy, steps to target, parameters, state floats)."""
+    table = full_table(summary, settings)
+    if wide:
+        return table
+    keep = [*(key for key in settings if key in table), *NARROW]
+    if table["chance %"].nunique() > 1:
+        keep.insert(keep.index("token acc % [95% CI]"), "chance %")
+    return table[keep].rename(columns={f"token gap vs {BASELINE}": f"gap vs {BASELINE}"})
+
+
+# compare's columns by default (`comparison_table`); `compare --wide` prints every column
+NARROW = ("length", "attention", "seeds", "token acc % [95% CI]", "seq acc % [95% CI]", f"token gap vs {BASELINE}")
+
+
+def full_table(summary: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
+    """Every column of `comparison_table`."""
 
     def gap(value: float) -> str:
         return "" if math.isnan(value) else f"{100 * value:+.1f}"
@@ -315,8 +332,18 @@ def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
     return "\n".join(lines)
 
 
+def narrow_note(tasks: list[str], chance: list[float]) -> str:
+    """The lines `compare` prints above its default table (`comparison_table`), none over 100 columns."""
+    per_token = f"; chance {percent(chance[0])}% per token" if len(set(chance)) == 1 else ""
+    return (
+        f"{'/'.join(tasks)} task: greedy accuracy on the held-out test set in %, mean over seeds [95% interval,\n"
+        f"none with one seed]; gap: token accuracy minus {BASELINE}'s{per_token}; every column: --wide"
+    )
+
+
 def table_note(tasks: list[str], teacher_forced: bool = False) -> str:
-    """The lines `compare` prints above `comparison_table` (`teacher_forced`: it has that column)."""
+    """The lines `compare --wide` prints above `comparison_table(..., wide=True)` (`teacher_forced`: it has
+    that column)."""
     note = (
         f"{'/'.join(tasks)} task, test-set accuracies in %, mean over seeds with 95% t-interval "
         "(none with one seed; for accuracies never\n"

@@ -196,8 +196,11 @@ VIEW_KEYS = (*store.NOT_IDENTITY, "hydra")
 
 
 def is_grid_override(override: str) -> bool:
-    """Whether `override` (`key=value`, `+key=value`, `group=option`) changes which runs a grid has."""
+    """Whether `override` (`key=value`, `+key=value`, `group=option`) changes which runs a grid has:
+    `hydra.searchpath` does, since it adds options of the user's own (docs/models.md)."""
     key = override.lstrip("+~").split("=", 1)[0]
+    if key == "hydra.searchpath":
+        return True
     return not any(key == view or key.startswith((f"{view}.", f"{view}/")) for view in VIEW_KEYS)
 
 

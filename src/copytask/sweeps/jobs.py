@@ -192,7 +192,9 @@ class SweepSummary(Callback):
 
     @staticmethod
     def record(config: DictConfig) -> dict[str, Any]:
-        record = {"command": sweep_command(config), "overrides": list(config.hydra.overrides.task)}
+        # the options of the user's own that the grid names are found where hydra.searchpath says
+        searchpath = [override for override in config.hydra.overrides.hydra if override.startswith("hydra.searchpath=")]
+        record = {"command": sweep_command(config), "overrides": [*config.hydra.overrides.task, *searchpath]}
         if proposes_jobs(config.hydra):  # `search_trials` reads the trial records since `started_at`, then `trials`
             record["search"] = {
                 "sweeper": config.hydra.runtime.choices.get("hydra/sweeper"),

@@ -154,6 +154,7 @@ VALID = {
     "train.eval_seed": st.integers(0, 2**32),
     "train.val_seed": st.integers(0, 2**32),
     "seed": st.integers(0, 2**32),
+    "report.note": st.sampled_from(["null", "'what this grid shows'", "''"]),
     "hparams_search": st.just("baseline"),  # `train` under the search's preset: one run with its fixed settings
 }
 # Junk for any key: out of range, huge (refused as sizes no machine holds), of the wrong type, empty.

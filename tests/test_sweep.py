@@ -222,22 +222,23 @@ def test_a_sweep_shows_one_progress_bar_for_all_its_runs(tmp_path):
     assert "step/s" not in process.stderr  # no per-run bars
 
 
-def test_a_sweep_through_the_parallel_launcher(tmp_path):
-    process = run_cli(
-        "sweep",
-        *TINY,
-        "attention=none,luong_general",
-        "task.length=3",
-        "seed=0",
-        f"runs_dir={tmp_path}",
-        "hydra/launcher=parallel",
-    )
+def test_the_first_look_sweeps_through_the_parallel_launcher_and_ends_saying_what_it_shows(tmp_path):
+    shrunk = [override for override in TINY if not override.startswith("experiment=")]
+    process = run_cli("sweep", "experiment=first_look", *shrunk, "task.length=3", f"runs_dir={tmp_path}")
 
     assert process.returncode == 0, process.stderr  # the jobs, callbacks included, pickle into joblib's workers
-    assert set(pd.read_csv(tmp_path / "results.csv")["attention"]) == {"none", "luong_general"}
+    results = pd.read_csv(tmp_path / "results.csv")
+    assert sorted(zip(results["attention"], results["seed"])) == [
+        (a, s) for a in ("luong_general", "none") for s in (0, 1)
+    ]
     record = store.read_json(tmp_path / "sweep.json")
     assert record["launcher"] == "parallel"
     assert record["jobs_at_once"] == min(parallel.machine_jobs(), 2)  # one per core as memory allows, two jobs here
+    # its last lines: the table as compare prints it, the finding, and what it shows
+    out = process.stdout[process.stdout.index("copy task: greedy accuracy") :]
+    assert re.search(r"^\s+3\s+luong_general\s+2\s", out, flags=re.MULTILINE) and "At length 3" in out
+    assert out.rstrip().endswith("minutes on two cores.") and "README's result is the default sweep" in out
+    assert max(len(line) for line in out.splitlines() if not line.startswith("sweep: ")) <= 100  # the last: a path
 
 
 @pytest.mark.parametrize(

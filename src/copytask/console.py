@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
+TERMINAL_WIDTH = 100  # columns a table or paragraph copytask prints fits in
+
 
 class ConfigError(ValueError):
     """A config value that cannot be run; the message names the value and what is allowed."""

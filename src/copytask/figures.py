@@ -9,6 +9,7 @@ stay on); `save` writes the file.
 from __future__ import annotations
 
 import textwrap
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,60 @@ from matplotlib.patches import Rectangle
 from .data.batches import copied_source_positions
 from .data.vocab import symbol
 
-COLUMNS = 5  # panels per row
+COLUMNS = 3  # panels per row: five to a row made strips of panels too small to read
+
+# One colour and marker per model, fixed by its name, so that a model looks the same in every figure of every
+# report: the baseline black, attention in tab10's colours, the fixed-state and Transformer models apart. A name
+# not listed (a type of the user's own, a multi-head label) draws its own from EXTRA_STYLES by a hash of the name.
+MODEL_STYLES = {
+    "none": ("black", "o"),
+    "rnnencdec": ("tab:gray", "X"),
+    "bahdanau": ("tab:blue", "s"),
+    "luong_general": ("tab:orange", "^"),
+    "luong_dot": ("tab:green", "v"),
+    "luong_concat": ("tab:red", "D"),
+    "scaled_dot": ("tab:purple", "<"),
+    "multihead": ("tab:brown", ">"),
+    "luong_local": ("tab:pink", "p"),
+    "luong_local_m": ("tab:olive", "h"),
+    "transformer": ("navy", "*"),
+    "transformer_learned": ("slateblue", "d"),
+    "linear": ("tab:cyan", "P"),
+    "mamba": ("darkgreen", "H"),
+}
+EXTRA_STYLES = list(
+    zip(("goldenrod", "crimson", "teal", "sienna", "orchid", "yellowgreen", "steelblue", "salmon"), "8*pHd<>v")
+)
+
+
+def model_style(name: str) -> tuple[str, str]:
+    """(colour, marker) of a model, by its name (MODEL_STYLES)."""
+    if name in MODEL_STYLES:
+        return MODEL_STYLES[name]
+    return EXTRA_STYLES[zlib.crc32(name.encode()) % len(EXTRA_STYLES)]
+
+
+def colours(names: list[str]) -> dict[str, str]:
+    """Each model's colour, by its name (`model_style`): the same in every figure of every report."""
+    return {name: model_style(name)[0] for name in names}
+
+
+def model_order(names) -> list[str]:
+    """Models in one order in every figure and legend: MODEL_STYLES' (the baseline first), then the others."""
+    names = list(dict.fromkeys(names))
+    listed = [name for name in MODEL_STYLES if name in names]
+    return listed + sorted(name for name in names if name not in MODEL_STYLES)
+
+
+def legend_outside(figure: Figure, axes: list[Axes], **options) -> None:
+    """One legend for the whole figure, of every label its `axes` draw (once each), right of the panels where
+    it covers no data (the figure's layout must be constrained)."""
+    handles = {}
+    for axis in axes:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    if handles:
+        figure.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize="small", **options)
 
 
 def panels(count: int, width: float = 4.0, height: float = 3.2) -> tuple[Figure, list[Axes]]:

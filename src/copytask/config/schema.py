@@ -123,6 +123,7 @@ class AnalysisConfig:
 @dataclass
 class ReportConfig:
     x: str = MISSING
+    note: str | None = None
 
 
 @dataclass

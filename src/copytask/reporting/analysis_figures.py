@@ -15,11 +15,27 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.axes import Axes
 
-from ..figures import draw_chance, draw_matrix, fitted, panels, plot_attention, save
+from ..figures import (
+    draw_chance,
+    draw_matrix,
+    fitted,
+    legend_outside,
+    model_order,
+    model_style,
+    panels,
+    plot_attention,
+    save,
+)
 from .analysis_tables import COUNTERFACTUALS
 
 GROUP = ["attention", "task"]  # one panel per attention type and task (and setting, where a grid has settings)
 PANEL_WIDTH, MATRIX_WIDTH = 4.0, 4.4  # inches per panel
+
+
+def _model_groups(table: pd.DataFrame, keys: list[str]) -> list[tuple[tuple, pd.DataFrame]]:
+    """`table` grouped by `keys` (the model, `attention`, first), in the one model order of every figure."""
+    order = model_order(table["attention"])
+    return sorted(table.groupby(keys, dropna=False), key=lambda group: order.index(group[0][0]))
 
 
 def _title(keys: list[str], values: tuple, width: float) -> str:
@@ -38,7 +54,7 @@ def plot_counterfactual(table: pd.DataFrame, path: Path, settings: list[str] = (
     `table`), fixed-length runs only."""
     table = table[table.train_length == table.length.astype(str)]
     keys = [*GROUP, *settings]
-    groups = list(table.groupby(keys, dropna=False))
+    groups = _model_groups(table, keys)
     figure, axes = panels(len(groups), width=PANEL_WIDTH)
     for ax, (values, runs) in zip(axes, groups):
         means = runs.groupby("length")[["own", *COUNTERFACTUALS]].mean()
@@ -54,23 +70,23 @@ def plot_counterfactual(table: pd.DataFrame, path: Path, settings: list[str] = (
         )
         ax.set_xscale("log", base=2)
         ax.set_xticks(means.index, [str(n) for n in means.index])
-    axes[0].legend(title="attention weights", fontsize="small")
+    legend_outside(figure, axes, title="attention weights")
     return save(figure, path)
 
 
 def plot_length_generalisation(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Path:
-    """Train length (rows) x test length (columns) greedy token accuracy, mean over seeds;
-    one panel per attention type, task and value of `settings` (columns of `table`)."""
+    """Train length (rows) x test length (columns) greedy token accuracy in %, mean over seeds;
+    one panel per attention type, task and value of `settings` (columns of `table`), the baseline first."""
     keys = [*GROUP, *settings]
-    groups = list(table.groupby(keys, dropna=False))
+    groups = _model_groups(table, keys)
     figure, axes = panels(len(groups), width=MATRIX_WIDTH, height=3.8)
     for ax, (values, runs) in zip(axes, groups):
         matrix = runs.pivot_table(index="train_length", columns="test_length", values="token_acc", aggfunc="mean")
         # numeric order of the rows ("5" < "40" < "5-80"), not string order
         matrix = matrix.loc[sorted(matrix.index, key=lambda label: tuple(map(int, label.split("-")))[::-1])]
-        image = draw_matrix(ax, matrix, scale=1, number="{:.2f}", fontsize=7)
+        image = draw_matrix(ax, matrix, scale=100, number="{:.0f}", fontsize=7)
         ax.set(title=_title(keys, values, MATRIX_WIDTH), xlabel="test length", ylabel="train length")
-    figure.colorbar(image, ax=axes, shrink=0.8, label="greedy token accuracy")
+    figure.colorbar(image, ax=axes, shrink=0.8, label="greedy token accuracy % (mean over seeds)")
     return save(figure, path)
 
 
@@ -93,15 +109,14 @@ def plot_extrapolation(table: pd.DataFrame, path: Path, settings: list[str] = ()
     for ax, (values, runs) in zip(axes, groups):
         task, train_length, *setting = values
         bounds = [int(n) for n in train_length.split("-")]  # "40" or "5-40"
-        ax.axvspan(bounds[0], bounds[-1], color="0.9", label=f"trained lengths {train_length}")
-        for attention, rows in runs.groupby("attention", sort=False):
+        ax.axvspan(bounds[0], bounds[-1], color="0.9", label="trained lengths")
+        for (attention,), rows in _model_groups(runs, ["attention"]):
             accuracy = 100 * rows.dropna(subset=["token_acc"]).groupby("test_length")["token_acc"].agg(
                 ["mean", "min", "max"]
             )
-            line = ax.plot(accuracy.index, accuracy["mean"], marker="o", markersize=3, label=attention)[0]
-            ax.fill_between(
-                accuracy.index, accuracy["min"], accuracy["max"], color=line.get_color(), alpha=0.15, linewidth=0
-            )
+            colour, marker = model_style(attention)
+            ax.plot(accuracy.index, accuracy["mean"], marker=marker, markersize=4, color=colour, label=attention)
+            ax.fill_between(accuracy.index, accuracy["min"], accuracy["max"], color=colour, alpha=0.15, linewidth=0)
         for chance in runs["chance"].dropna().unique() if "chance" in runs else []:
             draw_chance(ax, chance)
         setting_line = ", ".join(f"{key}={value}" for key, value in zip(settings, setting))
@@ -112,7 +127,7 @@ def plot_extrapolation(table: pd.DataFrame, path: Path, settings: list[str] = ()
             ylabel="greedy token accuracy %",
             ylim=(-2, 102),
         )
-    axes[0].legend(fontsize="small")
+    legend_outside(figure, axes)
     return save(figure, path)
 
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.axes import Axes
 
-from ..figures import draw_chance, panels, save
+from ..figures import colours, draw_chance, legend_outside, model_order, panels, save
 from . import tables
 from .breakdown_tables import breakdown_table, position_table, probe_table
-from .result_figures import colours, setting_title
+from .result_figures import setting_title
 
 POSITION_FIGURE = "accuracy_by_position.png"
 PROBE_FIGURE = "probe.png"
@@ -47,16 +47,17 @@ def _band(ax: Axes, rows: pd.DataFrame, x: str, y: str, **style) -> None:
 def plot_by_position(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Path:
     """`position_table`'s token accuracy (%) against output position: greedy solid, teacher-forced dashed."""
     groups = _panels(table, list(settings))
-    colour = colours(list(dict.fromkeys(table["attention"])))
+    colour, order = colours(table["attention"].unique()), model_order(table["attention"])
     figure, axes = panels(len(groups), width=PANEL_WIDTH)
     for ax, (title, rows) in zip(axes, groups):
-        for (attention, decoding), runs in rows.groupby(["attention", "decoding"], sort=False):
+        lines = sorted(rows.groupby(["attention", "decoding"], sort=False), key=lambda line: order.index(line[0][0]))
+        for (attention, decoding), runs in lines:
             style = "-" if decoding == "greedy" else "--"
             _band(
                 ax, runs, "position", "token_acc", color=colour[attention], ls=style, label=f"{attention}, {decoding}"
             )
         ax.set(title=title, xlabel="output position", ylabel="token accuracy %", ylim=(-2, 102))
-    axes[0].legend(fontsize="x-small")
+    legend_outside(figure, axes)
     return save(figure, path)
 
 
@@ -64,15 +65,16 @@ def plot_probe(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Pat
     """`probe_table`'s accuracy (%) against source position: the trained model's summary vector solid,
     the untrained one's dotted, and chance."""
     groups = _panels(table, list(settings))
-    colour = colours(list(dict.fromkeys(table["attention"])))
+    colour, order = colours(table["attention"].unique()), model_order(table["attention"])
     figure, axes = panels(len(groups), width=PANEL_WIDTH)
     for ax, (title, rows) in zip(axes, groups):
-        for (attention, summary), runs in rows.groupby(["attention", "summary"], sort=False):
+        lines = sorted(rows.groupby(["attention", "summary"], sort=False), key=lambda line: order.index(line[0][0]))
+        for (attention, summary), runs in lines:
             style = "-" if summary == "trained" else ":"
             _band(ax, runs, "position", "accuracy", color=colour[attention], ls=style, label=f"{attention}, {summary}")
         draw_chance(ax, rows["chance"].iloc[0])
         ax.set(title=title, xlabel="source position", ylabel="probe accuracy %", ylim=(-2, 102))
-    axes[0].legend(fontsize="x-small")
+    legend_outside(figure, axes)
     return save(figure, path)
 
 

@@ -19,7 +19,7 @@ import pandas as pd
 
 from .. import console, store
 from ..console import ConfigError
-from ..figures import plot_attention
+from ..figures import model_order, plot_attention
 from ..store.runs import GridRun, variable_length_runs
 from . import analysis_tables, tables
 from .analysis_figures import (
@@ -147,7 +147,7 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
     breakdown = Section(*breakdown_section(list(loaded.analyses.values()), settings_table, out))
     heatmaps, head_heatmaps = plot_heatmaps(loaded, out), plot_head_heatmaps(loaded, out)
     lines = [
-        *opening(grid, loaded, runs_dir),
+        *opening(grid, loaded, runs_dir, headline(summary, x)),
         *setup_section(loaded, runs_dir),
         "",
         *accuracy.lines,
@@ -173,11 +173,41 @@ def variable_length_analyses(grid: list[GridRun], loaded: tables.Loaded, runs_di
     return {folder: tables.read_analysis(folder) for folder in folders}
 
 
-def opening(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path) -> list[str]:
-    """report.md's title: what made it from which runs, and how to make it again."""
+def headline(summary: pd.DataFrame, x: str) -> list[str]:
+    """report.md's finding first: each model's mean greedy token accuracy at the grid's largest `x` (the
+    longest length, by default), with its interval, or its range where other settings vary there; and,
+    against the length, the longest length at which each model's mean reaches 99% in some setting."""
+    at = summary[summary[x] == summary[x].max()]
+    models = []
+    for model in model_order(at["attention"]):
+        rows = at[at["attention"] == model]
+        if len(rows) == 1:
+            row = rows.iloc[0]
+            models.append(f"{model} {tables.with_interval(row.token_acc, row.token_acc_lo, row.token_acc_hi)}")
+        else:
+            low, high = tables.percent(rows["token_acc"].min()), tables.percent(rows["token_acc"].max())
+            models.append(f"{model} {low}-{high} (over its {len(rows)} settings)")
+    chance = ", ".join(f"{tables.percent(value)}%" for value in sorted(at["chance"].unique()))
+    counts = sorted(at["seeds"].unique())
+    seeds = "one seed (no interval)" if counts == [1] else f"{'/'.join(map(str, counts))} seeds [95% interval]"
+    where = f"length {at[x].iloc[0]}, the longest" if x == "length" else f"{x}={tables.setting_value(at[x].iloc[0])}"
+    lines = [
+        f"At {where} of the grid, mean greedy token accuracy in % on the held-out test set over {seeds}: "
+        f"{'; '.join(models)}; chance {chance}.",
+    ]
+    if x == "length" and summary["length"].nunique() > 1:
+        reached = summary[summary["token_acc"] >= 0.99].groupby("attention")["length"].max()
+        longest = [f"{model} {reached.get(model, '-')}" for model in model_order(summary["attention"])]
+        lines[0] += f" The longest length at which the mean reaches 99%: {', '.join(longest)} (-: none)."
+    return [*lines, ""]
+
+
+def opening(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, finding: list[str]) -> list[str]:
+    """report.md's title, its headline `finding`, then what made it from which runs, and how to make it again."""
     return [
         "# copytask report",
         "",
+        *(f"**Finding.** {line}" if line else line for line in finding),
         f"Made by `python -m copytask report` from the run folders in `{runs_dir}` "
         f"({len(loaded.table)} of {len(grid)} runs of the grid complete). "
         f"Regenerate it with `python -m copytask report runs_dir={runs_dir}` "

@@ -14,7 +14,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from ..figures import draw_chance, draw_matrix, save
+from ..figures import colours, draw_chance, draw_matrix, legend_outside, model_order, model_style, save
 from .analysis_figures import plot_per_length
 from .tables import setting_value
 
@@ -28,11 +28,6 @@ LINE_STYLES = [
     ("-.", "D"),
     ((0, (5, 1, 1, 1)), "v"),
 ]  # one per value of a styled setting
-
-
-def colours(attentions: list[str]) -> dict[str, str]:
-    """One colour per attention type, the same in every figure."""
-    return {attention: f"C{i}" for i, attention in enumerate(attentions)}
 
 
 def label(column: str) -> str:
@@ -102,18 +97,18 @@ def plot_accuracy(
     style_values = sorted(summary[style_key].unique()) if style_key else [None]
     style = {value: LINE_STYLES[i % len(LINE_STYLES)] for i, value in enumerate(style_values)}
     facets = groups(summary, facet_keys)
-    figure = Figure(figsize=(11, 0.8 + 3.6 * len(facets)))
+    figure = Figure(figsize=(12, 0.8 + 3.6 * len(facets)), layout="constrained")
     axes = figure.subplots(len(facets), 2, sharex=True, squeeze=False)
-    colour = colours(list(dict.fromkeys(summary["attention"])))
+    colour = colours(summary["attention"].unique())
+    order = model_order(summary["attention"])
     for (values, rows), row_axes in zip(facets, axes):
         facet = setting_title(facet_keys, values)
         for axis, metric, title in zip(
             row_axes, ("token_acc", "seq_acc"), ("greedy token accuracy", "exact-sequence accuracy")
         ):
-            for (attention, *style_value), series in rows.groupby(
-                ["attention", *([style_key] if style_key else [])], sort=False
-            ):
-                line = style[style_value[0] if style_key else None]
+            lines = rows.groupby(["attention", *([style_key] if style_key else [])], sort=False)
+            for (attention, *style_value), series in sorted(lines, key=lambda line: order.index(line[0][0])):
+                line = (style[style_value[0] if style_key else None][0], model_style(attention)[1])
                 name = f"{attention}, {style_key}={setting_value(style_value[0])}" if style_key else attention
                 draw_mean(axis, series.sort_values(x), x, metric, colour[attention], line, name)
             if x == "length" and not others:
@@ -130,21 +125,23 @@ def plot_accuracy(
             axis.grid(alpha=0.3)
     for axis in axes[-1]:
         axis.set_xlabel(label(x))
-    handles, names = axes[0][0].get_legend_handles_labels()
-    unique = dict(zip(names, handles))
-    axes[0][0].legend(unique.values(), unique.keys(), loc="lower left", fontsize="small")
-    interval = "band" if summary[x].nunique() > 1 else "bar"
-    figure.suptitle(
-        f"Copy accuracy against {label(x)}: mean over seeds, {interval} = 95% interval "
-        "(t over seeds, at least the held-out set's Wilson)"
-    )
-    figure.tight_layout()
+    legend_outside(figure, list(axes.flat))
+    figure.suptitle(f"Copy accuracy against {label(x)}: {drawn_interval(summary, x)}")
     paths = [
         stem.parent / f"{stem.name}.{suffix}" for suffix in ("png", "svg")
     ]  # not with_suffix: a stem may hold a dotted key
     for path in paths:
         save(figure, path)
     return paths
+
+
+def drawn_interval(summary: pd.DataFrame, x: str) -> str:
+    """What an accuracy figure's title says of the spread it draws: a 95% band (or bar, at one x) only where
+    some point has more than one seed."""
+    if (summary["seeds"] < 2).all():
+        return "one seed per point, no interval"
+    interval = "band" if summary[x].nunique() > 1 else "bar"
+    return f"mean over seeds, {interval} = 95% interval (t over seeds, at least the held-out set's Wilson)"
 
 
 def longest_lengths(summary: pd.DataFrame, key: str) -> pd.DataFrame:
@@ -165,7 +162,7 @@ def plot_setting_grid(summary: pd.DataFrame, key: str, out: Path) -> list[Path]:
     accuracy over (setting, length) as a heatmap per attention type, and the longest length
     reaching each of LONGEST_THRESHOLDS against the setting, where the grid has lengths to compare
     and some length reaches a threshold (no figure is drawn empty). -> the files drawn."""
-    attentions = list(dict.fromkeys(summary["attention"]))
+    attentions = model_order(summary["attention"])
     figure = Figure(figsize=(4.2 * len(attentions) + 1, 3.8), layout="constrained")
     axes = figure.subplots(1, len(attentions), squeeze=False)
     for axis, attention in zip(axes[0], attentions):
@@ -179,19 +176,18 @@ def plot_setting_grid(summary: pd.DataFrame, key: str, out: Path) -> list[Path]:
     longest = longest_lengths(summary, key)
     if summary["length"].nunique() < 2 or longest.filter(like="longest at").isna().all(axis=None):
         return [grid_path]
-    colour = colours(attentions)
-    figure = Figure(figsize=(6.5, 4.2))
+    figure = Figure(figsize=(8, 4.2), layout="constrained")
     axis = figure.subplots()
-    for (attention, rows), threshold in (
-        (group, threshold) for group in longest.groupby("attention", sort=False) for threshold in LONGEST_THRESHOLDS
-    ):
-        linestyle, marker = LINE_STYLES[LONGEST_THRESHOLDS.index(threshold)]
+    by_model = dict(list(longest.groupby("attention", sort=False)))
+    for attention, threshold in ((name, threshold) for name in attentions for threshold in LONGEST_THRESHOLDS):
+        rows = by_model[attention]
+        colour, marker = model_style(attention)
         axis.plot(
             rows[key],
             rows[f"longest at {threshold:.0%}"],
-            linestyle=linestyle,
+            linestyle=LINE_STYLES[LONGEST_THRESHOLDS.index(threshold)][0],
             marker=marker,
-            color=colour[attention],
+            color=colour,
             label=f"{attention}, >= {threshold:.0%}",
         )
     set_numeric_axis(axis, list(summary[key].unique()))
@@ -203,8 +199,7 @@ def plot_setting_grid(summary: pd.DataFrame, key: str, out: Path) -> list[Path]:
         xlabel=key, ylabel="longest length reached (grid lengths)", title="Longest length copied at a token accuracy"
     )
     axis.grid(alpha=0.3)
-    axis.legend(fontsize="small")
-    figure.tight_layout()
+    legend_outside(figure, [axis])
     longest_path = save(figure, out / LONGEST_FIGURE)
     return [grid_path, longest_path]
 
@@ -215,7 +210,7 @@ def plot_curves(histories: list[tuple[int, str, pd.DataFrame]], attentions: list
     type (in the order of `attentions`, as in every figure), one line per seed."""
     lengths = sorted({length for length, _, _ in histories})
     colour = colours(attentions)
-    figure = Figure(figsize=(11, 2.6 * len(lengths)))
+    figure = Figure(figsize=(12, 2.6 * len(lengths)), layout="constrained")
     axes = figure.subplots(len(lengths), 2, squeeze=False)
     for length, attention, history in histories:
         loss_axis, acc_axis = axes[lengths.index(length)]
@@ -230,10 +225,7 @@ def plot_curves(histories: list[tuple[int, str, pd.DataFrame]], attentions: list
             axis.grid(alpha=0.3)
     for axis in axes[-1]:
         axis.set_xlabel("step")
-    handles, labels = axes[0][1].get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    axes[0][1].legend(unique.values(), unique.keys(), loc="lower right")
+    legend_outside(figure, list(axes.flat))
     if title:
         figure.suptitle(title)
-    figure.tight_layout()
     return save(figure, path, dpi=100)

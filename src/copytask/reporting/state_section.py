@@ -16,10 +16,10 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
 from ..config.model_keys import is_transformer, model_name
-from ..figures import draw_chance, fitted, save
+from ..figures import colours, draw_chance, fitted, legend_outside, model_order, model_style, save
 from . import tables
 from .analysis_sections import Section
-from .result_figures import LINE_STYLES, colours, draw_mean, groups, setting_title
+from .result_figures import LINE_STYLES, draw_mean, groups, setting_title
 from .tables import STATE_FLOATS, markdown_table
 
 STATE_FIGURE = "accuracy_vs_state_floats.png"
@@ -56,7 +56,7 @@ def plot_state(summary: pd.DataFrame, settings: list[str], path: Path) -> Path:
     facets = groups(known, keys)
     lengths = sorted(known["length"].unique())
     style = {length: LINE_STYLES[i % len(LINE_STYLES)] for i, length in enumerate(lengths)}
-    colour = colours(list(dict.fromkeys(known["attention"])))
+    colour, order = colours(known["attention"].unique()), model_order(known["attention"])
     figure = Figure(figsize=(13, 0.8 + 3.8 * len(facets)), layout="constrained")
     axes = figure.subplots(len(facets), 2, sharex=True, squeeze=False)
     for (values, rows), row_axes in zip(facets, axes):
@@ -64,11 +64,10 @@ def plot_state(summary: pd.DataFrame, settings: list[str], path: Path) -> Path:
         for axis, metric, title in zip(
             row_axes, ("token_acc", "seq_acc"), ("greedy token accuracy", "exact-sequence accuracy")
         ):
-            for (attention, length), series in rows.groupby(["attention", "length"], sort=False):
-                name = f"{attention}, length {length}"
-                draw_mean(
-                    axis, series.sort_values(STATE_FLOATS), STATE_FLOATS, metric, colour[attention], style[length], name
-                )
+            lines = sorted(rows.groupby(["attention", "length"], sort=False), key=lambda line: order.index(line[0][0]))
+            for (attention, length), series in lines:
+                name, line = f"{attention}, length {length}", (style[length][0], model_style(attention)[1])
+                draw_mean(axis, series.sort_values(STATE_FLOATS), STATE_FLOATS, metric, colour[attention], line, name)
             for length, chance in rows[["length", "chance"]].drop_duplicates().itertuples(index=False):
                 bound = least_state(length, round(1 / chance))
                 axis.axvline(
@@ -82,9 +81,7 @@ def plot_state(summary: pd.DataFrame, settings: list[str], path: Path) -> Path:
             axis.grid(alpha=0.3)
     for axis in axes[-1]:
         axis.set_xlabel("state floats per sequence (what the decoder can read of the source)")
-    handles, names = axes[0][0].get_legend_handles_labels()
-    unique = dict(zip(names, handles))
-    figure.legend(unique.values(), unique.keys(), loc="outside right upper", fontsize="x-small")
+    legend_outside(figure, list(axes.flat))
     figure.suptitle(
         fitted(
             "Copy accuracy against state size: mean over seeds, band = 95% interval; grey lines: the least state "

@@ -20,6 +20,7 @@ import logging
 import os
 import platform
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from .. import console, store
 from ..config.checks import analysis_device, remote_launcher
 from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
 from ..config.schema import config_dir
-from ..console import ConfigError
+from ..console import TERMINAL_WIDTH, ConfigError
 from ..store.runs import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun, record_failure
 from ..training import trackers
 from ..training.devices import cpu_model, gpu_name
@@ -245,6 +246,8 @@ class SweepSummary(Callback):
             + f"; {wall_seconds:.1f} s wall time"
             + (f"; results in {results}" if results else "")
         )
+        if config.report.note:
+            console.log.info(textwrap.fill(config.report.note, TERMINAL_WIDTH))
         if unfinished:
             raise SweepFailed()
 
@@ -335,6 +338,13 @@ def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictCo
             written = report.write_report(runs, loaded, runs_dir, x)
         console.log.info(report.written_line(written, time.perf_counter() - started))
         trackers.log_report(config, written)
+        if trials is None:  # the result on the terminal, as `compare` prints it, and the report's finding
+            summary = tables.summarise(loaded.table, loaded.settings)
+            chance = sorted(set(loaded.table["chance"]))
+            console.log.info(tables.narrow_note(list(dict.fromkeys(loaded.table["task"])), chance))
+            console.log.info(tables.comparison_table(summary, loaded.settings).to_string(index=False))
+            finding = " ".join(report.headline(summary, report.x_column(x, loaded))).strip()
+            console.log.info(textwrap.fill(finding, TERMINAL_WIDTH))
     if trials is not None:
         console.log.info(f"search: {search.best_line(search.trial_table(trials, loaded), loaded.settings)}")
     return results

@@ -223,4 +223,15 @@ def default_attention(config_dir: str) -> DictConfig:
     root = Path(config_dir)
     defaults = OmegaConf.to_container(OmegaConf.load(root / "config.yaml").defaults)
     [name] = [entry["attention"] for entry in defaults if isinstance(entry, dict) and "attention" in entry]
-    return OmegaConf.load(root / "attention" / f"{name}.yaml")
+    return attention_option(config_dir, name)
+
+
+def attention_option(config_dir: str, name: str) -> DictConfig | None:
+    """configs/attention/<name>.yaml as Hydra composes it, without Hydra: the options of its group that its
+    defaults list extends (`luong_local_m` extends `luong_local`), then its own keys; None where there is none."""
+    path = Path(config_dir) / "attention" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    own = OmegaConf.load(path)
+    extends = [entry for entry in own.pop("defaults", []) if entry != "_self_"]
+    return OmegaConf.merge(*(attention_option(config_dir, option) for option in extends), own)

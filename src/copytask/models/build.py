@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from ..config.checks import check_memory
-from ..config.model_keys import is_transformer, model_name, position_rows
+from ..config.model_keys import attention_option, is_transformer, model_name, position_rows
 from ..config.schema import config_dir
 from ..console import ConfigError
 from ..data.vocab import total_vocab
@@ -101,10 +99,9 @@ def check_attention_name(attention: DictConfig) -> None:
     configs/attention/ whose type (its decoder, score and local window) is not this config's: a score or
     decoder given on the command line without a name of its own (`attention.score=my_scores.Cosine` on the
     default option would be labelled luong_general)."""
-    path = Path(config_dir()) / "attention" / f"{attention.name}.yaml"
-    if not path.is_file():
+    option = attention_option(config_dir(), attention.name)
+    if option is None:
         return
-    option = OmegaConf.load(path)
     differs = [key for key in ("decoder", "score", "local") if option.get(key) != attention.get(key)]
     if differs:
         given = " ".join(f"attention.{key}={attention.get(key)}" for key in differs)

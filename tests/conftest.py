@@ -141,10 +141,9 @@ def make_config(tmp_path):
     GlobalHydra.instance().clear()
 
 
-@pytest.fixture
-def kernel():
-    """The compiled C++ kernels (copytask.kernels). CI must build them; elsewhere a machine without a C++
-    compiler skips the test, saying so."""
+def built_kernels() -> ModuleType:
+    """The compiled C++ kernels (copytask.kernels), for a test of their path. CI must build them, so there a
+    machine that does not fails the test; elsewhere one without a C++ compiler skips it, saying so."""
     from copytask.kernels import ops
 
     built = ops.kernel()
@@ -153,6 +152,12 @@ def kernel():
             pytest.fail("the fused CPU kernels did not build (see the warning above)")
         pytest.skip("the fused CPU kernels do not build on this machine")
     return built
+
+
+@pytest.fixture
+def kernel() -> ModuleType:
+    """`built_kernels()`, for a test that needs the kernels whatever its parameters."""
+    return built_kernels()
 
 
 class Recording:

@@ -8,7 +8,8 @@ maps of `decode`, the analysis' alignment, the attention samples) reads every po
 timed here, in this process: an untrained `attention=linear` model at the default sizes, a batch of
 EVAL_CHUNK copy-task sources of each length (what greedy evaluation decodes at once on CPU), the encoder run
 once outside the clock, then `--steps` greedy steps timed; rounds alternate the lengths and the two kinds
-of step (A B A B), and each figure is the median over `--rounds` rounds of the time per step.
+of step (A B A B), and each figure is the median over `--rounds` rounds of the time per step. It also says
+whether a step without the weights runs the same ATen ops on tensors of the same shapes at every length.
 
     PYTHONPATH=src python scripts/bench_linear_step.py [--lengths 20 640] [--rounds 7] [--steps 21]
 """
@@ -20,6 +21,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from copytask import api
 from copytask.bench.command import machine
@@ -40,6 +42,28 @@ def step_seconds(model, src: torch.Tensor, lengths: torch.Tensor, steps: int, ne
         logits, _ = decoding.step(tokens, t)
         tokens = logits.argmax(-1)
     return (time.perf_counter() - started) / steps
+
+
+class Ops(TorchDispatchMode):
+    """Every ATen op run while it is on, with the shapes of its tensor arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((str(func), *(tuple(arg.shape) for arg in args if isinstance(arg, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+def step_ops(model, src: torch.Tensor, lengths: torch.Tensor) -> list[tuple]:
+    """The ATen ops of the second greedy step of `model`'s decoding of `src`, asked for no weights."""
+    decoding = model.decoding(src, lengths, 2, need_weights=False)
+    tokens = torch.full((len(src),), BOS, dtype=torch.long)
+    decoding.step(tokens, 0)
+    with Ops() as ops:
+        decoding.step(tokens, 1)
+    return ops.ops
 
 
 def main() -> None:
@@ -83,6 +107,10 @@ def main() -> None:
                 f"{'with the weights' if need_weights else 'without'}"
             )
         print(f"source length {length}: {'; '.join(figures)}")
+    with torch.no_grad():
+        ops = [step_ops(model, batch.src, batch.src_lengths) for batch in sources.values()]
+    same = "the same" if all(other == ops[0] for other in ops) else "not the same"
+    print(f"a step without the weights: {len(ops[0])} ATen ops; ops and their shapes {same} at every length")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -74,6 +75,7 @@ TRAINING_FIXTURES = {
     "trained_run",
     "fixed_state_runs",
     "slurm",
+    "trained_once",
 }
 
 
@@ -141,10 +143,9 @@ def make_config(tmp_path):
     GlobalHydra.instance().clear()
 
 
-@pytest.fixture
-def kernel():
-    """The compiled C++ kernels (copytask.kernels). CI must build them; elsewhere a machine without a C++
-    compiler skips the test, saying so."""
+def built_kernels() -> ModuleType:
+    """The compiled C++ kernels (copytask.kernels), for a test of their path. CI must build them, so there a
+    machine that does not fails the test; elsewhere one without a C++ compiler skips it, saying so."""
     from copytask.kernels import ops
 
     built = ops.kernel()
@@ -153,6 +154,12 @@ def kernel():
             pytest.fail("the fused CPU kernels did not build (see the warning above)")
         pytest.skip("the fused CPU kernels do not build on this machine")
     return built
+
+
+@pytest.fixture
+def kernel() -> ModuleType:
+    """`built_kernels()`, for a test that needs the kernels whatever its parameters."""
+    return built_kernels()
 
 
 class Recording:
@@ -166,10 +173,9 @@ class Recording:
         return getattr(self.library(), name)
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch) -> set[str]:
-    """The names of the C++ kernels' functions called during the test: which path ran, since the kernels
-    and torch's ops give the same numbers to float rounding. Each kernels module reads the library
+def record_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The names of the C++ kernels' functions called while `monkeypatch` holds: which path ran, since the
+    kernels and torch's ops give the same numbers to float rounding. Each kernels module reads the library
     through its own `_library`."""
     from copytask.kernels import mamba_ops, ops, transformer_ops
 
@@ -177,6 +183,42 @@ def kernel_calls(monkeypatch) -> set[str]:
     for module in (ops, transformer_ops, mamba_ops):
         monkeypatch.setattr(module, "_library", functools.partial(Recording, module._library, calls))
     return calls
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> set[str]:
+    """The names of the C++ kernels' functions called during the test (`record_kernel_calls`)."""
+    return record_kernel_calls(monkeypatch)
+
+
+class TrainedRun(NamedTuple):
+    folder: Path  # the run folder
+    metrics: dict  # what `copytask.train` returned
+    kernel_calls: frozenset[str]  # the C++ kernels' functions its training called (`record_kernel_calls`)
+
+
+@pytest.fixture(scope="session")
+def trained_once(tmp_path_factory) -> Callable[[list[str]], TrainedRun]:
+    """train(overrides) -> the run of `copytask.compose(overrides)` in a runs_dir of its own, trained the first
+    time a test process asks for it and read after: tests/test_computation.py and test_analysis_computation.py
+    check the same tiny runs, the one what training computed and the other what an analysis of them computes.
+    The runs are read, never changed."""
+    import copytask
+
+    runs: dict[tuple[str, ...], TrainedRun] = {}
+
+    def train(overrides: list[str]) -> TrainedRun:
+        key = tuple(overrides)
+        if key not in runs:
+            runs_dir = tmp_path_factory.mktemp("trained_once") / "runs"
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                calls = record_kernel_calls(monkeypatch)
+                metrics = copytask.train(copytask.compose([*overrides, f"runs_dir={runs_dir}"]))
+            [folder] = [path for path in runs_dir.iterdir() if not path.name.startswith(".")]  # not .locks
+            runs[key] = TrainedRun(folder, metrics, frozenset(calls))
+        return runs[key]
+
+    return train
 
 
 @pytest.fixture(scope="session")

@@ -93,6 +93,22 @@ def test_width_1_is_greedy_to_the_bit_for_every_model(make_config, overrides):
 
 
 @pytest.mark.parametrize("overrides", MODELS, ids=lambda o: " ".join(o))
+def test_asked_for_no_weights_every_model_decodes_the_same_to_the_bit_and_keeps_none(make_config, overrides):
+    """`need_weights=False` (training's evaluations, the analysis' accuracies, beam search's tokens): the same
+    tokens and scores as with the weights, greedy and at widths 1 and 4, and the weights None."""
+    model, _ = model_for(make_config, overrides, scale=SCALE)
+    src, src_lengths, steps = sources()
+    greedy, _ = model.greedy(src, src_lengths, steps)
+    assert torch.equal(model.greedy(src, src_lengths, steps, need_weights=False)[0], greedy)
+    assert model.greedy(src, src_lengths, steps, need_weights=False)[1] is None
+    for width in (1, 4):
+        beams = beam_search(model, src, src_lengths, steps, width)
+        unweighted = beam_search(model, src, src_lengths, steps, width, need_weights=False)
+        assert torch.equal(unweighted.tokens, beams.tokens) and torch.equal(unweighted.scores, beams.scores)
+        assert unweighted.weights is None
+
+
+@pytest.mark.parametrize("overrides", MODELS, ids=lambda o: " ".join(o))
 def test_each_width_returns_the_model_s_own_scores_and_maps_of_its_output(make_config, overrides):
     """The score and the attention weights returned with each sequence's best beam are those teacher forcing
     computes on that beam's output (up to and with its first EOS; PAD after it), at widths 1, 4 and 8: the

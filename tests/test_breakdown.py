@@ -130,17 +130,64 @@ def test_the_penalty_is_chosen_on_held_out_fitting_data():
     assert read > overfitted + 0.05
 
 
+def control_task_map() -> torch.Tensor:
+    """A control task (Hewitt and Liang, 2019), as probe.py's: a random label of the V for each (position, symbol),
+    (L, V)."""
+    return torch.randint(V, (L, V), generator=torch.Generator().manual_seed(7))
+
+
 def control_task(batch):
-    """A control task's labels (Hewitt and Liang, 2019): a random label for each (position, symbol)."""
+    """The control task's labels of `batch`'s sources."""
     labels, valid = source_labels(batch)
-    control = torch.randint(V, (L, V), generator=torch.Generator().manual_seed(7))
-    return control[torch.arange(L), labels], valid
+    return control_task_map()[torch.arange(L), labels], valid
+
+
+def bijection(batch):
+    """The symbols relabelled by a permutation of its own at each position: a control task with the task's chance."""
+    labels, valid = source_labels(batch)
+    generator = torch.Generator().manual_seed(8)
+    permutations = torch.stack([torch.randperm(V, generator=generator) for _ in range(L)])  # (L, V)
+    return permutations[torch.arange(L), labels], valid
+
+
+def half_read(batch) -> torch.Tensor:
+    """`linear_code` with noise (the same for the same batch) that leaves a probe about half of the symbols."""
+    noise = torch.randn(len(batch), 48, generator=torch.Generator().manual_seed(len(batch)), dtype=torch.float64)
+    return linear_code(batch) + 6 * noise
 
 
 def test_a_control_task_of_the_symbols_is_read_as_well_as_the_symbols_by_a_linear_probe():
-    """Its labels are a function of the symbol, so a least-squares probe reads them wherever it reads the
-    symbol (its scores are sums of the symbols' scores): selectivity near zero, by construction."""
+    """On states that hold every symbol linearly, its labels (a function of the symbol) are read everywhere."""
     assert min(probe_accuracy(linear_code, labels_of=control_task)) > 0.99
+
+
+def test_a_control_task_with_the_tasks_chance_is_read_exactly_as_the_task_selectivity_0_by_construction():
+    """A least-squares probe fits each output column on its own (one penalty for all), so relabelling the symbols by
+    a bijection at each position permutes its columns: the same accuracy at every position, whatever it reads."""
+    task, control = probe_accuracy(half_read), probe_accuracy(half_read, labels_of=bijection)
+    assert 0.3 < mean_accuracy(task) < 0.8 and control == task
+
+
+def test_the_merged_control_task_is_the_symbols_probe_coarsened_and_neither_bounds_the_other():
+    """probe.py's control merges symbols at each position (its labels are drawn per (position, symbol) from the V
+    symbols). The probe is linear in its targets, so at one penalty its score for a control label is the sum of its
+    scores for the symbols the label merges: the control reads the task's scores coarsened, not anything a probe
+    memorises. And it is not easier: in some cells the symbol is read and its label is not (the merged rivals
+    outscore it), in others the label is read and the symbol is not."""
+    fitting, heldout = (
+        make_batch("copy", n, L, V, torch.Generator().manual_seed(s)) for n, s in ((2000, 1), (1000, 2))
+    )
+    (labels, valid), (control, _) = source_labels(fitting), control_task(fitting)
+    features, test_features = half_read(fitting), half_read(heldout)
+    [(weights, bias)] = ridge_path(features, one_hot(labels, valid, V), [1e-2])
+    [(control_weights, control_bias)] = ridge_path(features, one_hot(control, valid, V), [1e-2])
+    scores = (test_features @ weights + bias).view(-1, L, V)  # (B, L, V) the symbols' scores
+    control_scores = (test_features @ control_weights + control_bias).view(-1, L, V)
+    merge = torch.nn.functional.one_hot(control_task_map(), V).double()  # (L, V symbols, V labels)
+    torch.testing.assert_close(control_scores, torch.einsum("bls,lsc->blc", scores, merge))
+    (test_labels, _), (test_control, _) = source_labels(heldout), control_task(heldout)
+    read, control_read = scores.argmax(-1) == test_labels, control_scores.argmax(-1) == test_control
+    assert (read & ~control_read).any() and (control_read & ~read).any()
 
 
 def test_the_probes_fitting_sequences_are_none_the_run_has_seen_at_the_default_sweeps_seeds(make_config):

@@ -1,8 +1,10 @@
 """Issue 70: `store.provenance.COMPUTATION` says which complete runs are reused, so it must change
 whenever what a run computes changes. This test keeps it honest: a tiny deterministic run of each
-model (every attention config, the Transformer and Mamba) trains for a few steps on the CPU, and its loss
-and accuracies must equal the values recorded here, to a tolerance that float rounding across torch
-versions and builds (and the kernels against torch's ops) stays inside.
+model (every attention config, and every other option of configs/model/: the Transformer and Mamba)
+trains for a few steps on the CPU, and its loss and accuracies must equal the values recorded here, to a
+tolerance that float rounding across torch versions and builds (and the kernels against torch's ops) stays
+inside. A model without recorded values fails, printing the values to record: a family added unguarded
+would let a change to its computation through.
 
 When a change to training, data, models or scoring makes this fail on purpose: raise COMPUTATION and
 record the new values here, in the same commit."""
@@ -11,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-import copytask
+from copytask.models.attention import ATTENTION_TYPES
 from copytask.store.provenance import COMPUTATION
 
-from .conftest import ATTENTION_OPTIONS, TINY
+from .conftest import ATTENTION_OPTIONS, TINY, options
 
 pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
 
@@ -30,19 +32,24 @@ BUDGET = [
     "model.hidden_size=16",
     "model.embedding_size=16",
 ]
-TRANSFORMER = ["model=transformer", "model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=16"]
 # Luong's local window D: 3 positions of the 4, so that every step has source positions outside it
 # (a window of 2D + 1 >= LENGTH holds the whole source, and local-m computes global attention's numbers)
 WINDOW = 1
+# configs/model/'s options other than the GRU (whose models are the attention options), at tiny sizes
+SIZES = {
+    "transformer": ["model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=16"],
+    "mamba": ["model.d_model=16", "model.d_state=4", "model.layers=2"],
+}
 MODELS = {
     name: [f"attention={name}", *([f"attention.window={WINDOW}"] if option.get("window") else [])]
     for name, option in sorted(ATTENTION_OPTIONS.items())
 }
-MODELS["transformer"] = TRANSFORMER
-MODELS["mamba"] = ["model=mamba", "model.d_model=16", "model.d_state=4", "model.layers=2"]
+MODELS |= {name: [f"model={name}", *SIZES.get(name, [])] for name in options("model") if name != "gru"}
+SCORES = set(ATTENTION_TYPES)  # registered when the module is imported, before any test registers its own
 # model -> (final_loss, token_acc, seq_acc, val_token_acc), with the fused CPU kernels, torch 2.13.0+cpu
 RECORDED = {
     "bahdanau": (1.1897293090820313, 0.375, 0.0, 0.359375),
+    "linear": (1.335808277130127, 0.39453125, 0.03125, 0.4375),
     "luong_concat": (1.331733512878418, 0.3671875, 0.03125, 0.484375),
     "luong_dot": (1.1632448196411134, 0.35546875, 0.03125, 0.546875),
     "luong_general": (1.0842575073242187, 0.4609375, 0.03125, 0.515625),
@@ -80,6 +87,11 @@ CHANGE = (
 )
 
 
+def run_overrides(model: str, fused: bool) -> list[str]:
+    """The tiny run of `model` (a key of MODELS), on the kernels' path (`fused`) or torch's ops."""
+    return [*TINY, *MODELS[model], *BUDGET, f"train.fused={str(fused).lower()}"]
+
+
 def test_the_values_were_recorded_with_this_computation():
     assert COMPUTATION == RECORDED_WITH, (
         f"COMPUTATION is {COMPUTATION}, but tests/test_computation.py's values were recorded with "
@@ -87,22 +99,27 @@ def test_the_values_were_recorded_with_this_computation():
     )
     assert set(RECORDED) <= set(MODELS), f"no such model: {sorted(set(RECORDED) - set(MODELS))}"
     assert set(KERNELS) <= set(MODELS), f"no such model: {sorted(set(KERNELS) - set(MODELS))}"
+    assert set(SIZES) <= set(MODELS), f"no such model: {sorted(set(SIZES) - set(MODELS))}"
+    scored = {option.score for option in ATTENTION_OPTIONS.values()}
+    assert SCORES <= scored, f"no attention option builds the scores {sorted(SCORES - scored)}: add one to guard them"
     assert 2 * WINDOW + 1 < LENGTH, f"a local window of {2 * WINDOW + 1} holds every position of {LENGTH}"
 
 
 @pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["as_trained", "torch_ops"])
 @pytest.mark.parametrize("model", MODELS)
-def test_a_tiny_run_of_each_model_computes_the_recorded_numbers(tmp_path, request, kernel_calls, model, fused):
-    if model not in RECORDED:  # a new model changes no earlier run's numbers: its own are recorded when it is guarded
-        pytest.skip(f"no numbers recorded for {model}: record them in RECORDED to guard its computation")
+def test_a_tiny_run_of_each_model_computes_the_recorded_numbers(request, trained_once, model, fused):
     if fused:  # the kernels' path: CI must build them; elsewhere a machine without a compiler skips, saying so
         request.getfixturevalue("kernel")
-    overrides = [*TINY, *MODELS[model], *BUDGET, f"train.fused={str(fused).lower()}", f"runs_dir={tmp_path}"]
-    metrics = copytask.train(copytask.compose(overrides))
+    run = trained_once(run_overrides(model, fused))
+    metrics = run.metrics
     path = KERNELS.get(model, GRU) if fused else set()
-    assert metrics["fused"] == fused and kernel_calls == path, (
+    assert metrics["fused"] == fused and run.kernel_calls == path, (
         f"{model}: train.fused={str(fused).lower()} should call {sorted(path) or 'no kernel'}, but the run called "
-        f"{sorted(kernel_calls) or 'none'} and recorded fused={metrics['fused']}: its numbers test another path"
+        f"{sorted(run.kernel_calls) or 'none'} and recorded fused={metrics['fused']}: its numbers test another path"
+    )
+    assert model in RECORDED, (
+        f"no numbers recorded for {model}: its computation is unguarded. Record what it computed in RECORDED: "
+        f"{model!r}: {tuple(metrics[key] for key in KEYS)}"
     )
     recorded = dict(zip(KEYS, RECORDED[model], strict=True))
     for key in KEYS:

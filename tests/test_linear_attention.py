@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 import copytask
 from copytask import store
@@ -68,6 +69,8 @@ def test_the_summary_form_is_the_per_position_form(dtype):
     torch.testing.assert_close(context, want_context)
     torch.testing.assert_close(weights, want_weights)
     torch.testing.assert_close(attention(query, keys, states, mask), (context, weights))  # summarised in the call
+    unweighted, none = attention(query, keys, states, mask, summary=summary, need_weights=False)
+    assert torch.equal(unweighted, context) and none is None  # S and z alone: the same context to the bit
     attention.intervention = lambda weights, mask: weights  # the per-position path, weights unchanged
     per_position, _ = attention(query, keys, states, mask, summary=summary)
     torch.testing.assert_close(per_position, context)
@@ -118,14 +121,35 @@ def test_the_weight_matrix_has_rank_at_most_the_feature_size(d_k, length):
     assert (ranks == min(d_k, length)).all()
 
 
+class Reads(TorchFunctionMode):
+    """The torch functions called on any of `tensors` (the very tensors, not copies) while it is on, by name:
+    what reads them, their shape aside."""
+
+    SHAPE = {"__get__", "size", "dim"}  # .shape, .size(), .dim(): no value is read
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        super().__init__()
+        self.tensors, self.calls = tensors, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        taken = any(arg is tensor for arg in (*args, *kwargs.values()) for tensor in self.tensors)
+        if taken and getattr(func, "__name__", "") not in self.SHAPE:
+            self.calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **kwargs)
+
+
 def test_the_decoder_reads_only_the_summary_and_the_state_handed_over():
     """What `state_floats` counts: with the memory's per-position keys and values replaced by noise and its
-    summary kept, every greedy step's logits are the same; only the weights (per position) change."""
+    summary kept, every greedy step's logits are the same; only the weights (per position) change. Asked for
+    no weights (as greedy decoding is where only its tokens are read), a step reads S, z and the hand-over
+    alone: no function takes the keys or the values, and the logits are the same to the bit."""
     torch.manual_seed(5)
     model = Seq2Seq(total_vocab(6), "luong", "linear", embedding_size=8, hidden_size=16, attention_size=4).eval()
     batch = make_batch("copy", 4, 9, 6, torch.Generator().manual_seed(5), min_length=2)
     real = model.decoding(batch.src, batch.src_lengths, 10)
     noisy = model.decoding(batch.src, batch.src_lengths, 10)
+    unread = model.decoding(batch.src, batch.src_lengths, 10, need_weights=False)
     keys, values, summary = noisy.memory
     assert summary.shape == (4, 4, 17)
     noisy.memory = (torch.rand_like(keys), torch.randn_like(values), summary)
@@ -135,7 +159,14 @@ def test_the_decoder_reads_only_the_summary_and_the_state_handed_over():
         noisy_logits, noisy_weights = noisy.step(tokens, t)
         torch.testing.assert_close(noisy_logits, logits)
         assert not torch.allclose(noisy_weights, weights)
+        with Reads(*unread.memory[:2]) as reads:
+            unread_logits, unread_weights = unread.step(tokens, t)
+        assert reads.calls == [] and unread_weights is None
+        assert torch.equal(unread_logits, logits)
         tokens = logits.argmax(-1)
+    with Reads(*real.memory[:2]) as reads:  # the maps read every position's key
+        real.step(tokens, 10 - 1)
+    assert "transpose" in reads.calls
 
 
 def measured_state(model, src, lengths) -> int:

@@ -40,8 +40,6 @@ from copytask.models.build import build_model
 
 from .conftest import ATTENTION_OPTIONS, NO_ATTENTION, TASK_OPTIONS, pythonpath
 
-pytestmark = pytest.mark.slow  # every test here trains (docs/reliability.md: the quick tier)
-
 ATTENTIONS = list(ATTENTION_OPTIONS)
 ARCHITECTURES = sorted(path.stem for path in (Path(config_dir()) / "architecture").glob("*.yaml"))
 RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store.ATTENTION}
@@ -245,6 +243,7 @@ def assert_one_line(error: ConfigError) -> None:
 PROPERTY = settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow  # trains runs (docs/reliability.md: the quick tier)
 @PROPERTY
 @given(any_overrides())
 @example(["task.vocab_size=2", "task.length=3", "train.eval_size=16"])  # issue 19: looped for ever
@@ -279,6 +278,7 @@ def test_every_override_list_trains_or_is_refused_in_one_line_before_anything_is
 CLI_SETTINGS = settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow  # trains runs (docs/reliability.md: the quick tier)
 @CLI_SETTINGS
 @given(any_overrides())
 def test_the_command_line_trains_or_answers_in_one_line_with_exit_status_2(overrides):

@@ -299,7 +299,7 @@ def decoding_speed(
             torch.manual_seed(cfg.seed)
             model = build_model(cfg).to(device).eval()
         batch = test_batch(cfg).select(slice(0, sequences)).to(device)
-        decoders = {1: lambda: evaluate(model, batch)} | {
+        decoders = {1: lambda: evaluate(model, batch, need_weights=False)} | {
             width: lambda width=width: beam_tokens(model, batch, width) for width in widths
         }
         for width, decode in decoders.items():

@@ -204,10 +204,13 @@ class ReferenceSeq2Seq(nn.Module):
         return self._decode(src, src_lengths, tgt_in, tgt_in.size(1))
 
     @torch.no_grad()
-    def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor | None]:
-        """-> tokens (B, steps), weights (B, steps, T_enc) or None."""
+    def greedy(
+        self, src: Tensor, src_lengths: Tensor, steps: int, need_weights: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
+        """-> tokens (B, steps), weights (B, steps, T_enc) or None (also without `need_weights`: the tutorials
+        compute them all the same)."""
         logits, weights = self._decode(src, src_lengths, None, steps)
-        return logits.argmax(-1), weights
+        return logits.argmax(-1), weights if need_weights else None
 
 
 # -- The Transformer ---------------------------------------------------------------------------
@@ -400,11 +403,14 @@ class ReferenceTransformer(nn.Module):
         return self.decode(tgt_in, memory, src_mask)
 
     @torch.no_grad()
-    def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor]:
-        """The decoder run again over the whole prefix at every step -> tokens (B, steps), weights (B, steps, T_enc)."""
+    def greedy(
+        self, src: Tensor, src_lengths: Tensor, steps: int, need_weights: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
+        """The decoder run again over the whole prefix at every step -> tokens (B, steps), weights (B, steps, T_enc)
+        (None without `need_weights`: computed all the same)."""
         memory, src_mask = self.encode(src, src_lengths)
         tokens = torch.full((src.size(0), 1), BOS, dtype=torch.long, device=src.device)
         for _ in range(steps):
             logits, weights = self.decode(tokens, memory, src_mask)
             tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
-        return tokens[:, 1:], weights
+        return tokens[:, 1:], weights if need_weights else None

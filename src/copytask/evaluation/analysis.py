@@ -116,7 +116,7 @@ def counterfactual_accuracy(model: Model, batch: Batch, seed: int = 0) -> dict[s
         with ExitStack() as stack:
             for attention in model.attentions:
                 stack.enter_context(intervention(attention, replace))
-            accuracy[name] = evaluate(model, batch)["token_acc"]
+            accuracy[name] = evaluate(model, batch, need_weights=False)["token_acc"]
     return accuracy
 
 
@@ -150,7 +150,7 @@ def head_weights(model: Model, batch: Batch) -> Tensor:
         return weights
 
     with intervention(attention, record):
-        model.greedy(batch.src, batch.src_lengths, steps=batch.tgt_out.size(1))
+        model.greedy(batch.src, batch.src_lengths, batch.tgt_out.size(1), need_weights=False)  # the hook has them
     return torch.cat(recorded, dim=2)
 
 
@@ -178,7 +178,7 @@ def length_generalisation(
         if available < size:
             row["note"] = held_out_note(length, available, size, cfg.task.vocab_size)
         if available:
-            result = evaluate(model, batch.to(device))
+            result = evaluate(model, batch.to(device), need_weights=False)
             row |= {"token_acc": result["token_acc"], "seq_acc": result["seq_acc"]}
         rows.append(row)
     return rows
@@ -229,7 +229,7 @@ def per_length_batch(cfg: DictConfig, seen: set[bytes], per_length: int = PER_LE
 def per_length_accuracy(model: Model, batch: Batch) -> pd.DataFrame:
     """Greedy accuracy on a mixed-length `batch`, one row per length (see `accuracy_by_length`)."""
     batch = batch.to(next(model.parameters()).device)
-    return accuracy_by_length(batch, evaluate(model, batch)["tokens"])
+    return accuracy_by_length(batch, evaluate(model, batch, need_weights=False)["tokens"])
 
 
 # --- run folders ---------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def analyze_run(
         analysis["per_length_notes"] = notes
         analysis["length_mix"] = training_length_mix(cfg)
     test = test_batch(cfg).to(device)
-    greedy = evaluate(model, test)  # on the whole test set, as every reported greedy number
+    greedy = evaluate(model, test)  # on the whole test set, as every reported greedy number; the weights: alignment
     analysis["breakdown"] = measure(model, cfg, test, greedy["tokens"], eval_size, steps, settings)
     if model.attention is None:
         return analysis

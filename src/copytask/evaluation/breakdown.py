@@ -76,7 +76,7 @@ def beam_tokens(model: Model, batch: Batch, width: int, length_normalise: bool =
     steps = batch.tgt_out.size(1)
 
     def search(part: Batch) -> Tensor:
-        return beam_search(model, part.src, part.src_lengths, steps, width, length_normalise).tokens
+        return beam_search(model, part.src, part.src_lengths, steps, width, length_normalise, need_weights=False).tokens
 
     return over_chunks(model, batch, chunk_size, search)
 

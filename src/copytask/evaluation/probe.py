@@ -20,9 +20,18 @@ in a form a non-linear read-out (such as the decoder) gets at. Two controls, eac
   weights, from the run's seed), as Conneau et al. (2018) read untrained encoders: the gap is what
   training put there, not what a probe reads out of any random encoding;
 - a control task (Hewitt and Liang, 2019): the same probe on the trained vector, fitted to random
-  labels of the symbols, each (position, symbol) pair given a label drawn uniformly from the V
-  symbols, so that the labels depend on the symbol alone; selectivity is the task's accuracy minus
-  the control task's. Its chance is the commonest label's share at each position, above 1 / V.
+  labels, each (position, symbol) pair given a label drawn uniformly from the V symbols; selectivity is
+  the task's accuracy minus the control task's. Drawn per pair, the labels merge symbols at a position
+  (several get one label), so its chance is the commonest label's share at each position, above 1 / V.
+  What it measures here is not what Hewitt and Liang's measures: least squares is linear in its targets
+  and fits each output on its own, so at one penalty the probe's score for a control label is the sum
+  of its scores for the symbols the label merges. The control task reads the
+  task's own scores at a coarser, random grain; it can be right where the task is wrong and wrong where
+  the task is right, so it is neither easier nor harder. Every control keyed on (position, symbol) is
+  such a relabelling of the task, the symbol at each position: a bijective one (the task's chance) gives
+  exactly the task's accuracy, selectivity 0 by construction, and a merging one this coarsening. So
+  selectivity cannot tell what the vector holds from what the probe learns on this task; the untrained
+  model is the control of what training put there.
 """
 
 from __future__ import annotations
@@ -149,7 +158,7 @@ def untrained(cfg: DictConfig) -> Model:
 
 def control_labels(cfg: DictConfig, seed: int) -> Tensor:
     """The control task's labels (Hewitt and Liang, 2019): (T_enc, V), entry [i, s] the label of symbol s
-    at source position i, drawn uniformly from the V symbols."""
+    at source position i, drawn uniformly from the V symbols (so symbols share labels: see the module)."""
     vocab_size = cfg.task.vocab_size
     return torch.randint(vocab_size, (cfg.task.length, vocab_size), generator=probe_stream(seed, "control task"))
 

@@ -22,7 +22,9 @@ import path is its score (`attention.score=my_scores.CosineAttention`, as Hydra'
 Contract: query (B, T_dec, d_s), keys from `project_keys`, values (B, T_enc, d_h), mask (B, T_enc),
 positions (T_dec,) the query's output steps (local-m only), summary `summarise`'s or None (then computed
 in the call) -> context (B, T_dec, d_h), weights (B, T_dec, T_enc) summing to 1 over valid positions
-(local-p: at most 1, zero outside the window).
+(local-p: at most 1, zero outside the window). With `need_weights=False` (as torch's nn.MultiheadAttention
+takes it: a caller that reads only the context) the weights are None, and a score that can read the
+source without them (linear attention) never forms them.
 """
 
 from __future__ import annotations
@@ -169,9 +171,11 @@ class Attention(nn.Module):
         mask: Tensor,
         positions: Tensor | None = None,
         summary: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+        need_weights: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
         """query (B, T_dec, d_s), keys (B, T_enc, ...), values (B, T_enc, d_h), mask (B, T_enc), positions
-        (T_dec,), summary `summarise`'s or None -> context (B, T_dec, d_h), weights (B, T_dec, T_enc), head mean."""
+        (T_dec,), summary `summarise`'s or None -> context (B, T_dec, d_h), weights (B, T_dec, T_enc), head mean
+        (None without `need_weights`: a softmax score computes them all the same, its context is made of them)."""
         self.check_shapes(query, keys, values, mask)
         batch, t_dec, t_enc = query.size(0), query.size(1), values.size(1)
         scores = self.scores(query, keys)  # (B, heads, T_dec, T_enc)
@@ -183,7 +187,7 @@ class Attention(nn.Module):
         if self.intervention is not None:
             weights = self.intervention(weights, mask)
         weights = weights.view(batch, self.heads, t_dec, t_enc)
-        return self.read(weights, values), weights.mean(1)
+        return self.read(weights, values), weights.mean(1) if need_weights else None
 
     def _local(self, scores: Tensor, query: Tensor, mask: Tensor, positions: Tensor | None) -> Tensor:
         """Luong's local attention (`restrict_to_window`): scores (B, T_dec, T_enc), query (B, T_dec, d_s)
@@ -447,16 +451,20 @@ class MultiHeadAttention(Attention):
         mask: Tensor,
         positions: Tensor | None = None,
         summary: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """As `Attention.forward`; keys are the encoder states (B, T_enc, d)."""
+        need_weights: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        """As `Attention.forward`; keys are the encoder states (B, T_enc, d). The module runs with its weights
+        whatever `need_weights` says: without them torch takes another path (its fused attention), whose numbers may
+        differ in rounding."""
         if self.intervention is not None:
-            return super().forward(query, keys, values, mask, positions)
+            return super().forward(query, keys, values, mask, positions, need_weights=need_weights)
         self.check_shapes(query, keys, values, mask)
         context, weights = self.mha(query, keys, values, key_padding_mask=~mask, average_attn_weights=False)
         empty = ~mask.any(-1)  # (B,) an empty source: torch gives NaN, the hand-written path zero weights
-        weights = weights.masked_fill(empty[:, None, None, None], 0.0)
         context = torch.where(empty[:, None, None], self.mha.out_proj.bias, context)
-        return context, weights.mean(1)
+        if not need_weights:
+            return context, None
+        return context, weights.masked_fill(empty[:, None, None, None], 0.0).mean(1)
 
     def scores(self, query: Tensor, keys: Tensor) -> Tensor:
         """query (B, T_dec, d), keys the encoder states (B, T_enc, d) -> (B, heads, T_dec, T_enc)."""

@@ -34,24 +34,33 @@ class Beams(NamedTuple):
 
 
 def beam_search(
-    model: Model, src: Tensor, src_lengths: Tensor, steps: int, width: int, length_normalise: bool = False
+    model: Model,
+    src: Tensor,
+    src_lengths: Tensor,
+    steps: int,
+    width: int,
+    length_normalise: bool = False,
+    need_weights: bool = True,
 ) -> Beams:
     """Beam search of `width` beams for each of the B sequences of `src` (B, T_enc), up to `steps` steps,
-    the model in eval mode (no dropout); it is left in the mode it came in."""
+    the model in eval mode (no dropout); it is left in the mode it came in. Without `need_weights` the beams
+    keep no weights (`Beams.weights` None): a caller that reads only the tokens and scores."""
     was_training = model.training
     model.eval()
     try:
-        return _search(model, src, src_lengths, steps, width, length_normalise)
+        return _search(model, src, src_lengths, steps, width, length_normalise, need_weights)
     finally:
         model.train(was_training)
 
 
 @torch.no_grad()
-def _search(model: Model, src: Tensor, src_lengths: Tensor, steps: int, width: int, length_normalise: bool) -> Beams:
+def _search(
+    model: Model, src: Tensor, src_lengths: Tensor, steps: int, width: int, length_normalise: bool, need_weights: bool
+) -> Beams:
     batch, k = src.size(0), width
     device = src.device
     rows = torch.arange(batch, device=device).repeat_interleave(k)  # (B * k,) beam j of sequence b is row b * k + j
-    decoding = model.decoding(src[rows], src_lengths[rows], steps)
+    decoding = model.decoding(src[rows], src_lengths[rows], steps, need_weights)
     tokens = torch.full((batch * k,), BOS, dtype=torch.long, device=device)
     scores = torch.full((batch, k), -torch.inf, device=device)
     scores[:, 0] = 0.0  # the beams start alike: one of them is live, or each would be found k times

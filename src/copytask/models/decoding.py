@@ -1,8 +1,10 @@
 """What greedy decoding and beam search share: a model's `decoding`, fed one token a step.
 
-`model.decoding(src, src_lengths, steps)` runs the encoder once and returns a `Decoding`: `step(tokens, t)`
-feeds the tokens (B,) of output step t and returns the logits (B, V) of the next token and the
-attention weights (B, T_enc) that produced them (None without attention); `reorder(rows)` makes row i of
+`model.decoding(src, src_lengths, steps, need_weights)` runs the encoder once and returns a `Decoding`:
+`step(tokens, t)` feeds the tokens (B,) of output step t and returns the logits (B, V) of the next token and
+the attention weights (B, T_enc) that produced them (None without attention, and None unless `need_weights`:
+a caller that reads only the tokens asks for none, and linear attention's step then reads only its fixed-size
+summary, not every position's key); `reorder(rows)` makes row i of
 the decoder's state row `rows[i]` of the present state (beam search keeps the beams' parents). Each
 row of a decoding is independent of the others, so the same rows in any batch give the same numbers.
 """

@@ -30,14 +30,17 @@ class LinearAttention(Attention):
     over the valid positions i. d_k = attention_size, the feature size. The values are the encoder states
     themselves (d_v = d_h), as every other score's are: the context keeps the contract's size and what
     linear attention adds is only its feature size, which the copy experiments sweep. `summarise` computes
-    S and z once per sequence (the fast path: a decoder step reads d_k x (d_h + 1) floats, not T_enc x d_h).
-    The equal per-position form, eq. (4), gives the weights
+    S and z once per sequence, and the context reads only them: a decoder step reads d_k x (d_h + 1) floats,
+    not T_enc x d_h, and its work does not grow with the source. The equal per-position form, eq. (4), gives
+    the weights
 
         w_{t,i} = phi(Q_t)^T phi(K_i) / sum_j phi(Q_t)^T phi(K_j)
 
-    which are >= 0 and sum to 1 over the source: `forward` returns them, and an intervention replaces them
-    (the context is then the replaced weights' mean of the values). As a matrix (T_dec, T_enc) they have rank
-    at most d_k. One head; no local window (a window would need the per-position form at every step)."""
+    which are >= 0 and sum to 1 over the source: `forward` returns them where they are asked for
+    (`need_weights`: the maps of the analysis, `decode` and the heatmaps), and an intervention replaces them
+    (the context is then the replaced weights' mean of the values). Those read every position's key. As a
+    matrix (T_dec, T_enc) they have rank at most d_k. One head; no local window (a window would need the
+    per-position form at every step)."""
 
     def __init__(
         self, query_size: int, key_size: int, attention_size: int | None = None, heads: int = 1, fused: bool = True
@@ -73,10 +76,12 @@ class LinearAttention(Attention):
         mask: Tensor,
         positions: Tensor | None = None,
         summary: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+        need_weights: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
         """query (B, T_dec, d_s), keys phi(K) (B, T_enc, d_k), values (B, T_enc, d_h), mask (B, T_enc), summary
         [S | z] (B, d_k, d_h + 1) or None (then summarised here) -> context (B, T_dec, d_h), weights
-        (B, T_dec, T_enc). An empty source (z = 0) gets a zero context and zero weights, not 0/0."""
+        (B, T_dec, T_enc), or None without `need_weights`: then, without an intervention, only S and z are read.
+        An empty source (z = 0) gets a zero context and zero weights, not 0/0."""
         self.check_shapes(query, keys, values, mask)
         if summary is None:
             summary = self.summarise(keys, values, mask)
@@ -84,9 +89,16 @@ class LinearAttention(Attention):
         read = features @ summary  # (B, T_dec, d_h + 1): phi(Q_t)^T S and phi(Q_t)^T z
         normaliser = read[..., -1:]
         normaliser = normaliser.masked_fill(normaliser == 0, 1.0)
-        weights = (features @ keys.transpose(1, 2)).masked_fill(~mask[:, None, :], 0.0) / normaliser
-        if self.intervention is not None:
-            shape, weights = weights.shape, self.intervention(weights, mask)
-            assert weights.shape == shape, f"an intervention gave weights {tuple(weights.shape)}, not {tuple(shape)}"
-            return weights @ values, weights
-        return read[..., :-1] / normaliser, weights
+        if self.intervention is None:
+            weights = self.per_position(features, keys, mask, normaliser) if need_weights else None
+            return read[..., :-1] / normaliser, weights
+        weights = self.per_position(features, keys, mask, normaliser)
+        shape, weights = weights.shape, self.intervention(weights, mask)
+        assert weights.shape == shape, f"an intervention gave weights {tuple(weights.shape)}, not {tuple(shape)}"
+        return weights @ values, weights if need_weights else None
+
+    @staticmethod
+    def per_position(features: Tensor, keys: Tensor, mask: Tensor, normaliser: Tensor) -> Tensor:
+        """Eq. (4)'s weights: phi(Q_t) (B, T_dec, d_k), keys phi(K) (B, T_enc, d_k), mask (B, T_enc), normaliser
+        phi(Q_t)^T z (B, T_dec, 1) -> (B, T_dec, T_enc), zero on padding. T_enc x d_k products per step."""
+        return (features @ keys.transpose(1, 2)).masked_fill(~mask[:, None, :], 0.0) / normaliser

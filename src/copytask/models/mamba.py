@@ -260,12 +260,13 @@ class MambaSeq2Seq(nn.Module):
             layer.block.d_inner * (layer.block.d_state + layer.block.d_conv - 1) for layer in self.encoder_layers
         )
 
-    def decoding(self, src: Tensor, src_lengths: Tensor, steps: int) -> MambaDecoding:
-        """The encoder run on `src` (B, T_enc): a decoding fed one token a step (`models.decoding`)."""
+    def decoding(self, src: Tensor, src_lengths: Tensor, steps: int, need_weights: bool = True) -> MambaDecoding:
+        """The encoder run on `src` (B, T_enc): a decoding fed one token a step (`models.decoding`); no
+        attention, so no weights, whatever `need_weights` asks."""
         return MambaDecoding(self, self.encode(src, src_lengths))
 
     @torch.no_grad()
-    def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, None]:
+    def greedy(self, src: Tensor, src_lengths: Tensor, steps: int, need_weights: bool = True) -> tuple[Tensor, None]:
         """Greedy decoding, each step fed its own previous prediction: -> tokens (B, steps), None."""
         return greedy_search(self.decoding(src, src_lengths, steps), src.size(0), steps, src.device)
 

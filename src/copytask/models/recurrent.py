@@ -43,10 +43,10 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """What `Seq2Seq` asks of a decoder: `forward` (teacher forcing), `step` (one greedy step), and
-    these two, which by default pass the encoder's output through: `memory`, what every step reads
-    of the encoder states (B, T_enc, H) and their mask (B, T_enc) (None: nothing), and `initial_state`,
-    the first step's hidden state."""
+    """What `Seq2Seq` asks of a decoder: `forward` (teacher forcing), `step` (one greedy step; its weights
+    only with `need_weights`, else None), and these two, which by default pass the encoder's output through:
+    `memory`, what every step reads of the encoder states (B, T_enc, H) and their mask (B, T_enc) (None:
+    nothing), and `initial_state`, the first step's hidden state."""
 
     def memory(self, encoder_states: Tensor, src_mask: Tensor) -> Memory:
         return None
@@ -68,7 +68,15 @@ class PlainDecoder(Decoder):
         states, _ = self.rnn(self.embedding(tgt_in), final[None])  # (B, T_dec, H)
         return self.out(states), None
 
-    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, position: Tensor):
+    def step(
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        memory: Memory,
+        src_mask: Tensor,
+        position: Tensor,
+        need_weights: bool,
+    ):
         state, _ = self.rnn(self.embedding(tokens)[:, None], hidden[None])  # (B, 1, H)
         return self.out(state[:, 0]), None, state[:, 0]
 
@@ -131,7 +139,15 @@ class RNNEncDecDecoder(Decoder):
         logits, _ = self._run(self.embedding(tgt_in), self.initial_state(final))
         return logits, None
 
-    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, position: Tensor):
+    def step(
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        memory: Memory,
+        src_mask: Tensor,
+        position: Tensor,
+        need_weights: bool,
+    ):
         """hidden [s_{t-1}; c] (B, 2H) -> logits (B, V), None, [s_t; c] (B, 2H)."""
         logits, hidden = self._run(self.embedding(tokens)[:, None], hidden)
         return logits[:, 0], None, hidden
@@ -175,9 +191,17 @@ class BahdanauDecoder(Decoder):
             states, contexts, weights = torch.stack(states, 1), torch.stack(contexts, 1), torch.stack(weights, 1)
         return self.out(torch.cat([states, contexts], dim=-1)), weights  # readout from (B, T_dec, 2H)
 
-    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, position: Tensor):
+    def step(
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        memory: Memory,
+        src_mask: Tensor,
+        position: Tensor,
+        need_weights: bool,
+    ):
         hidden, context, weights = self._advance(self.embedding(tokens), hidden, memory, src_mask)
-        return self.out(torch.cat([hidden, context], dim=-1)), weights, hidden
+        return self.out(torch.cat([hidden, context], dim=-1)), weights if need_weights else None, hidden
 
 
 class LuongDecoder(Decoder):
@@ -208,24 +232,32 @@ class LuongDecoder(Decoder):
         keys = self.attention.project_keys(encoder_states)
         return keys, encoder_states, self.attention.summarise(keys, encoder_states, src_mask)
 
-    def _readout(self, states: Tensor, memory: Memory, src_mask: Tensor, positions: Tensor):
+    def _readout(self, states: Tensor, memory: Memory, src_mask: Tensor, positions: Tensor, need_weights: bool):
         """states s_t (B, T_dec, H) at output steps `positions` (T_dec,) -> logits (B, T_dec, V),
-        weights (B, T_dec, T_enc)."""
+        weights (B, T_dec, T_enc) or None without `need_weights`."""
         keys, values, summary = memory
-        context, weights = self.attention(states, keys, values, src_mask, positions, summary)
+        context, weights = self.attention(states, keys, values, src_mask, positions, summary, need_weights)
         attentional = torch.tanh(self.combine(torch.cat([states, context], dim=-1)))
         return self.out(attentional), weights
 
     def forward(self, tgt_in: Tensor, encoder_states: Tensor, final: Tensor, src_mask: Tensor):
         states, _ = self.rnn(self.embedding(tgt_in), final[None])  # (B, T_dec, H), all steps at once
         positions = torch.arange(tgt_in.size(1), device=tgt_in.device)
-        return self._readout(states, self.memory(encoder_states, src_mask), src_mask, positions)
+        return self._readout(states, self.memory(encoder_states, src_mask), src_mask, positions, need_weights=True)
 
-    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory, src_mask: Tensor, position: Tensor):
+    def step(
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        memory: Memory,
+        src_mask: Tensor,
+        position: Tensor,
+        need_weights: bool,
+    ):
         """position (1,): the output step, on the device (local-m aligns with it)."""
         state, _ = self.rnn(self.embedding(tokens)[:, None], hidden[None])  # (B, 1, H)
-        logits, weights = self._readout(state, memory, src_mask, position)
-        return logits[:, 0], weights[:, 0], state[:, 0]
+        logits, weights = self._readout(state, memory, src_mask, position, need_weights)
+        return logits[:, 0], None if weights is None else weights[:, 0], state[:, 0]
 
 
 class Seq2Seq(nn.Module):
@@ -291,34 +323,39 @@ class Seq2Seq(nn.Module):
         _, final = self.encoder(src, src_lengths)
         return self.decoder.initial_state(final)
 
-    def decoding(self, src: Tensor, src_lengths: Tensor, steps: int) -> RecurrentDecoding:
+    def decoding(self, src: Tensor, src_lengths: Tensor, steps: int, need_weights: bool = True) -> RecurrentDecoding:
         """The encoder run on `src` (B, T_enc): a decoding of up to `steps` steps, fed one token a step
-        (`models.decoding`: greedy and beam search both drive it)."""
+        (`models.decoding`: greedy and beam search both drive it), its steps' weights only with `need_weights`."""
         encoder_states, final = self.encoder(src, src_lengths)
         src_mask = length_mask(src_lengths, src.size(1))
         memory = self.decoder.memory(encoder_states, src_mask)
-        return RecurrentDecoding(self.decoder, self.decoder.initial_state(final), memory, src_mask, steps)
+        return RecurrentDecoding(self.decoder, self.decoder.initial_state(final), memory, src_mask, steps, need_weights)
 
     @torch.no_grad()
-    def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor | None]:
+    def greedy(
+        self, src: Tensor, src_lengths: Tensor, steps: int, need_weights: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
         """Greedy decoding, each step fed its own previous prediction:
-        -> tokens (B, steps), weights (B, steps, T_enc) or None."""
-        return greedy_search(self.decoding(src, src_lengths, steps), src.size(0), steps, src.device)
+        -> tokens (B, steps), weights (B, steps, T_enc) or None (no attention, or no `need_weights`)."""
+        return greedy_search(self.decoding(src, src_lengths, steps, need_weights), src.size(0), steps, src.device)
 
 
 class RecurrentDecoding:
     """A GRU decoder's state while it decodes: its hidden state (B, ...) changes every step; the
     memory and the source mask stay. `reorder` follows beam search's choice of parents."""
 
-    def __init__(self, decoder: Decoder, hidden: Tensor, memory: Memory, src_mask: Tensor, steps: int):
+    def __init__(
+        self, decoder: Decoder, hidden: Tensor, memory: Memory, src_mask: Tensor, steps: int, need_weights: bool
+    ):
         self.decoder, self.hidden, self.memory, self.src_mask = decoder, hidden, memory, src_mask
+        self.need_weights = need_weights
         # made once: a tensor per step would be a copy to the GPU per step
         self.positions = torch.arange(steps, device=src_mask.device)
 
     def step(self, tokens: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
         """tokens (B,) fed at output step t -> logits (B, V), weights (B, T_enc) or None."""
         logits, weights, self.hidden = self.decoder.step(
-            tokens, self.hidden, self.memory, self.src_mask, self.positions[t : t + 1]
+            tokens, self.hidden, self.memory, self.src_mask, self.positions[t : t + 1], self.need_weights
         )
         return logits, weights
 

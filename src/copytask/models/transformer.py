@@ -384,40 +384,45 @@ class TransformerSeq2Seq(nn.Module):
             for layer, _ in layers
         ]
 
-    def decoding(self, src: Tensor, src_lengths: Tensor, steps: int) -> TransformerDecoding:
+    def decoding(self, src: Tensor, src_lengths: Tensor, steps: int, need_weights: bool = True) -> TransformerDecoding:
         """The encoder run on `src` (B, T_enc) and each decoder layer's step attentions for up to `steps` steps:
-        a decoding fed one token a step (`models.decoding`: greedy and beam search both drive it)."""
+        a decoding fed one token a step (`models.decoding`: greedy and beam search both drive it), its steps'
+        weights only with `need_weights` (the attention computes them all the same)."""
         if self.longest_source is not None and steps - 1 > self.longest_source:
             raise ValueError(f"learned positions cover sources up to {self.longest_source} symbols, not {steps - 1}")
         memory, src_mask = self.encode(src, src_lengths)
         self_attends, caches = self._step_self_attentions(memory, steps)
         cross_attends = self._step_cross_attentions(memory, src_mask)
         return TransformerDecoding(
-            self, caches, list(zip(self.transformer.decoder.layers, self_attends, cross_attends))
+            self, caches, list(zip(self.transformer.decoder.layers, self_attends, cross_attends)), need_weights
         )
 
     @torch.no_grad()
-    def greedy(self, src: Tensor, src_lengths: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+    def greedy(
+        self, src: Tensor, src_lengths: Tensor, steps: int, need_weights: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
         """Greedy decoding, each step fed its own previous prediction, on `decoding`'s caches:
-        -> tokens (B, steps), weights (B, steps, T_enc), the last layer's cross-attention."""
-        return greedy_search(self.decoding(src, src_lengths, steps), src.size(0), steps, src.device)
+        -> tokens (B, steps), weights (B, steps, T_enc), the last layer's cross-attention (None without
+        `need_weights`)."""
+        return greedy_search(self.decoding(src, src_lengths, steps, need_weights), src.size(0), steps, src.device)
 
 
 class TransformerDecoding:
     """A Transformer's decoder while it decodes (see the module); the self-attention caches hold the rows
     along dimension 1, the memory's keys and values stay."""
 
-    def __init__(self, model: TransformerSeq2Seq, caches: list[Tensor], layers: list[tuple]):
+    def __init__(self, model: TransformerSeq2Seq, caches: list[Tensor], layers: list[tuple], need_weights: bool):
         self.model, self.caches, self.layers = model, caches, layers  # layers: (layer, self_attend, cross_attend)
+        self.need_weights = need_weights
 
-    def step(self, tokens: Tensor, t: int) -> tuple[Tensor, Tensor]:
-        """tokens (B,) fed at output step t -> logits (B, V), weights (B, T_enc) of the last layer."""
+    def step(self, tokens: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
+        """tokens (B,) fed at output step t -> logits (B, V), weights (B, T_enc) of the last layer or None."""
         model = self.model
         x = model._embed(model.tgt_embedding, tokens[:, None], start=t)  # (B, 1, d)
         for layer, self_attend, cross_attend in self.layers:
             # the newest position attends to every step so far: the causal mask, with nothing to mask
             x, weights = model._decoder_layer(layer, x, self_attend(x, t), cross_attend)
-        return model.out(model.transformer.decoder.norm(x))[:, 0], weights[:, 0]
+        return model.out(model.transformer.decoder.norm(x))[:, 0], weights[:, 0] if self.need_weights else None
 
     def reorder(self, rows: Tensor) -> None:
         """Row i of every cache becomes row `rows[i]` (in place: the layers' partials hold the caches)."""

@@ -219,13 +219,15 @@ def breakdown_section(analyses: list[dict], settings: pd.DataFrame | None, out: 
             "its training batches, validation or test set) and scored on the test set. Two controls: the same probe "
             "on the run's untrained model (its initial weights from its seed; dotted), as Conneau et al. (2018) read "
             "untrained encoders, and a control task (Hewitt and Liang, 2019): the trained vector read for a random "
-            "label of each (position, symbol), with selectivity the accuracy minus the control task's. The control "
-            "task's labels are a function of the symbol that merges symbols (hence its higher chance), and a "
-            "least-squares probe's scores for a merged label are the sums of its scores for the symbols it merges: "
-            "the control task is never harder for it than the symbols, so selectivity cannot show a linear probe "
-            "memorising here; the untrained model is the control of what training put there. A linear probe is a "
-            "lower bound: a symbol it cannot read may still be there in a form the decoder reads. "
-            + (f"No summary vector to probe: {', '.join(without)}." if without else ""),
+            "label of each (position, symbol), with selectivity the accuracy minus the control task's. Drawn per "
+            "pair, the labels merge symbols at a position (hence its higher chance), and a least-squares probe's "
+            "score for a merged label is the sum of its scores for the symbols it merges: the control task reads "
+            "the symbols' probe at a coarser grain, right in cells where the symbols are read wrong and wrong in "
+            "some where they are read right, not what a probe memorises. A control with the task's chance (a "
+            "bijection of the symbols at each position) is read exactly as the symbols, selectivity 0 by "
+            "construction, so on this task selectivity cannot inform; the untrained model is the control of what "
+            "training put there. A linear probe is a lower bound: a symbol it cannot read may still be there in a "
+            "form the decoder reads. " + (f"No summary vector to probe: {', '.join(without)}." if without else ""),
             "",
             tables.markdown_table(probe_summary(table, keys)),
             "",

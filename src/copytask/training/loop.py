@@ -269,7 +269,7 @@ def record_evaluation(run: Run, loss: float) -> dict:
     """Greedy decoding on the validation set at the current step, with `loss`, the mean training loss
     since the last evaluation: added to the history, sent to the tracker, and the run's progress
     file updated. -> the history entry."""
-    result = evaluate(run.model, run.validation)
+    result = evaluate(run.model, run.validation, need_weights=False)  # its scores only
     entry = {
         "step": run.step,
         "loss": loss,
@@ -288,7 +288,7 @@ def finish(run: Run) -> dict:
     """Score the test set (every reported number) at the step where training stopped and write the
     run folder's results but metrics.json: the history, the model, the attention samples. -> the metrics."""
     train_seconds = time.perf_counter() - run.started
-    result = evaluate(run.model, run.test)
+    result = evaluate(run.model, run.test)  # with the weights: the attention samples' maps
     (run.folder / store.PROGRESS).unlink(missing_ok=True)
     store.atomic_write(run.folder / store.HISTORY, pd.DataFrame(run.history).to_csv(index=False))
     buffer = io.BytesIO()

@@ -87,7 +87,7 @@ def parse_compare(output: str) -> dict[tuple[int, str], list[str]]:
 
 def test_compare_numbers_match_the_results_table(swept, capsys):
     runs_dir, _ = swept
-    assert main(["compare", *overrides(runs_dir)]) == 0
+    assert main(["compare", "--wide", *overrides(runs_dir)]) == 0
     output = capsys.readouterr().out
     assert "running the sweep" not in output  # every run exists: nothing is trained
 

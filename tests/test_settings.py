@@ -58,7 +58,7 @@ def test_results_csv_has_a_column_per_swept_key_and_the_config_of_each_run(setti
 
 
 def test_compare_never_pools_values_of_a_swept_key(settings_swept, capsys):
-    assert main(["compare", *settings_overrides(settings_swept)]) == 0
+    assert main(["compare", "--wide", *settings_overrides(settings_swept)]) == 0
     rows = parse_rows(capsys.readouterr().out)
 
     table = pd.read_csv(settings_swept / "results.csv")

@@ -68,14 +68,17 @@ def model_order(names) -> list[str]:
 
 
 def legend_outside(figure: Figure, axes: list[Axes], **options) -> None:
-    """One legend for the whole figure, of every label its `axes` draw (once each), right of the panels where
-    it covers no data (the figure's layout must be constrained)."""
+    """One legend for the whole figure, of every label its `axes` draw (once each), under the panels where it
+    covers no data and no title (the figure's layout must be constrained)."""
     handles = {}
     for axis in axes:
         for handle, label in zip(*axis.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     if handles:
-        figure.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize="small", **options)
+        columns = min(len(handles), 4)
+        figure.legend(
+            handles.values(), handles.keys(), loc="outside lower center", ncol=columns, fontsize="small", **options
+        )
 
 
 def panels(count: int, width: float = 4.0, height: float = 3.2) -> tuple[Figure, list[Axes]]:

@@ -28,6 +28,7 @@ from ..figures import (
 )
 from .analysis_tables import COUNTERFACTUALS
 
+REPLACED_STYLES = [("dimgray", ":"), ("darkgray", "-."), ("silver", "-")]  # not the chance line's dashes
 GROUP = ["attention", "task"]  # one panel per attention type and task (and setting, where a grid has settings)
 PANEL_WIDTH, MATRIX_WIDTH = 4.0, 4.4  # inches per panel
 
@@ -58,8 +59,10 @@ def plot_counterfactual(table: pd.DataFrame, path: Path, settings: list[str] = (
     figure, axes = panels(len(groups), width=PANEL_WIDTH)
     for ax, (values, runs) in zip(axes, groups):
         means = runs.groupby("length")[["own", *COUNTERFACTUALS]].mean()
-        for name in ("own", *COUNTERFACTUALS):
-            ax.plot(means.index, 100 * means[name], marker="o", label=name)
+        colour, marker = model_style(values[0])
+        ax.plot(means.index, 100 * means["own"], color=colour, marker=marker, label="own (the model's colour)")
+        for name, (shade, line) in zip(COUNTERFACTUALS, REPLACED_STYLES):  # greys: no model's colour
+            ax.plot(means.index, 100 * means[name], color=shade, linestyle=line, marker="o", markersize=3, label=name)
         for chance in runs["chance"].unique():
             draw_chance(ax, chance)
         ax.set(
@@ -87,6 +90,14 @@ def plot_length_generalisation(table: pd.DataFrame, path: Path, settings: list[s
         image = draw_matrix(ax, matrix, scale=100, number="{:.0f}", fontsize=7)
         ax.set(title=_title(keys, values, MATRIX_WIDTH), xlabel="test length", ylabel="train length")
     figure.colorbar(image, ax=axes, shrink=0.8, label="greedy token accuracy % (mean over seeds)")
+    figure.suptitle(
+        fitted(
+            "Each model trained at the length of its row (5-80: at every length from 5 to 80 at once), "
+            "tested at the length of its column",
+            figure.get_figwidth(),
+            11,
+        )
+    )
     return save(figure, path)
 
 

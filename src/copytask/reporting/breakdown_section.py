@@ -34,7 +34,15 @@ def _panels(table: pd.DataFrame, settings: list[str]) -> list[tuple[str, pd.Data
     keys = [*settings, "train_length"]
     grouped = table.groupby(keys, dropna=False, sort=False)
     ordered = sorted(grouped, key=lambda item: (str(item[0][:-1]), int(str(item[0][-1]).split("-")[-1])))
-    return [(setting_title(keys, values), rows) for values, rows in ordered]
+    return [
+        (
+            ", ".join(
+                [f"trained at length {values[-1]}", *([setting_title(settings, values[:-1])] if settings else [])]
+            ),
+            rows,
+        )
+        for values, rows in ordered
+    ]
 
 
 def _band(ax: Axes, rows: pd.DataFrame, x: str, y: str, **style) -> None:

@@ -14,7 +14,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from ..figures import colours, draw_chance, draw_matrix, legend_outside, model_order, model_style, save
+from ..figures import colours, draw_chance, draw_matrix, fitted, legend_outside, model_order, model_style, save
 from .analysis_figures import plot_per_length
 from .tables import setting_value
 
@@ -126,7 +126,7 @@ def plot_accuracy(
     for axis in axes[-1]:
         axis.set_xlabel(label(x))
     legend_outside(figure, list(axes.flat))
-    figure.suptitle(f"Copy accuracy against {label(x)}: {drawn_interval(summary, x)}")
+    figure.suptitle(fitted(f"Copy accuracy against {label(x)}: {drawn_interval(summary, x)}", 9, 12))
     paths = [
         stem.parent / f"{stem.name}.{suffix}" for suffix in ("png", "svg")
     ]  # not with_suffix: a stem may hold a dotted key
@@ -141,7 +141,7 @@ def drawn_interval(summary: pd.DataFrame, x: str) -> str:
     if (summary["seeds"] < 2).all():
         return "one seed per point, no interval"
     interval = "band" if summary[x].nunique() > 1 else "bar"
-    return f"mean over seeds, {interval} = 95% interval (t over seeds, at least the held-out set's Wilson)"
+    return f"mean over seeds, {interval} = 95% interval"
 
 
 def longest_lengths(summary: pd.DataFrame, key: str) -> pd.DataFrame:

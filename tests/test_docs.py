@@ -21,6 +21,8 @@ from copytask.config.hydra_internals import override_args
 from copytask.console import ConfigError
 from copytask.sweeps.grid import check_grid, compose_grid
 
+from .test_own_attention import OWN_EXAMPLE, write_own_example
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PREFIX = "python -m copytask "
@@ -99,7 +101,10 @@ def check_first_job(overrides: list[str]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where,args", COMMANDS, ids=[where for where, _ in COMMANDS])
-def test_a_documented_command_is_accepted_as_written(where, args, fake_slurm):
+def test_a_documented_command_is_accepted_as_written(where, args, fake_slurm, tmp_path, monkeypatch):
+    if any(name in " ".join(args) for name in OWN_EXAMPLE):  # run from a user's folder with the docs' example
+        monkeypatch.chdir(write_own_example(tmp_path))
+        monkeypatch.syspath_prepend(str(tmp_path))
     try:
         check_command(where, args)
     except ConfigError as error:

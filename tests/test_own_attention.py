@@ -27,14 +27,21 @@ def docs_file(name: str) -> str:
     return block
 
 
+OWN_EXAMPLE = ("my_scores", "my_configs")  # the docs' module and config folder of the user's own
+
+
+def write_own_example(folder: Path) -> Path:
+    """A user's folder: the docs' class and option, nothing of copytask's."""
+    (folder / "my_configs" / "attention").mkdir(parents=True)
+    (folder / "my_scores.py").write_text(docs_file("my_scores.py"))
+    option = "my_configs/attention/cosine.yaml"
+    (folder / option).write_text(docs_file(option))
+    return folder
+
+
 @pytest.fixture
 def own_folder(tmp_path: Path) -> Path:
-    """A user's folder: the docs' class and option, nothing of copytask's."""
-    (tmp_path / "my_configs" / "attention").mkdir(parents=True)
-    (tmp_path / "my_scores.py").write_text(docs_file("my_scores.py"))
-    option = "my_configs/attention/cosine.yaml"
-    (tmp_path / option).write_text(docs_file(option))
-    return tmp_path
+    return write_own_example(tmp_path)
 
 
 def test_a_class_in_the_users_module_trains_and_compares_under_its_own_name(own_folder, monkeypatch):

@@ -168,6 +168,13 @@ def test_the_mixed_line_names_the_runs_made_by_each_code():
     )
 
 
+def test_the_mixed_line_stays_short_for_a_large_table():
+    same = {"computation": 1, "commit": "abc"}
+    runs = {f"run{i:02d}": same for i in range(40)} | {"other": same | {"commit": "def"}}
+    line = mixed_line(runs)
+    assert "commit abc: run00, run01 and 38 more" in line and "commit def: other" in line and len(line) < 120
+
+
 def test_a_table_of_runs_made_by_different_code_says_so_naming_them(swept, tmp_path, recwarn):
     """compare and report (a line under the table, and in report.md) and the library's results and
     compare (a CopytaskWarning) name the runs made by each code; a table of one code says nothing."""

@@ -146,10 +146,18 @@ def mixed_line(runs: dict[str, dict]) -> str | None:
     for name, metrics in runs.items():
         groups.setdefault(tuple(metrics.get(key) for key in differ), []).append(name)
     made_by = "; ".join(
-        ", ".join(f"{key} {shown(key, value)}" for key, value in zip(differ, values)) + f": {', '.join(sorted(names))}"
+        ", ".join(f"{key} {shown(key, value)}" for key, value in zip(differ, values)) + f": {named(sorted(names))}"
         for values, names in groups.items()
     )
     return f"note: these runs were made by different code ({made_by})"
+
+
+def named(names: list[str], most: int = 3) -> str:
+    """Runs by name, up to `most` of them; past that the first two and how many more (each run's metrics.json
+    names what made it): a table of a hundred runs gets a note, not a page."""
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{names[0]}, {names[1]} and {len(names) - 2} more"
 
 
 def shown(key: str, value: Any) -> str:

@@ -33,21 +33,22 @@ commands:
              python -m copytask train model=transformer task.length=40   (docs/models.md)
   sweep    train the grid in configs/config.yaml (hydra.sweeper.params), skipping finished runs;
            ends by naming failed jobs (exit status 1), writing runs_dir/results.csv and the report
+             python -m copytask sweep experiment=first_look   (the bottleneck in under a minute)
              python -m copytask sweep 'attention=none,luong_general' 'seed=0,1'
-             python -m copytask sweep hydra/launcher=parallel      (a job per core; see docs/sweep.md)
-             python -m copytask sweep hparams_search=baseline task.length=40  (an Optuna search of the
-                                           baseline's settings: pip install 'copytask[optuna]')
+             python -m copytask sweep hydra/launcher=parallel   (a job per core; docs/sweep.md)
+             python -m copytask sweep hparams_search=baseline task.length=40
+                 (an Optuna search of the baseline's settings: pip install 'copytask[optuna]')
   compare  per setting and length, the baseline and each attention side by side (mean, 95%
-           interval over seeds, chance, params, gap); takes the sweep's overrides, or with none
-           but runs_dir, the grid of the last sweep in runs_dir (every complete run there where
-           none was recorded); never trains unless asked
+           interval over seeds, gap); takes the sweep's overrides, or with none but runs_dir,
+           the grid of the last sweep in runs_dir (every complete run there where none was
+           recorded); never trains unless asked
              python -m copytask compare experiment=quick
              python -m copytask compare runs_dir=runs/capacity   (the last sweep there)
-             python -m copytask compare --missing          (only list the grid's missing runs)
-             python -m copytask compare --train-missing    (train the missing runs first)
-             python -m copytask compare --all runs_dir=runs (every complete run there, grouped by what varies)
-             python -m copytask compare --wide   (every column: teacher-forced accuracy, steps to target,
-                                          parameters, state floats; the default fits 100 columns)
+             python -m copytask compare --wide   (every column: teacher-forced accuracy, steps
+                                                   to target, parameters, state floats)
+             python -m copytask compare --missing         (only list the grid's missing runs)
+             python -m copytask compare --train-missing   (train the missing runs first)
+             python -m copytask compare --all runs_dir=runs   (every complete run there)
   report   figures and report.md in runs_dir/report/ from the grid's finished runs; never trains;
            takes the same overrides and --all; report.x=KEY puts any swept numeric key on the x axis
              python -m copytask report experiment=quick
@@ -60,14 +61,14 @@ commands:
   decode   a trained run's greedy output on symbols given by hand or drawn at random (any length),
            input, output and target aligned with wrong symbols marked, and its attention as text
              python -m copytask decode runs/<run folder> "g d d c i h"
-             python -m copytask decode runs/<run folder> --random 3 --length 40 [--png map.png] [--beam 4]
+             python -m copytask decode runs/<run folder> --random 3 --length 40 --beam 4
   build    compile the fused CPU kernels now (else the first CPU run does) and say where
   bench    training speed, memory and time to target against the classical reference
              python -m copytask bench [--quick] [--time-to-target] [train.threads=1]
 
 Overrides are Hydra's: attention=NAME (an option of configs/attention/: train --help lists them),
-model=gru|transformer, task=copy|reverse, task.length=N, seed=N, train.steps=N, experiment=quick, runs_dir=DIR, ...
-Hydra's own flags work too (--cfg job, --help)."""
+model=gru|transformer|mamba, task=copy|reverse, task.length=N, seed=N, train.steps=N, runs_dir=DIR,
+experiment=first_look|quick|..., ... Hydra's own flags work too (--cfg job, --help)."""
 
 
 COMMANDS = ("train", "sweep", "compare", "report", "analyze", "decode", "bench", "build")

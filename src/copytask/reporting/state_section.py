@@ -47,10 +47,27 @@ def facet_keys(summary: pd.DataFrame, settings: list[str]) -> list[str]:
     return [key for key in settings if (by[key].nunique(dropna=False) > 1).any()]
 
 
-def plot_state(summary: pd.DataFrame, settings: list[str], path: Path) -> Path:
+def fixed_part(cfg: DictConfig) -> tuple[int, str] | None:
+    """The part of a run's state floats that its family's size key does not set, and what it is: Mamba's
+    convolution windows (every layer's last K - 1 inputs, whatever `model.d_state`), linear attention's hand-over
+    (the encoder's final state, whatever `attention.size`); None where the size key sets it all."""
+    if is_transformer(cfg):
+        return None
+    if model_name(cfg) == "mamba":
+        model = cfg.model
+        return model.layers * model.expand * model.d_model * (model.d_conv - 1), "convolution window"
+    if cfg.attention.score == "linear":
+        return cfg.model.hidden_size, "hand-over"
+    return None
+
+
+def plot_state(
+    summary: pd.DataFrame, settings: list[str], path: Path, fixed: dict[str, set[tuple[int, str]]] | None = None
+) -> Path:
     """Token and sequence accuracy (mean over seeds, 95% band) against state floats on a log axis: one colour per
-    model, one line style per length; each length's `least_state` a grey vertical line in its style. One row of
-    panels per value of the settings that vary at a fixed state (`facet_keys`)."""
+    model, one line style per length; each length's `least_state` a grey vertical line in its style, and each
+    model's `fixed` part of its state (`fixed_part`, by model) a dotted line in its colour. One row of panels per
+    value of the settings that vary at a fixed state (`facet_keys`)."""
     known = summary.dropna(subset=[STATE_FLOATS]).assign(**{STATE_FLOATS: lambda s: s[STATE_FLOATS].astype(float)})
     keys = facet_keys(known, settings)
     facets = groups(known, keys)
@@ -73,6 +90,10 @@ def plot_state(summary: pd.DataFrame, settings: list[str], path: Path) -> Path:
                 axis.axvline(
                     bound, color="grey", linestyle=style[length][0], linewidth=1, label=f"bound, length {length}"
                 )
+            for attention in order:
+                for floats, what in sorted((fixed or {}).get(attention, ())):
+                    colour = colours([attention])[attention]
+                    axis.axvline(floats, color=colour, linestyle=":", linewidth=1.5, label=f"{attention}: {what}")
             if metric == "token_acc":
                 for chance in rows["chance"].unique():
                     draw_chance(axis, chance)
@@ -91,6 +112,19 @@ def plot_state(summary: pd.DataFrame, settings: list[str], path: Path) -> Path:
         )
     )
     return save(figure, path)
+
+
+def fixed_words(fixed: dict[str, set[tuple[int, str]]]) -> str:
+    """The sentence on the figure's dotted lines (`fixed_part` of each model); empty where there are none."""
+    if not fixed:
+        return ""
+    parts = "; ".join(
+        f"{label}'s {what}, {floats:,} floats" for label, each in fixed.items() for floats, what in sorted(each)
+    )
+    return (
+        f" Dotted lines in a model's colour: the part of its state that its size key does not set ({parts}); "
+        "the state right of it is what the size adds."
+    )
 
 
 def what_is_read(cfg: DictConfig) -> str:
@@ -142,10 +176,12 @@ def state_section(loaded: tables.Loaded, summary: pd.DataFrame, out: Path) -> Se
     """The figure and its words where the grid varies the state (`varies_state`); nothing otherwise."""
     if not varies_state(summary):
         return Section([], [])
-    path = plot_state(summary, loaded.settings, out / STATE_FIGURE)
-    read = {}
+    read, fixed = {}, {}
     for run, label in zip(loaded.table["run"], loaded.table["attention"]):
         read.setdefault(label, what_is_read(loaded.runs[run].config))
+        if part := fixed_part(loaded.runs[run].config):
+            fixed.setdefault(label, set()).add(part)
+    path = plot_state(summary, loaded.settings, out / STATE_FIGURE, fixed)
     vocab = ", ".join(map(str, sorted(loaded.table["vocab_size"].unique())))
     lines = [
         "## Accuracy against state size",
@@ -158,7 +194,8 @@ def state_section(loaded: tables.Loaded, summary: pd.DataFrame, out: Path) -> Se
         + ". Mean over seeds, band = 95% interval. Grey vertical lines (one per length, in its line style): the "
         "information bound of Jelassi et al. (ICML 2024), a state of b bits holds at most b / log2 V symbols, so a "
         f"sequence of L symbols of V = {vocab} needs at least L log2 V / {FLOAT_BITS} floats of {FLOAT_BITS} bits. "
-        "Left of its line no model can copy that length; right of it the bound allows it but does not promise it.",
+        "Left of its line no model can copy that length; right of it the bound allows it but does not promise it."
+        + fixed_words(fixed),
         "",
     ]
     ranks = rank_table(loaded)

@@ -378,3 +378,19 @@ def test_the_report_speaks_of_transformers_only_where_it_has_one(runs_copy):
     assert trained.returncode == 0, trained.stderr
     assert main(["analyze", f"runs_dir={runs_copy}"]) == 0
     assert "A Transformer's drops mean something else than a GRU model's" in counterfactual_text()
+
+
+def test_the_state_figure_knows_the_part_of_each_familys_state_its_size_does_not_set(make_config):
+    """Issue 81: of Mamba's state floats, the convolution window does not grow with model.d_state; of linear
+    attention's, the hand-over does not grow with attention.size (docs/models.md's table)."""
+    from copytask.models.build import build_model
+    from copytask.reporting.state_section import fixed_part
+
+    for d_state in (1, 16):
+        mamba = make_config("model=mamba", f"model.d_state={d_state}")
+        window = fixed_part(mamba)
+        assert window == (2 * 2 * 40 * 3, "convolution window")  # layers x expand x d_model x (d_conv - 1)
+        assert build_model(mamba).state_floats(20) - window[0] == 2 * 80 * d_state  # the rest: the SSM state
+    linear = make_config("attention=linear", "attention.size=8")
+    assert fixed_part(linear) == (64, "hand-over") and build_model(linear).state_floats(20) == 64 + 8 * 65
+    assert fixed_part(make_config("attention=none")) is None and fixed_part(make_config("model=transformer")) is None

@@ -70,7 +70,7 @@ def summary(analyses: list[dict], settings: pd.DataFrame | None = None) -> str:
     """The tables `python -m copytask analyze` prints: counterfactuals and alignment per setting
     (the columns of `settings` besides `run`, where given), attention, task and train length (mean
     over seeds), then the train length x test length token accuracy."""
-    keys, number = ["attention", "task", "train_length"], "{:.3f}".format
+    keys, number = ["attention", "task", "train_length"], "{:.1f}".format  # every share in %
     generalisation, table = length_generalisation_table(analyses), analysis_table(analyses)
     if generalisation.empty:
         return "no analysed runs"
@@ -87,16 +87,16 @@ def summary(analyses: list[dict], settings: pd.DataFrame | None = None) -> str:
             *(f"align_{key}" for key in ALIGNMENT),
         ]
         grouped = table.groupby(keys, dropna=False)  # a setting a run does not use (NaN) is a value of its own
-        counterfactual = grouped[columns].mean().join(grouped.size().rename("seeds"))
+        counterfactual = (100 * grouped[columns].mean()).join(grouped.size().rename("seeds"))
         counterfactual = counterfactual.sort_index(key=_by_length)
         parts.append(
-            "greedy token accuracy with the model's own attention and under each counterfactual (mean over seeds)\n"
-            + counterfactual.to_string(float_format=number)
+            "greedy token accuracy in % with the model's own attention and under each counterfactual, the drops in "
+            "points and\nthe alignment in % (mean over seeds)\n" + counterfactual.to_string(float_format=number)
         )
     matrix = generalisation.groupby([*keys, "test_length"], dropna=False)["token_acc"].mean().unstack("test_length")
-    matrix = matrix.sort_index(key=_by_length)
+    matrix = (100 * matrix).sort_index(key=_by_length)
     parts.append(
-        "length generalisation: greedy token accuracy, train length (rows) x test length (columns)\n"
+        "length generalisation: greedy token accuracy in %, train length (rows) x test length (columns)\n"
         + matrix.to_string(float_format=number)
     )
     if fewer := heldout_notes(analyses):

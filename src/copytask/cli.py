@@ -226,11 +226,7 @@ def selection_for(command: str, overrides: list[str], flags: set[str]) -> Select
     master, _ = compose_grid(overrides, expand_grid=False)
     if not listing and not Path(master.runs_dir).is_dir():  # before any grid is composed
         raise ConfigError(f"nothing to {command}: {master.runs_dir} does not exist")
-    selection = (
-        select_runs(overrides, every_run="--all" in flags)
-        if listing
-        else api.select(overrides=overrides, all_runs="--all" in flags)
-    )
+    selection = select_runs(overrides, every_run="--all" in flags, every_run_unless_recorded=not listing, master=master)
     print(f"{command}: {selection.source}")
     if not listing and not any(run.status() == "complete" for run in selection.runs):
         raise ConfigError(nothing_done(command, selection))

@@ -108,6 +108,7 @@ def load(grid: list[GridRun]) -> Loaded:
     for run in grid:
         status = run.status()
         if status == "complete":
+            reason = f"unreadable {store.CONFIG}" if run.config is None else None  # named by a sweep's record
             try:
                 metrics = store.read_json(run.folder / store.METRICS)
                 missing_keys = [key for key in COLUMNS if key not in metrics]
@@ -115,6 +116,7 @@ def load(grid: list[GridRun]) -> Loaded:
                     raise ValueError(f"no {', '.join(missing_keys)}")
             except (OSError, ValueError, TypeError) as error:
                 reason = f"corrupt {store.METRICS} ({error})"
+            if reason is not None:
                 console.warn(f"skipping {run.folder}: {reason}")
                 missing.append((run, reason))
                 continue

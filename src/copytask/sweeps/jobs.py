@@ -35,7 +35,7 @@ from ..config.checks import analysis_device, remote_launcher
 from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
 from ..config.schema import config_dir
 from ..console import ConfigError
-from ..store.runs import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun, record_failure
+from ..store.runs import OBJECTIVE, RECORDED_RUNS, SWEEP_RECORD, TRIAL_RECORD, GridRun, grid_record, record_failure
 from ..training import trackers
 from ..training.devices import cpu_model, gpu_name
 from .grid import QUIET_HYDRA, check_grid, expand, search_trials, sweep_command, trial_runs
@@ -162,9 +162,13 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.perf_counter()
         self.started_at = time.time()
+        searching = proposes_jobs(config.hydra)
+        self.runs = [] if searching else expand(config)
         # Recorded now, so that `compare` and `report` find this grid (or this search's trials so far) even
-        # while it runs or if it is cut off.
+        # while it runs or if it is cut off, and name its runs without composing them again.
         self.begun = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "started_at": self.started_at}
+        if not searching:
+            self.begun[RECORDED_RUNS] = grid_record(self.runs)
         store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | self.begun)
         trackers.prepare(config)
         if builds_kernels_here(config):
@@ -172,18 +176,17 @@ class SweepSummary(Callback):
 
             # a fresh machine's one-time compile (30-80 s), before the bar starts, so its ETA measures training
             build.kernel()
-        if proposes_jobs(config.hydra):
+        if searching:
             trials = config.hydra.sweeper.get("n_trials")
             self.at_once = jobs_at_once(config.hydra, trials)
             self.progress = TrialProgress(
                 Path(config.hydra.sweep.dir), trials, enabled=config.train.progress, at_once=self.at_once
             )
         else:
-            runs = self.runs = expand(config)
-            if not config.retrain and (line := store.provenance.retrained_line([run.folder for run in runs])):
+            if not config.retrain and (line := store.provenance.retrained_line([run.folder for run in self.runs])):
                 console.log.info(f"sweep: {line}")  # before the bar: why runs it counts as done train again
-            self.at_once = jobs_at_once(config.hydra, len(runs))
-            self.progress = SweepProgress(runs, enabled=config.train.progress, at_once=self.at_once)
+            self.at_once = jobs_at_once(config.hydra, len(self.runs))
+            self.progress = SweepProgress(self.runs, enabled=config.train.progress, at_once=self.at_once)
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that run jobs in other processes (joblib, submitit) pickle the callbacks with

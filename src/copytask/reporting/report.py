@@ -27,6 +27,7 @@ from .analysis_figures import (
 )
 from .analysis_sections import Section, analysis_section, attention_section, evidence_section, missing_analysis
 from .breakdown_section import breakdown_section
+from .freshness import REPORT_DIR
 from .result_figures import (
     LONGEST_FIGURE,
     SETTING_GRID_FIGURE,
@@ -43,7 +44,6 @@ from .setup_section import setup_section
 from .state_section import state_section
 from .tables import markdown_table
 
-REPORT_DIR = "report"
 CURVES_FIGURE = "training_curves"
 
 

@@ -316,13 +316,6 @@ def teacher_forced_column(summary: pd.DataFrame) -> dict[str, list[str]]:
     return {"teacher-forced token acc % [95% CI]": values}
 
 
-def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
-    """`N of M runs missing:` and one line per run (its overrides, folder and why)."""
-    lines = [f"{len(missing)} of {total} runs missing:"]
-    lines += [f"  {run.label or run.folder.name}  ({run.folder.name}): {reason}" for run, reason in missing]
-    return "\n".join(lines)
-
-
 def table_note(tasks: list[str], teacher_forced: bool = False) -> str:
     """The lines `compare` prints above `comparison_table` (`teacher_forced`: it has that column)."""
     note = (

@@ -83,6 +83,13 @@ class GridRun:
         return self.failure()
 
 
+def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
+    """`N of M runs missing:` and one line per run (its overrides, folder and why)."""
+    lines = [f"{len(missing)} of {total} runs missing:"]
+    lines += [f"  {run.label or run.folder.name}  ({run.folder.name}): {reason}" for run, reason in missing]
+    return "\n".join(lines)
+
+
 def grid_record(runs: list[GridRun]) -> list[dict[str, str]]:
     """What sweep.json records of a grid's runs as the sweep starts (RECORDED_RUNS): each run's folder
     name and label, in launch order."""

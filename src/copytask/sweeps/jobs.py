@@ -315,10 +315,20 @@ def ended(config: DictConfig, outcome: dict[str, Any], trials: list[dict] | None
 
 def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictConfig) -> Path | None:
     """results.csv and the report (a search's, for `trials`) of the runs that are complete, logged,
-    and handed to the tracker. -> results.csv's path; None where no run is complete."""
-    from ..reporting import report, search, tables
+    and handed to the tracker; a grid's report up to date with what it draws (`reporting.freshness`:
+    a sweep that trained and analysed nothing) is not drawn again. -> results.csv's path; None where no
+    run is complete."""
+    from ..reporting import freshness, report, search, tables
 
     runs_dir = Path(config.runs_dir)
+    started = time.perf_counter()
+    # what the report draws, taken before any run is read
+    drawn = None if trials is not None else freshness.drawn_from(runs, runs_dir, config.report.x)
+    if drawn is not None and (current := drawn.current()) is not None:
+        results, *written = current["written"]
+        console.log.info(freshness.up_to_date_line(written, time.perf_counter() - started))
+        trackers.log_report(config, written)
+        return results
     loaded = tables.load(runs)
     results = None
     if not loaded.table.empty:
@@ -327,13 +337,16 @@ def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictCo
         if trials is not None:
             written = search.write_report(trials, loaded, runs_dir)
         else:
+            drawn.forget()
             try:
                 report.x_column(config.report.x, loaded)
                 x = config.report.x
             except ConfigError as error:
                 console.warn(f"{error}; the report puts task.length on the x axis")
-                x = "task.length"
+                x, drawn = "task.length", None  # not the report `report` would draw: left unrecorded
             written = report.write_report(runs, loaded, runs_dir, x)
+            if drawn is not None:
+                drawn.record([results, *written], loaded.missing, loaded.mixed)
         console.log.info(report.written_line(written, time.perf_counter() - started))
         trackers.log_report(config, written)
     if trials is not None:

@@ -394,9 +394,8 @@ def test_a_one_length_grid_gives_figures_that_hold_and_a_report_that_states_what
     import copytask
 
     grid = ["attention=none,luong_general", "task.length=5", "seed=0,1", "task.vocab_size=4,16", "train.lr=1e-3,5e-3"]
-    copytask.sweep([*TINY, *grid], runs_dir=tmp_path / "runs")
     drawn = drawn_figures(monkeypatch)
-    copytask.report(tmp_path / "runs")
+    copytask.sweep([*TINY, *grid], runs_dir=tmp_path / "runs")  # its end draws the report
 
     text = (tmp_path / "runs" / "report" / "report.md").read_text()
     assert "4, 16 (per setting) content symbols (chance token accuracy 25.0%, 6.2%)" in text

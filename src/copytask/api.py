@@ -181,14 +181,17 @@ def write_report(
     its best trials and the objective by trial and by searched key) has no x axis to choose. With
     `drawn` (`drawn_from`, taken before the selection was loaded), what the report was drawn from is
     recorded once it is written, so that a `report` with nothing changed draws nothing."""
-    from .reporting import report, search
-    from .reporting.tables import save
+    from .reporting.tables import save, x_column
 
     runs_dir = Path(selection.master.runs_dir)
     if selection.is_search:
+        from .reporting import search
+
         return [save(loaded, runs_dir), *search.write_report(selection.trials, loaded, runs_dir)]
     x = x or selection.master.report.x
-    report.x_column(x, loaded)  # ConfigError before anything is written
+    x_column(x, loaded)  # ConfigError before anything is written, or matplotlib imported
+    from .reporting import report
+
     if drawn is not None:
         drawn.forget()
     written = [save(loaded, runs_dir), *report.write_report(selection.runs, loaded, runs_dir, x)]

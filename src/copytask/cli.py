@@ -238,10 +238,11 @@ def compare(overrides: list[str], flags: set[str]) -> int:
     and length, the baseline and each attention type side by side. Missing runs are listed with
     the command that trains them; --train-missing trains them first (the same resumable sweep);
     --missing lists them and prints no table."""
-    from .reporting.tables import comparison_table, table_note
     from .sweeps.grid import sweep_command
 
     selection = selection_for("compare", overrides, flags)
+    from .reporting.tables import comparison_table, table_note  # pandas: once there is something to compare
+
     unfinished = [(run, run.failure()) for run in selection.runs if run.status() != "complete"]
     if "--missing" in flags:
         print(

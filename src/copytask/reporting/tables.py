@@ -23,6 +23,7 @@ import pandas as pd
 from scipy import special  # not scipy.stats, whose import alone took about a second of every compare
 
 from .. import console, store
+from ..console import ConfigError
 from ..store.provenance import mixed_line
 from ..store.runs import GridRun
 from .breakdown_tables import breakdown_columns
@@ -247,6 +248,18 @@ def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
 def numeric(values: pd.Series) -> bool:
     """Whether a column holds numbers (booleans are not: True and False are no axis)."""
     return pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)
+
+
+def x_column(x: str, loaded: Loaded) -> str:
+    """The results column `report.x` names (`task.length` is `length`); ConfigError unless it is
+    the length or a numeric setting of the grid."""
+    column = "length" if x == "task.length" else x
+    table = loaded.table
+    numbers = [key for key in loaded.settings if numeric(table[key])]
+    if column != "length" and column not in numbers:
+        choices = ", ".join(["task.length", *numbers])
+        raise ConfigError(f"report.x must be task.length or a numeric key swept in this grid ({choices}), got {x!r}")
+    return column
 
 
 def setting_value(value: object) -> str:

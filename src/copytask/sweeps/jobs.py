@@ -37,7 +37,6 @@ from ..config.schema import config_dir
 from ..console import ConfigError
 from ..store.runs import OBJECTIVE, RECORDED_RUNS, SWEEP_RECORD, TRIAL_RECORD, GridRun, grid_record, record_failure
 from ..training import trackers
-from ..training.devices import cpu_model, gpu_name
 from .grid import QUIET_HYDRA, check_grid, expand, search_trials, sweep_command, trial_runs
 from .progress import SweepProgress, TrialProgress, jobs_at_once
 
@@ -299,6 +298,8 @@ def analyse(runs: list[GridRun], config: DictConfig) -> float:
 def ended(config: DictConfig, outcome: dict[str, Any], trials: list[dict] | None) -> dict[str, Any]:
     """What sweep.json adds at the end: the sweep's `outcome` (counts and seconds), when and where it
     ran, and a search's trials."""
+    from ..training.devices import cpu_model, gpu_name  # torch: not for a refusal, which comes before any job
+
     return (
         outcome
         | {
@@ -339,7 +340,7 @@ def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictCo
         else:
             drawn.forget()
             try:
-                report.x_column(config.report.x, loaded)
+                tables.x_column(config.report.x, loaded)
                 x = config.report.x
             except ConfigError as error:
                 console.warn(f"{error}; the report puts task.length on the x axis")

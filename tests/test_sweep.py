@@ -139,6 +139,10 @@ def test_resume_retrains_exactly_the_removed_run(runs_copy):
     assert store.is_complete(runs_copy / removed)
     assert all((runs_copy / run / store.METRICS).read_text() == text for run, text in kept.items())
     assert "8/8 runs complete (1 trained now)" in process.stdout
+    reported = run_cli("report", f"runs_dir={runs_copy}")  # the sweep recorded what its report was drawn from
+    assert reported.returncode == 0 and "figures are up to date with the runs they draw: nothing redrawn" in (
+        reported.stdout
+    )
 
 
 def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, fails_at_length_4, capsys):

@@ -316,20 +316,14 @@ def ended(config: DictConfig, outcome: dict[str, Any], trials: list[dict] | None
 
 def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictConfig) -> Path | None:
     """results.csv and the report (a search's, for `trials`) of the runs that are complete, logged,
-    and handed to the tracker; a grid's report up to date with what it draws (`reporting.freshness`:
-    a sweep that trained and analysed nothing) is not drawn again. -> results.csv's path; None where no
-    run is complete."""
+    and handed to the tracker. A grid's report records what it was drawn from (`reporting.freshness`),
+    so that `report` after the sweep draws nothing; the sweep itself always draws it (its report.md
+    gives this sweep's wall time). -> results.csv's path; None where no run is complete."""
     from ..reporting import freshness, report, search, tables
 
     runs_dir = Path(config.runs_dir)
-    started = time.perf_counter()
     # what the report draws, taken before any run is read
     drawn = None if trials is not None else freshness.drawn_from(runs, runs_dir, config.report.x)
-    if drawn is not None and (current := drawn.current()) is not None:
-        results, *written = current["written"]
-        console.log.info(freshness.up_to_date_line(written, time.perf_counter() - started))
-        trackers.log_report(config, written)
-        return results
     loaded = tables.load(runs)
     results = None
     if not loaded.table.empty:

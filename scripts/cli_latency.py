@@ -55,6 +55,7 @@ def store_commands(runs_dir: Path, empty: Path) -> list[tuple[str, list[str]]]:
         ("results (copytask.results(RUNS))", ["-c", f"import copytask; copytask.results({str(runs_dir)!r})"]),
         ("report runs_dir=RUNS (nothing to redraw)", [*copytask, "report", f"runs_dir={runs_dir}"]),
         (f"decode RUNS/{run.name.split('-')[0]}-... {DECODED}", [*copytask, "decode", str(run), DECODED]),
+        ("import torch (decode's yardstick)", ["-c", "import torch"]),
         ("compare runs_dir=RUNS --bogus", [*copytask, "compare", f"runs_dir={runs_dir}", "--bogus"]),
         ("report runs_dir=RUNS report.x=bogus", [*copytask, "report", f"runs_dir={runs_dir}", "report.x=bogus"]),
         ("compare runs_dir=EMPTY", [*copytask, "compare", f"runs_dir={empty}"]),

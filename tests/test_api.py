@@ -92,6 +92,22 @@ def test_results_compare_and_report_read_a_folder_as_the_command_line_does(runs_
     assert pd.read_csv(written[0])["run"].tolist() == table["run"].tolist()
 
 
+def test_compare_and_results_read_runs_without_torch_or_matplotlib(runs_copy):
+    code = (
+        "import sys, copytask; from copytask.cli import main; runs = sys.argv[1]; "
+        "copytask.results(runs); copytask.compare(runs); assert main(['compare', 'runs_dir=' + runs]) == 0; "
+        "print('loaded:', sorted({'torch', 'matplotlib'} & set(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(runs_copy)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": pythonpath()},
+        check=True,
+    )
+    assert done.stdout.splitlines()[-1] == "loaded: []"
+
+
 def test_a_folder_without_a_sweep_record_gives_every_complete_run(runs_copy):
     (runs_copy / "sweep.json").unlink()
     assert len(copytask.results(runs_copy)) == 8

@@ -4,7 +4,10 @@ reverse task, multi-head maps, and the one-line refusals."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +17,7 @@ from copytask import cli, cli_decode, store
 from copytask.data.vocab import parse_symbols
 from copytask.evaluation.decode import Decoded
 
-from .conftest import ATTENTION_OPTIONS, NO_ATTENTION, run_cli
+from .conftest import ATTENTION_OPTIONS, NO_ATTENTION, pythonpath, run_cli
 
 ATTENTION_TYPES = list(ATTENTION_OPTIONS)  # every one there is
 TRAINED_LENGTH = 4
@@ -172,6 +175,24 @@ def test_random_sequences_at_another_length_and_a_png_through_the_cli(runs, tmp_
     assert len(inputs) == 3 and all(len(cells(line, "input")) == 12 for line in inputs)
     assert "over the 3 sequences: token accuracy" in done.stdout
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_one_sequence_is_decoded_by_torchs_ops_without_the_kernels_pandas_or_matplotlib(runs):
+    """A few sequences need no fused kernels: their first call imports torch's compiler stack (about as
+    long as torch's own import). Nor pandas nor matplotlib, unless a map is drawn (--png)."""
+    heavy = {"torch._dynamo", "torch.utils.cpp_extension", "pandas", "matplotlib"}
+    code = (
+        "import sys; from copytask.cli import main; status = main(['decode', sys.argv[1], 'gdd']); "
+        f"print('loaded:', sorted({heavy!r} & set(sys.modules))); sys.exit(status)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(runs["bahdanau-copy"])],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": pythonpath()},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "loaded: []"
 
 
 @pytest.mark.parametrize("attention", ["none", "bahdanau", "multihead"])

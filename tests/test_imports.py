@@ -7,10 +7,17 @@ names every module of the package, and only paths that exist."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 import copytask
+
+from .conftest import pythonpath
 
 PACKAGE = Path(copytask.__file__).parent
 MAP = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
@@ -124,3 +131,31 @@ def test_a_module_without_a_row_is_named():
     assert concept_modules(text) == ["data/vocab.py", "console.py"]
     [line] = missing_from(concept_modules(text), [PACKAGE / "console.py", PACKAGE / "api.py", PACKAGE / "__init__.py"])
     assert line.startswith("src/copytask/api.py has no row in architecture.md's table 'Where each concept lives'")
+
+
+# --- what a command imports before it answers -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "attention=bogus"],
+        ["train", "task.lenght=40"],
+        ["sweep", "task.length=5,oops"],
+        ["compare", "runs_dir=/nonexistent"],
+        ["report", "runs_dir=/nonexistent"],
+        ["decode", "/nonexistent", "abc"],
+    ],
+)
+def test_a_refusal_imports_neither_torch_nor_pandas_nor_matplotlib(args, tmp_path):
+    """Bad input is refused at once: none of the heavy libraries (torch alone takes about 1.7 s to import on
+    two cores) is imported before the one line that refuses it."""
+    heavy = {"torch", "pandas", "matplotlib"}
+    code = (
+        "import sys; from copytask.cli import main; status = main(sys.argv[1:]); "
+        f"print('loaded:', sorted({heavy!r} & set(sys.modules))); sys.exit(status)"
+    )
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert done.returncode == 2 and done.stderr.startswith("copytask: error: "), done.stderr
+    assert done.stdout.splitlines()[-1] == "loaded: []"

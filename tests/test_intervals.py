@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
+from copytask.reporting import tables
 from copytask.reporting.tables import TARGET_STEP, interval, load, scored, summarise
 from copytask.sweeps.grid import compose_grid
 from copytask.training.loop import train
@@ -19,11 +20,15 @@ Z = stats.norm.ppf(0.975)
 
 
 def wilson(successes: int, trials: int) -> tuple[float, float]:
-    """The Wilson score interval, written out (the code under test asks scipy)."""
-    p = successes / trials
-    centre = (p + Z**2 / (2 * trials)) / (1 + Z**2 / trials)
-    half = Z / (1 + Z**2 / trials) * math.sqrt(p * (1 - p) / trials + Z**2 / (4 * trials**2))
-    return centre - half, centre + half
+    """The Wilson score interval as scipy.stats computes it (the code under test writes it out, to spare
+    every compare scipy.stats' import)."""
+    ci = stats.binomtest(successes, trials).proportion_ci(0.95, method="wilson")
+    return ci.low, ci.high
+
+
+@pytest.mark.parametrize("successes, trials", [(0, 16), (1, 16), (8, 16), (15, 16), (16, 16), (3, 512), (5119, 5120)])
+def test_the_wilson_interval_is_scipys(successes, trials):
+    assert tables.wilson(successes / trials, trials) == pytest.approx(wilson(successes, trials), abs=1e-12)
 
 
 def test_every_seed_at_the_ceiling_still_gives_an_interval_a_rerun_can_fall_inside():

@@ -4,6 +4,7 @@ numbers against results.csv."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import copytask
 from copytask import store
 from copytask.cli import main
 from copytask.console import CopytaskWarning
@@ -73,6 +75,75 @@ def test_report_takes_only_the_grids_runs(runs_copy, capsys):
     assert main(["report", *overrides(runs_copy, "attention=none")]) == 0
     assert set(pd.read_csv(runs_copy / "results.csv")["attention"]) == {"none"}
     assert "4 of 4 runs of the grid complete" in (runs_copy / "report" / "report.md").read_text()
+
+
+def test_a_report_with_nothing_to_redraw_draws_nothing_and_says_what_it_said_when_drawn(runs_copy, capsys, monkeypatch):
+    removed = pd.read_csv(runs_copy / "results.csv")["run"].iloc[6]
+    (runs_copy / removed / store.METRICS).unlink()  # a missing run: each report lists it
+    assert main(["report", f"runs_dir={runs_copy}"]) == 0
+    drawn = capsys.readouterr().out.splitlines()
+    assert "1 of 8 runs missing:" in drawn and (runs_copy / "report" / "drawn_from.json").is_file()
+    written = copytask.report(runs_copy)  # the API: the paths of the report there, not drawn again
+
+    monkeypatch.setattr("copytask.reporting.report.write_report", drawing)
+    monkeypatch.setattr("copytask.reporting.tables.load", drawing)  # not even the runs are read
+    assert copytask.report(runs_copy) == written
+    assert main(["report", f"runs_dir={runs_copy}"]) == 0
+    again = capsys.readouterr().out.splitlines()
+    assert again[:-1] == drawn[:-1]  # which runs, the missing one, results.csv
+    assert again[-1].startswith(f"report: {written[1]} and ") and "are up to date with the runs they draw" in again[-1]
+
+
+class Drawn(Exception):
+    """Raised by a report's drawing where a test replaces it."""
+
+
+def drawing(*args, **kwargs):
+    raise Drawn
+
+
+@pytest.mark.parametrize("change", ["a run's file", "a figure gone", "a run completes", "the code", "the runs"])
+def test_a_report_is_drawn_again_when_anything_it_draws_has_changed(runs_copy, monkeypatch, change):
+    from copytask.reporting import freshness
+
+    assert main(["report", f"runs_dir={runs_copy}"]) == 0
+    runs = sorted(store.complete_runs(runs_copy))
+    args = [f"runs_dir={runs_copy}"]
+    if change == "a run's file":
+        analysis = runs[0] / store.ANALYSIS
+        os.utime(analysis, ns=(analysis.stat().st_atime_ns, analysis.stat().st_mtime_ns + 1))  # same size, rewritten
+    elif change == "a figure gone":
+        (runs_copy / "report" / "accuracy_vs_length.png").unlink()
+    elif change == "a run completes":
+        (runs[3] / store.METRICS).rename(runs[3] / "metrics.json.kept")
+        assert main(["report", f"runs_dir={runs_copy}"]) == 0
+        (runs[3] / "metrics.json.kept").rename(runs[3] / store.METRICS)
+    elif change == "the code":
+        monkeypatch.setattr(freshness, "code", lambda: "edited")
+    else:
+        args = overrides(runs_copy, "attention=none")  # the grid's baseline runs only
+    monkeypatch.setattr("copytask.reporting.report.write_report", drawing)
+    with pytest.raises(Drawn):
+        main(["report", *args])
+
+
+def test_what_a_report_is_drawn_from_names_its_x_axis(runs_copy):
+    from copytask.api import drawn_from, select
+
+    assert main(["report", f"runs_dir={runs_copy}"]) == 0
+    selection = select(runs_copy)
+    assert drawn_from(selection).current() is not None
+    assert drawn_from(selection, "model.hidden_size").current() is None
+
+
+def test_a_report_cut_off_while_drawn_is_drawn_again(runs_copy, monkeypatch):
+    assert main(["report", f"runs_dir={runs_copy}"]) == 0
+    analysis = sorted(store.complete_runs(runs_copy))[0] / store.ANALYSIS
+    analysis.write_text(analysis.read_text() + " ")
+    monkeypatch.setattr("copytask.reporting.report.write_report", drawing)
+    with pytest.raises(Drawn):
+        main(["report", f"runs_dir={runs_copy}"])
+    assert not (runs_copy / "report" / "drawn_from.json").exists()  # the old record no longer says it is current
 
 
 def parse_compare(output: str) -> dict[tuple[int, str], list[str]]:
@@ -323,9 +394,8 @@ def test_a_one_length_grid_gives_figures_that_hold_and_a_report_that_states_what
     import copytask
 
     grid = ["attention=none,luong_general", "task.length=5", "seed=0,1", "task.vocab_size=4,16", "train.lr=1e-3,5e-3"]
-    copytask.sweep([*TINY, *grid], runs_dir=tmp_path / "runs")
     drawn = drawn_figures(monkeypatch)
-    copytask.report(tmp_path / "runs")
+    copytask.sweep([*TINY, *grid], runs_dir=tmp_path / "runs")  # its end draws the report
 
     text = (tmp_path / "runs" / "report" / "report.md").read_text()
     assert "4, 16 (per setting) content symbols (chance token accuracy 25.0%, 6.2%)" in text

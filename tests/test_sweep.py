@@ -14,6 +14,7 @@ import sys
 import pandas as pd
 import pytest
 
+import copytask
 from copytask import cli, store
 from copytask.config import parallel
 from copytask.console import Lines
@@ -78,6 +79,52 @@ def test_grid_expansion_finds_the_sweeps_folders(swept):
     assert {run.config.task.length for run in narrowed} == {5, 10}  # experiment=quick's lengths
 
 
+@pytest.fixture
+def compositions(monkeypatch) -> dict[str, int]:
+    """How many configs Hydra composes in this process during the test: every config, and among them
+    the grid's jobs."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    counts = {"configs": 0, "jobs": 0}
+    load_configuration, load_sweep_config = ConfigLoaderImpl.load_configuration, ConfigLoaderImpl.load_sweep_config
+
+    def configuration(self, *args, **kwargs):
+        counts["configs"] += 1
+        return load_configuration(self, *args, **kwargs)
+
+    def job(self, *args, **kwargs):
+        counts["jobs"] += 1
+        return load_sweep_config(self, *args, **kwargs)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", configuration)
+    monkeypatch.setattr(ConfigLoaderImpl, "load_sweep_config", job)
+    return counts
+
+
+def test_compare_and_results_name_a_recorded_sweeps_runs_without_composing_them(runs_copy, compositions, capsys):
+    assert "runs" in store.read_json(runs_copy / "sweep.json")  # the sweep recorded its grid's runs as it started
+    assert cli.main(["compare", f"runs_dir={runs_copy}"]) == 0
+    assert "the grid of the last sweep in" in capsys.readouterr().out
+    # the config of `compare runs_dir=...`, then of the sweep's recorded overrides (which name another runs_dir)
+    assert compositions == {"configs": 2, "jobs": 0}
+    assert cli.main(["compare", *overrides(runs_copy)]) == 0  # the sweep's own overrides: its recorded grid
+    assert compositions == {"configs": 3, "jobs": 0}
+    assert len(copytask.results(runs_copy)) == 8
+    assert compositions == {"configs": 5, "jobs": 0}
+
+
+def test_a_grid_not_recorded_is_composed_once_and_gives_what_the_record_gives(runs_copy, compositions):
+    recorded = copytask.results(runs_copy)
+    record = store.read_json(runs_copy / "sweep.json")
+    del record["runs"]  # as a sweep recorded before copytask recorded its runs
+    store.write_json(runs_copy / "sweep.json", record)
+    before = dict(compositions)
+    composed = copytask.results(runs_copy)
+    pd.testing.assert_frame_equal(composed, recorded)
+    assert compositions["jobs"] - before["jobs"] == 8  # each job once
+    assert compositions["configs"] - compositions["jobs"] - (before["configs"] - before["jobs"]) == 2  # and 2 masters
+
+
 def test_resume_retrains_exactly_the_removed_run(runs_copy):
     table = pd.read_csv(runs_copy / "results.csv")
     removed = table["run"].iloc[3]
@@ -93,6 +140,10 @@ def test_resume_retrains_exactly_the_removed_run(runs_copy):
     assert store.is_complete(runs_copy / removed)
     assert all((runs_copy / run / store.METRICS).read_text() == text for run, text in kept.items())
     assert "8/8 runs complete (1 trained now)" in process.stdout
+    reported = run_cli("report", f"runs_dir={runs_copy}")  # the sweep recorded what its report was drawn from
+    assert reported.returncode == 0 and "figures are up to date with the runs they draw: nothing redrawn" in (
+        reported.stdout
+    )
 
 
 def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, fails_at_length_4, capsys):

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # heavy imports happen where they are needed: `import copytas
 
     from .evaluation.decode import Decoded
     from .models.build import Model
+    from .reporting.freshness import DrawnFrom
     from .reporting.tables import Loaded
 
 
@@ -154,23 +155,49 @@ def report(
     """Write results.csv and runs_dir/report/ (report.md and its figures) for the selection
     (`select`), with `x` (default: the config's report.x) on the accuracy figure's x axis (for a
     search: trials.csv too, and the search's report); -> the paths written, results.csv and
-    report.md first. Never trains."""
+    report.md first. Never trains. Where the report there is up to date (`drawn_from`: drawn from
+    the same runs, files, x axis and code) nothing is written again, and the paths are those written then."""
     selection = select(runs_dir, overrides, all_runs)
-    return write_report(selection, load(selection, "report"), x)
+    drawn = drawn_from(selection, x)
+    if drawn is not None and (current := drawn.current()) is not None:
+        return current["written"]
+    return write_report(selection, load(selection, "report"), x, drawn)
 
 
-def write_report(selection: Selection, loaded: Loaded, x: str | None = None) -> list[Path]:
+def drawn_from(selection: Selection, x: str | None = None) -> DrawnFrom | None:
+    """What `report` draws the selection from now (`reporting.freshness`), with `x` (default: the
+    config's report.x); taken before the runs are read. None for a search, whose report is always drawn."""
+    if selection.is_search:
+        return None
+    from .reporting.freshness import drawn_from as inputs
+
+    return inputs(selection.runs, Path(selection.master.runs_dir), x or selection.master.report.x)
+
+
+def write_report(
+    selection: Selection, loaded: Loaded, x: str | None = None, drawn: DrawnFrom | None = None
+) -> list[Path]:
     """`report`'s work on a selection already loaded; a search's report (`search.write_report`:
-    its best trials and the objective by trial and by searched key) has no x axis to choose."""
-    from .reporting import report, search
-    from .reporting.tables import save
+    its best trials and the objective by trial and by searched key) has no x axis to choose. With
+    `drawn` (`drawn_from`, taken before the selection was loaded), what the report was drawn from is
+    recorded once it is written, so that a `report` with nothing changed draws nothing."""
+    from .reporting.tables import save, x_column
 
     runs_dir = Path(selection.master.runs_dir)
     if selection.is_search:
+        from .reporting import search
+
         return [save(loaded, runs_dir), *search.write_report(selection.trials, loaded, runs_dir)]
     x = x or selection.master.report.x
-    report.x_column(x, loaded)  # ConfigError before anything is written
-    return [save(loaded, runs_dir), *report.write_report(selection.runs, loaded, runs_dir, x)]
+    x_column(x, loaded)  # ConfigError before anything is written, or matplotlib imported
+    from .reporting import report
+
+    if drawn is not None:
+        drawn.forget()
+    written = [save(loaded, runs_dir), *report.write_report(selection.runs, loaded, runs_dir, x)]
+    if drawn is not None:
+        drawn.record(written, loaded.missing, loaded.mixed)
+    return written
 
 
 def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Model, DictConfig]:

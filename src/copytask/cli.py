@@ -22,7 +22,7 @@ from . import api, console, store
 from .config.checks import check_analysis
 from .config.schema import DETERMINISTIC_CUBLAS, config_help
 from .console import ConfigError, refuse
-from .store.runs import folder_runs
+from .store.runs import describe_missing, folder_runs
 from .sweeps.grid import Selection, compose_grid, nothing_done, select_runs
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
@@ -231,11 +231,7 @@ def selection_for(command: str, overrides: list[str], flags: set[str]) -> Select
     master, _ = compose_grid(overrides, expand_grid=False)
     if not listing and not Path(master.runs_dir).is_dir():  # before any grid is composed
         raise ConfigError(f"nothing to {command}: {master.runs_dir} does not exist")
-    selection = (
-        select_runs(overrides, every_run="--all" in flags)
-        if listing
-        else api.select(overrides=overrides, all_runs="--all" in flags)
-    )
+    selection = select_runs(overrides, every_run="--all" in flags, every_run_unless_recorded=not listing, master=master)
     print(f"{command}: {selection.source}")
     if not listing and not any(run.status() == "complete" for run in selection.runs):
         raise ConfigError(nothing_done(command, selection))
@@ -247,10 +243,11 @@ def compare(overrides: list[str], flags: set[str]) -> int:
     and length, the baseline and each attention type side by side. Missing runs are listed with
     the command that trains them; --train-missing trains them first (the same resumable sweep);
     --missing lists them and prints no table."""
-    from .reporting.tables import comparison_table, describe_missing, narrow_note, table_note
     from .sweeps.grid import sweep_command
 
     selection = selection_for("compare", overrides, flags)
+    from .reporting.tables import comparison_table, narrow_note, table_note  # pandas: once there is a table
+
     unfinished = [(run, run.failure()) for run in selection.runs if run.status() != "complete"]
     if "--missing" in flags:
         print(
@@ -298,18 +295,32 @@ def compare(overrides: list[str], flags: set[str]) -> int:
 def report(overrides: list[str], flags: set[str]) -> int:
     """`python -m copytask report [--all] [overrides]`: results.csv and report/ for the grid's
     complete runs; ConfigError, before anything is written, when there are none or `report.x` is
-    not swept."""
-    from .reporting.report import written_line
-    from .reporting.tables import describe_missing
-
+    not swept. Where the report is up to date with what it draws (`api.drawn_from`), nothing is
+    drawn: it says so, with what the report said of its runs when it was drawn."""
     selection = selection_for("report", overrides, flags)
     started = time.perf_counter()
-    loaded = api.load(selection, "report")
-    if loaded.missing:
-        print(describe_missing(loaded.missing, len(selection.runs)))
-    results_csv, *written = api.write_report(selection, loaded)
-    if loaded.mixed:
-        print(loaded.mixed)
+    drawn = api.drawn_from(selection)
+    current = drawn.current() if drawn is not None else None
+    if current is not None:
+        runs = {run.folder.name: run for run in selection.runs}
+        missing = [(runs[name], why) for name, why in current["missing"] if name in runs]
+        results_csv, *written = current["written"]
+        mixed = current["mixed"]
+    else:
+        loaded = api.load(selection, "report")
+        missing, mixed = loaded.missing, loaded.mixed
+        results_csv, *written = api.write_report(selection, loaded, drawn=drawn)
+    if missing:
+        print(describe_missing(missing, len(selection.runs)))
+    if mixed:
+        print(mixed)
     print(f"results: {results_csv}")
-    print(written_line(written, time.perf_counter() - started))
+    if current is not None:
+        from .reporting.freshness import up_to_date_line
+
+        print(up_to_date_line(written, time.perf_counter() - started))
+    else:
+        from .reporting.report import written_line
+
+        print(written_line(written, time.perf_counter() - started))
     return 0

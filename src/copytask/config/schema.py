@@ -15,7 +15,7 @@ import os
 import re
 import textwrap
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,9 +221,10 @@ SCHEMA_KEYS = dotted_keys(OmegaConf.structured(Config))  # every key some part o
 
 
 @contextmanager
-def hydra_errors(known_keys: list[str]) -> Iterator[None]:
+def hydra_errors(known_keys: Callable[[], list[str]]) -> Iterator[None]:
     """Turn Hydra's composition errors inside the block into one-line ConfigErrors; an unknown key
-    gets the closest of `known_keys` instead of Hydra's advice to add it with `+`."""
+    gets the closest of `known_keys()` (called only then: the keys may cost a composition) instead of
+    Hydra's advice to add it with `+`."""
     try:
         yield
     except MissingConfigException as error:
@@ -244,7 +245,7 @@ def hydra_errors(known_keys: list[str]) -> Iterator[None]:
         unknown = re.match(r"Could not override '([^']+)'", str(error))
         if unknown is None:
             raise ConfigError(str(error).strip().splitlines()[0]) from None
-        raise ConfigError(unknown_key(unknown[1], known_keys)) from None
+        raise ConfigError(unknown_key(unknown[1], known_keys())) from None
     except (
         ValueError,
         TypeError,

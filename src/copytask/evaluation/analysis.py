@@ -49,10 +49,10 @@ from ..models.build import Model
 from ..models.greedy import evaluate
 from ..store.provenance import ANALYSIS_COMPUTATION, computed_elsewhere, provenance
 from ..training.devices import resolve_device, run_settings, torch_threads
+from . import COUNTERFACTUALS
 from .breakdown import Settings, measure
 from .load import load_run
 
-COUNTERFACTUALS = ("uniform", "permuted", "fixed")  # what the analysis replaces the weights by
 FIXED_POSITION = 0  # the `fixed` counterfactual puts all weight here (always a valid position)
 PER_LENGTH_SIZE = 64  # held-out sequences per length in the per-length evaluation
 

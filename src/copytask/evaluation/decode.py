@@ -7,7 +7,8 @@ head for a multi-head model, else the model's one map. `copytask.decode` is this
 `python -m copytask decode` prints what it returns (`cli_decode`).
 
 The request, the run folder and the symbols are checked before torch is imported, so a refusal
-(DecodeError) comes at once.
+(DecodeError) comes at once. The model runs torch's own ops (the definition the fused CPU kernels are
+checked against, to float rounding): loading the kernels would cost a few sequences more than it saves.
 """
 
 from __future__ import annotations
@@ -126,11 +127,11 @@ def _decode(
     from ..data.batches import make_batch, task_batch
     from ..data.scoring import sequence_scores
     from ..models.beam import beam_search
-    from .analysis import head_weights
     from .load import load_run
 
     try:
-        model, _ = load_run(run_dir, device="cpu")  # a few sequences: the CPU is quick enough
+        # a few sequences: the CPU and torch's own ops are quick enough, and answer sooner than the kernels load
+        model, _ = load_run(run_dir, device="cpu", fused=False)
     except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""  # torch's key mismatches span lines
         raise DecodeError(f"cannot load {run_dir / store.CHECKPOINT}: {type(error).__name__}: {first}") from None
@@ -153,7 +154,12 @@ def _decode(
         tokens, weights = model.greedy(batch.src, batch.src_lengths, steps)  # weights: mean over heads
     heads = model.attention.heads if model.attention is not None else 1
     per_head = heads > 1 and beam == 1  # a beam's heads are not kept: its map is their mean
-    maps = head_weights(model, batch) if per_head else (weights[:, None] if weights is not None else None)
+    if per_head:
+        from .analysis import head_weights  # with the analysis' pandas: only for a model that has several heads
+
+        maps = head_weights(model, batch)
+    else:
+        maps = weights[:, None] if weights is not None else None
     scores = sequence_scores(tokens, batch)
     return Decoded(
         run_dir.name,

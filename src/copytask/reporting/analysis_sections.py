@@ -11,7 +11,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from .. import store
-from ..evaluation.analysis import COUNTERFACTUALS
+from ..evaluation import COUNTERFACTUALS
 from . import analysis_tables, tables
 from .analysis_figures import extrapolates, plot_counterfactual, plot_extrapolation, plot_length_generalisation
 from .tables import markdown_table

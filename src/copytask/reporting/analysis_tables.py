@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from ..evaluation.analysis import COUNTERFACTUALS
+from ..evaluation import COUNTERFACTUALS
 
 ALIGNMENT = ("hit", "mass", "adjacent")  # how attention's argmax and mass fall on the copied position
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pandas as pd
 
 from .. import console, store
-from ..console import ConfigError
 from ..figures import model_order, plot_attention
 from ..store.runs import GridRun, variable_length_runs
 from . import analysis_tables, tables
@@ -27,6 +26,7 @@ from .analysis_figures import (
 )
 from .analysis_sections import Section, analysis_section, attention_section, evidence_section, missing_analysis
 from .breakdown_section import breakdown_section
+from .freshness import REPORT_DIR
 from .result_figures import (
     LONGEST_FIGURE,
     SETTING_GRID_FIGURE,
@@ -43,20 +43,7 @@ from .setup_section import setup_section
 from .state_section import state_section
 from .tables import markdown_table
 
-REPORT_DIR = "report"
 CURVES_FIGURE = "training_curves"
-
-
-def x_column(x: str, loaded: tables.Loaded) -> str:
-    """The results column `report.x` names (`task.length` is `length`); ConfigError unless it is
-    the length or a numeric setting of the grid."""
-    column = "length" if x == "task.length" else x
-    table = loaded.table
-    numeric = [key for key in loaded.settings if tables.numeric(table[key])]
-    if column != "length" and column not in numeric:
-        choices = ", ".join(["task.length", *numeric])
-        raise ConfigError(f"report.x must be task.length or a numeric key swept in this grid ({choices}), got {x!r}")
-    return column
 
 
 def read_part(run: GridRun, name: str, reader) -> object | None:
@@ -127,11 +114,11 @@ def plot_head_heatmaps(loaded: tables.Loaded, out: Path) -> list[tuple[str, Path
 
 def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: str = "task.length") -> list[Path]:
     """Write runs_dir/report/ (figures and report.md) from `loaded`, which must not be empty, with
-    `x` (`report.x`, checked by `x_column`) on the accuracy figure's x axis. -> the figure files drawn."""
+    `x` (`report.x`, checked by `tables.x_column`) on the accuracy figure's x axis. -> the figure files drawn."""
     runs_dir = Path(runs_dir)
     out = runs_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    x, settings = x_column(x, loaded), loaded.settings
+    x, settings = tables.x_column(x, loaded), loaded.settings
     summary = tables.summarise(loaded.table, settings)
     variable = variable_length_analyses(grid, loaded, runs_dir)
     variable_analyses = [analysis for analysis in variable.values() if analysis is not None]

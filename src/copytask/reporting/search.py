@@ -22,7 +22,7 @@ from .. import store
 from ..figures import draw_chance, panels, save
 from ..store.runs import OBJECTIVE, SWEEP_RECORD, GridRun
 from . import tables
-from .report import REPORT_DIR
+from .freshness import REPORT_DIR
 from .tables import markdown_table
 
 TRIALS_CSV = "trials.csv"

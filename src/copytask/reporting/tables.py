@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-from scipy import stats
+from scipy import special  # not scipy.stats, whose import alone took about a second of every compare
 
 from .. import console, store
+from ..console import ConfigError
 from ..store.provenance import mixed_line
 from ..store.runs import GridRun
 from .breakdown_tables import breakdown_columns
@@ -108,6 +109,7 @@ def load(grid: list[GridRun]) -> Loaded:
     for run in grid:
         status = run.status()
         if status == "complete":
+            reason = f"unreadable {store.CONFIG}" if run.config is None else None  # named by a sweep's record
             try:
                 metrics = store.read_json(run.folder / store.METRICS)
                 missing_keys = [key for key in COLUMNS if key not in metrics]
@@ -115,6 +117,7 @@ def load(grid: list[GridRun]) -> Loaded:
                     raise ValueError(f"no {', '.join(missing_keys)}")
             except (OSError, ValueError, TypeError) as error:
                 reason = f"corrupt {store.METRICS} ({error})"
+            if reason is not None:
                 console.warn(f"skipping {run.folder}: {reason}")
                 missing.append((run, reason))
                 continue
@@ -168,7 +171,7 @@ def interval(values: pd.Series, trials: int | None = None) -> tuple[float, float
     n, mean = len(values), float(values.mean())
     if n < 2:
         return mean, math.nan, math.nan
-    half = stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1) * float(values.std(ddof=1)) / math.sqrt(n)
+    half = special.stdtrit(n - 1, 0.5 + CONFIDENCE / 2) * float(values.std(ddof=1)) / math.sqrt(n)  # t quantile
     low, high = mean - half, mean + half
     if trials:
         wilson_low, wilson_high = wilson(mean, trials)
@@ -177,9 +180,15 @@ def interval(values: pd.Series, trials: int | None = None) -> tuple[float, float
 
 
 def wilson(share: float, trials: int) -> tuple[float, float]:
-    """The 95% Wilson interval of a share of `trials` scored items (one held-out set's sampling error)."""
-    ci = stats.binomtest(round(share * trials), trials).proportion_ci(CONFIDENCE, method="wilson")
-    return ci.low, ci.high
+    """The 95% Wilson score interval of a share of `trials` scored items (one held-out set's sampling
+    error), in Newcombe's form (1998), as scipy.stats.binomtest(...).proportion_ci(method="wilson")
+    computes it: tests/test_intervals.py holds it to that."""
+    successes = round(share * trials)
+    p, z = successes / trials, special.ndtri(0.5 + CONFIDENCE / 2)
+    denominator = 2 * (trials + z**2)
+    centre = (2 * trials * p + z**2) / denominator
+    half = z / denominator * math.sqrt(4 * trials * p * (1 - p) + z**2)
+    return (0.0 if successes == 0 else centre - half), (1.0 if successes == trials else centre + half)
 
 
 def scored(group: pd.DataFrame, sequences: str = "eval_size") -> dict[str, int | None]:
@@ -239,6 +248,18 @@ def summarise(table: pd.DataFrame, settings: list[str] = ()) -> pd.DataFrame:
 def numeric(values: pd.Series) -> bool:
     """Whether a column holds numbers (booleans are not: True and False are no axis)."""
     return pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)
+
+
+def x_column(x: str, loaded: Loaded) -> str:
+    """The results column `report.x` names (`task.length` is `length`); ConfigError unless it is
+    the length or a numeric setting of the grid."""
+    column = "length" if x == "task.length" else x
+    table = loaded.table
+    numbers = [key for key in loaded.settings if numeric(table[key])]
+    if column != "length" and column not in numbers:
+        choices = ", ".join(["task.length", *numbers])
+        raise ConfigError(f"report.x must be task.length or a numeric key swept in this grid ({choices}), got {x!r}")
+    return column
 
 
 def setting_value(value: object) -> str:
@@ -323,13 +344,6 @@ def teacher_forced_column(summary: pd.DataFrame) -> dict[str, list[str]]:
         return {}
     values = [with_interval(r.tf_token_acc, r.tf_token_acc_lo, r.tf_token_acc_hi) for r in summary.itertuples()]
     return {"teacher-forced token acc % [95% CI]": values}
-
-
-def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
-    """`N of M runs missing:` and one line per run (its overrides, folder and why)."""
-    lines = [f"{len(missing)} of {total} runs missing:"]
-    lines += [f"  {run.label or run.folder.name}  ({run.folder.name}): {reason}" for run, reason in missing]
-    return "\n".join(lines)
 
 
 def narrow_note(tasks: list[str], chance: list[float]) -> str:

@@ -1,11 +1,13 @@
 """The runs a grid or a folder holds, as `compare`, `report`, the sweeps and the API see them: a run
 with the overrides that made it and its status (`GridRun`), the records a sweep leaves in runs_dir
-(`SWEEP_RECORD`, each trial's `TRIAL_RECORD`) and a failed job's record (`record_failure`), and the
-variable-length runs whose curves belong on a grid's figure. Which runs a grid is made of is the
-sweeps' (`sweeps.grid`)."""
+(`SWEEP_RECORD` with its grid's runs, `recorded_runs`; each trial's `TRIAL_RECORD`) and a failed job's
+record (`record_failure`), and the variable-length runs whose curves belong on a grid's figure. Which
+runs a grid is made of is the sweeps' (`sweeps.grid`); once a sweep has recorded them, its runs are
+named from the record, without composing the grid again."""
 
 from __future__ import annotations
 
+import functools
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,8 @@ from .. import console
 from . import folders, replacement
 from .identity import identity
 
-SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, wall time and machine
+SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, its grid's runs, wall time and machine
+RECORDED_RUNS = "runs"  # sweep.json's list of the grid's runs, in launch order: each its folder's name and label
 OBJECTIVE = (
     "val_token_acc"  # what a job returns to an optimising sweeper: validation greedy token accuracy, from metrics.json
 )
@@ -28,11 +31,13 @@ TRIAL_RECORD = "trial.json"
 
 @dataclass(frozen=True)
 class GridRun:
-    """One job of a grid: its sweep overrides, its config as the task function sees it, and its folder."""
+    """One job of a grid: its sweep overrides, its config as the task function sees it, and its folder.
+    A run found in a folder (`from_folder`) or in a sweep's record (`RecordedRun`) has no overrides and
+    the config it was trained with."""
 
     overrides: tuple[str, ...]
     label: str  # the swept overrides only, e.g. "attention=none task.length=5 seed=0"
-    config: DictConfig
+    config: DictConfig | None
     folder: Path
 
     @classmethod
@@ -78,6 +83,46 @@ class GridRun:
         return self.failure()
 
 
+def describe_missing(missing: list[tuple[GridRun, str]], total: int) -> str:
+    """`N of M runs missing:` and one line per run (its overrides, folder and why)."""
+    lines = [f"{len(missing)} of {total} runs missing:"]
+    lines += [f"  {run.label or run.folder.name}  ({run.folder.name}): {reason}" for run, reason in missing]
+    return "\n".join(lines)
+
+
+def grid_record(runs: list[GridRun]) -> list[dict[str, str]]:
+    """What sweep.json records of a grid's runs as the sweep starts (RECORDED_RUNS): each run's folder
+    name and label, in launch order."""
+    return [{"run": run.folder.name, "label": run.label} for run in runs]
+
+
+class RecordedRun(GridRun):
+    """A run of a grid as its sweep recorded it (`recorded_runs`): its label and folder, and the config it
+    was trained with (its config.yaml: the identity its folder's name stands for, so the settings that
+    composing its job again gives) read when first asked for; None where it has none (not run yet, or
+    unreadable)."""
+
+    def __init__(self, label: str, folder: Path) -> None:  # GridRun's fields, set as its frozen __init__ does
+        for name, value in (("overrides", ()), ("label", label), ("folder", folder)):
+            object.__setattr__(self, name, value)
+
+    @functools.cached_property
+    def config(self) -> DictConfig | None:
+        try:
+            return OmegaConf.load(self.folder / folders.CONFIG)
+        except Exception:  # noqa: BLE001 - none yet, or damaged: its reader names it (OmegaConf raises many types)
+            return None
+
+
+def recorded_runs(runs_dir: Path, record: dict[str, Any]) -> list[GridRun] | None:
+    """The runs of the grid a sweep recorded (`record`, its sweep.json) in `runs_dir`, named from the
+    record without composing a job (`RecordedRun`); None where the record names no runs (a search, or a
+    sweep recorded before copytask recorded them)."""
+    if not isinstance(record.get(RECORDED_RUNS), list):
+        return None
+    return [RecordedRun(entry["label"], Path(runs_dir) / entry["run"]) for entry in record[RECORDED_RUNS]]
+
+
 def record_failure(folder: Path, error: BaseException) -> None:
     """Record why the job of the run in `folder` failed (FAILED: the error and its traceback), where it
     makes no complete results look failed (`replacement.failure_folder`)."""
@@ -107,7 +152,7 @@ def _without_lengths(cfg: DictConfig) -> dict[str, Any]:
 def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
     """Complete variable-length runs in `runs_dir` whose settings, lengths aside, are those of a
     run of `grid`: their per-length curves belong on the grid's accuracy-vs-length figure."""
-    settings = [_without_lengths(run.config) for run in grid]
+    settings = [_without_lengths(run.config) for run in grid if run.config is not None]
     found = []
     for folder in folders.complete_runs(runs_dir):  # not a replacement's staging folder, complete before its swap
         if not (folder / folders.CONFIG).is_file():

@@ -34,7 +34,7 @@ from ..config.hydra_internals import (
 from ..config.parallel import check_n_jobs
 from ..config.schema import config_dir, dotted_keys, hydra_errors
 from ..console import ConfigError
-from ..store.runs import SWEEP_RECORD, TRIAL_RECORD, GridRun, folder_runs
+from ..store.runs import SWEEP_RECORD, TRIAL_RECORD, GridRun, folder_runs, recorded_runs
 
 # What `copytask.sweep` adds to its Hydra command line so that Hydra configures no logging (jobs.run_hydra);
 # not part of the command that starts the sweep (`sweep_command`)
@@ -117,20 +117,22 @@ def compose_grid(
     expand_grid: bool = True,
     multirun: bool = True,
     check: Callable[[DictConfig], None] | None = None,
+    master: DictConfig | None = None,
 ) -> tuple[DictConfig, list[GridRun]]:
     """The master config and grid (empty unless `expand_grid`) of `python -m copytask sweep
     <overrides>`, or with `multirun=False` the config of `python -m copytask train <overrides>` and
     its one run, composed without running anything and without writing Hydra output folders;
-    `check` is called on every job's config as it is composed. For a sweeper that proposes its jobs
-    (Optuna) there is no grid before it runs: the runs are the trials recorded in runs_dir
-    (`search_trials`), and `check` sees what can be checked up front (`check_search`). Raises
+    `check` is called on every job's config as it is composed; `master`: the sweep's master config
+    where the caller has it already (`compose_grid(overrides, expand_grid=False)`). For a sweeper that
+    proposes its jobs (Optuna) there is no grid before it runs: the runs are the trials recorded in
+    runs_dir (`search_trials`), and `check` sees what can be checked up front (`check_search`). Raises
     ConfigError (one line) for what Hydra cannot compose: an unknown key, a group option that does
     not exist, an override it cannot parse."""
     with own_global_hydra():
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="copytask"):
-            with hydra_errors(dotted_keys(compose([], multirun=True))):
+            with hydra_errors(lambda: dotted_keys(compose([], multirun=True))):
                 if multirun:
-                    master = compose(overrides, multirun=True)
+                    master = compose(overrides, multirun=True) if master is None else master
                     if not proposes_jobs(master.hydra):
                         return master, expand(master, check) if expand_grid else []
                     if check is not None:
@@ -151,7 +153,7 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
     the attention classes know (`models.build.check_buildable`, which imports torch: only once every
     job has passed the torch-free checks, whose refusals stay immediate). -> the grid; ConfigError,
     naming the bad value and the grid entry it came from, for the first job that cannot run."""
-    torch_free_check, searching = validate, False
+    torch_free_check, searching, master = validate, False, None
     if multirun:  # jobs that run on other machines (SLURM) check the device there; submitting needs SLURM here
         master, _ = compose_grid(overrides, expand_grid=False)
         launcher = master.hydra.launcher.get("_target_")
@@ -168,7 +170,7 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
         checked.append(job)
 
     try:  # stops at the first bad job; a search has no jobs yet, only what its trials share
-        master, grid = compose_grid(overrides, expand_grid=not searching, multirun=multirun, check=check)
+        master, grid = compose_grid(overrides, expand_grid=not searching, multirun=multirun, check=check, master=master)
         from ..models.build import check_buildable
 
         for job in checked:
@@ -204,12 +206,17 @@ def is_grid_override(override: str) -> bool:
     return not any(key == view or key.startswith((f"{view}.", f"{view}/")) for view in VIEW_KEYS)
 
 
-def recorded_overrides(runs_dir: Path) -> list[str] | None:
-    """The overrides of the last sweep recorded in runs_dir/sweep.json; None without a readable record."""
+def sweep_record(runs_dir: Path) -> dict | None:
+    """The last sweep's record in runs_dir (sweep.json); None without a readable one."""
     try:
         record = store.read_json(Path(runs_dir) / SWEEP_RECORD)
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
+
+
+def recorded_overrides(record: dict) -> list[str] | None:
+    """The overrides of the sweep a record (`sweep_record`) describes; None where it does not say."""
     if "overrides" in record:
         return list(record["overrides"])
     command = shlex.split(record.get("command", ""))  # a record written before `overrides` was
@@ -240,36 +247,67 @@ def replaced(recorded: list[str], given: list[str]) -> list[str]:
     return [*(override for override in recorded if override.split("=", 1)[0] not in keys), *given]
 
 
-def select_runs(overrides: list[str], every_run: bool = False, every_run_unless_recorded: bool = False) -> Selection:
+def select_runs(
+    overrides: list[str],
+    every_run: bool = False,
+    every_run_unless_recorded: bool = False,
+    master: DictConfig | None = None,
+) -> Selection:
     """The grid of `python -m copytask sweep <overrides>`; with no grid overrides (only `runs_dir`,
     `report.*` and the like), the grid of the last sweep recorded in runs_dir (where none is: the
     default grid, or with `every_run_unless_recorded` every complete run there); with `every_run`,
-    every complete run in runs_dir, whatever grid it came from."""
+    every complete run in runs_dir, whatever grid it came from. `master`: the config of
+    `sweep <overrides>` where the caller has composed it already.
+
+    The grid is composed at most once, and not at all where it is the grid of the sweep recorded in
+    runs_dir: its runs are then named from the record (`store.runs.recorded_runs`)."""
     grid_given = [override for override in overrides if is_grid_override(override)]
     if every_run and grid_given:
         raise ConfigError(
             f"--all takes every complete run in runs_dir; give it no grid overrides (got {' '.join(grid_given)})"
         )
-    if not grid_given:  # runs_dir first (cheap: no job composed), then the grid recorded there, expanded once
+    if master is None:  # runs_dir first (cheap: no job composed)
         master, _ = compose_grid(overrides, expand_grid=False)
-        recorded = None if every_run else recorded_overrides(Path(master.runs_dir))
-        if recorded is not None:
-            combined = replaced(recorded, overrides)
-            master, grid = compose_grid(combined)
-            command = shlex.join(["python", "-m", "copytask", "sweep", *recorded])
-            return selection(master, grid, combined, command, recorded_in=master.runs_dir)
-        if every_run or every_run_unless_recorded:
-            runs = folder_runs(store.complete_runs(Path(master.runs_dir)))
-            return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs")
-    master, grid = compose_grid(overrides)
-    return selection(master, grid, overrides, sweep_command(master))
+    record = None if every_run else sweep_record(Path(master.runs_dir))
+    recorded = None if record is None else recorded_overrides(record)
+    if not grid_given and recorded is not None:  # the grid recorded there
+        combined = replaced(recorded, overrides)
+        if combined != overrides:
+            master, _ = compose_grid(combined, expand_grid=False)
+        command = shlex.join(["python", "-m", "copytask", "sweep", *recorded])
+        runs = recorded_grid(master, record, combined)
+        return selection(master, runs, combined, command, recorded_in=master.runs_dir)
+    if not grid_given and (every_run or every_run_unless_recorded):
+        runs = folder_runs(store.complete_runs(Path(master.runs_dir)))
+        return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs")
+    runs = recorded_grid(master, record, overrides) if recorded is not None else None
+    return selection(master, runs, overrides, sweep_command(master))
+
+
+def recorded_grid(master: DictConfig, record: dict, overrides: list[str]) -> list[GridRun] | None:
+    """The runs of the grid of `sweep <overrides>` (`master`) as `record` names them, where it is the
+    grid that sweep recorded (the same grid overrides, view keys such as runs_dir aside) and the record
+    names its runs; None otherwise (compose it)."""
+    if proposes_jobs(master.hydra):
+        return None
+    same = [o for o in recorded_overrides(record) or [] if is_grid_override(o)] == [
+        o for o in overrides if is_grid_override(o)
+    ]
+    return recorded_runs(Path(master.runs_dir), record) if same else None
 
 
 def selection(
-    master: DictConfig, runs: list[GridRun], overrides: list[str], command: str, recorded_in: str | None = None
+    master: DictConfig,
+    runs: list[GridRun] | None,
+    overrides: list[str],
+    command: str,
+    recorded_in: str | None = None,
 ) -> Selection:
-    """The Selection of the grid, or of the search's trials, that `command` sweeps, with its line
-    for the user (which says so when the sweep was the last one recorded in a runs_dir)."""
+    """The Selection of the grid, or of the search's trials, that `command` sweeps (`runs`, or where
+    None the runs of `master`'s grid composed from `overrides`), with its line for the user (which
+    says so when the sweep was the last one recorded in a runs_dir)."""
+    if runs is None:
+        master, runs = compose_grid(overrides, master=master)
     if not proposes_jobs(master.hydra):
         of = f" the last sweep in {recorded_in}: {command}" if recorded_in is not None else f": {command}"
         return Selection(master, runs, overrides, f"the grid of{of}")

@@ -36,9 +36,8 @@ from ..config.checks import analysis_device, remote_launcher
 from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
 from ..config.schema import config_dir
 from ..console import TERMINAL_WIDTH, ConfigError
-from ..store.runs import OBJECTIVE, SWEEP_RECORD, TRIAL_RECORD, GridRun, record_failure
+from ..store.runs import OBJECTIVE, RECORDED_RUNS, SWEEP_RECORD, TRIAL_RECORD, GridRun, grid_record, record_failure
 from ..training import trackers
-from ..training.devices import cpu_model, gpu_name
 from .grid import QUIET_HYDRA, check_grid, expand, search_trials, sweep_command, trial_runs
 from .progress import SweepProgress, TrialProgress, jobs_at_once
 
@@ -163,9 +162,13 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.perf_counter()
         self.started_at = time.time()
+        searching = proposes_jobs(config.hydra)
+        self.runs = [] if searching else expand(config)
         # Recorded now, so that `compare` and `report` find this grid (or this search's trials so far) even
-        # while it runs or if it is cut off.
+        # while it runs or if it is cut off, and name its runs without composing them again.
         self.begun = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "started_at": self.started_at}
+        if not searching:
+            self.begun[RECORDED_RUNS] = grid_record(self.runs)
         store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | self.begun)
         trackers.prepare(config)
         if builds_kernels_here(config):
@@ -173,18 +176,17 @@ class SweepSummary(Callback):
 
             # a fresh machine's one-time compile (30-80 s), before the bar starts, so its ETA measures training
             build.kernel()
-        if proposes_jobs(config.hydra):
+        if searching:
             trials = config.hydra.sweeper.get("n_trials")
             self.at_once = jobs_at_once(config.hydra, trials)
             self.progress = TrialProgress(
                 Path(config.hydra.sweep.dir), trials, enabled=config.train.progress, at_once=self.at_once
             )
         else:
-            runs = self.runs = expand(config)
-            if not config.retrain and (line := store.provenance.retrained_line([run.folder for run in runs])):
+            if not config.retrain and (line := store.provenance.retrained_line([run.folder for run in self.runs])):
                 console.log.info(f"sweep: {line}")  # before the bar: why runs it counts as done train again
-            self.at_once = jobs_at_once(config.hydra, len(runs))
-            self.progress = SweepProgress(runs, enabled=config.train.progress, at_once=self.at_once)
+            self.at_once = jobs_at_once(config.hydra, len(self.runs))
+            self.progress = SweepProgress(self.runs, enabled=config.train.progress, at_once=self.at_once)
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that run jobs in other processes (joblib, submitit) pickle the callbacks with
@@ -301,6 +303,8 @@ def analyse(runs: list[GridRun], config: DictConfig) -> float:
 def ended(config: DictConfig, outcome: dict[str, Any], trials: list[dict] | None) -> dict[str, Any]:
     """What sweep.json adds at the end: the sweep's `outcome` (counts and seconds), when and where it
     ran, and a search's trials."""
+    from ..training.devices import cpu_model, gpu_name  # torch: not for a refusal, which comes before any job
+
     return (
         outcome
         | {
@@ -317,10 +321,14 @@ def ended(config: DictConfig, outcome: dict[str, Any], trials: list[dict] | None
 
 def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictConfig) -> Path | None:
     """results.csv and the report (a search's, for `trials`) of the runs that are complete, logged,
-    and handed to the tracker. -> results.csv's path; None where no run is complete."""
-    from ..reporting import report, search, tables
+    and handed to the tracker. A grid's report records what it was drawn from (`reporting.freshness`),
+    so that `report` after the sweep draws nothing; the sweep itself always draws it (its report.md
+    gives this sweep's wall time). -> results.csv's path; None where no run is complete."""
+    from ..reporting import freshness, report, search, tables
 
     runs_dir = Path(config.runs_dir)
+    # what the report draws, taken before any run is read
+    drawn = None if trials is not None else freshness.drawn_from(runs, runs_dir, config.report.x)
     loaded = tables.load(runs)
     results = None
     if not loaded.table.empty:
@@ -329,13 +337,16 @@ def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictCo
         if trials is not None:
             written = search.write_report(trials, loaded, runs_dir)
         else:
+            drawn.forget()
             try:
-                report.x_column(config.report.x, loaded)
+                tables.x_column(config.report.x, loaded)
                 x = config.report.x
             except ConfigError as error:
                 console.warn(f"{error}; the report puts task.length on the x axis")
-                x = "task.length"
+                x, drawn = "task.length", None  # not the report `report` would draw: left unrecorded
             written = report.write_report(runs, loaded, runs_dir, x)
+            if drawn is not None:
+                drawn.record([results, *written], loaded.missing, loaded.mixed)
         console.log.info(report.written_line(written, time.perf_counter() - started))
         trackers.log_report(config, written)
         if trials is None:  # the result on the terminal, as `compare` prints it, and the report's finding
@@ -343,7 +354,7 @@ def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictCo
             chance = sorted(set(loaded.table["chance"]))
             console.log.info(tables.narrow_note(list(dict.fromkeys(loaded.table["task"])), chance))
             console.log.info(tables.comparison_table(summary, loaded.settings).to_string(index=False))
-            finding = " ".join(report.headline(summary, report.x_column(x, loaded))).strip()
+            finding = " ".join(report.headline(summary, tables.x_column(x, loaded))).strip()
             console.log.info(textwrap.fill(finding, TERMINAL_WIDTH))
     if trials is not None:
         console.log.info(f"search: {search.best_line(search.trial_table(trials, loaded), loaded.settings)}")

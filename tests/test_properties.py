@@ -107,6 +107,7 @@ VALID = {
     "task.vocab_size": st.integers(2, 12),
     "task.variable_length": st.booleans().map(str).map(str.lower),
     "task.min_length": st.integers(1, 6),
+    "task.copied": st.integers(1, 5).map(str) | st.just("null"),  # task=selective_copy's k (null for the others)
     "attention.heads": st.integers(1, 4),
     "attention.size": st.integers(1, 8),  # the additive score's size, linear attention's feature size
     "attention.window": st.integers(1, 4),
@@ -251,6 +252,8 @@ PROPERTY = settings(max_examples=80, deadline=None, derandomize=True, suppress_h
     ["attention=scaled_dot", "task=reverse", "task.length=1000000", "model.embedding_size=1000000"]
 )  # issue 19: killed for memory
 # Found by this test; each was a traceback, or a NaN loss after the run folder was written:
+@example(["task=selective_copy", "task.copied=2", "architecture=mamba"])  # issue 82: k among noise, target of k
+@example(["task=selective_copy", "task.copied=4"])  # k >= L (QUIET's task.length=4)
 @example(["=3"])  # Hydra's ValueError
 @example(["attention=[1,2]"])  # Hydra's TypeError
 @example(["train.lr=nan"])
@@ -323,7 +326,7 @@ def mixed_batches(draw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     longest = max(lengths)
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     symbols = torch.randint(3, 12, (len(lengths), longest), generator=generator)
-    batch = task_batch("copy", symbols, torch.tensor(lengths))
+    batch = task_batch("copy", symbols, torch.tensor(lengths), 9)  # symbols 3 .. 11: 9 content symbols
     return batch.src, batch.src_lengths, batch.tgt_in
 
 
@@ -452,6 +455,7 @@ NEUTRAL = [
     ("analysis.lengths", "[5,9]"),
     ("analysis.beam_widths", "[2]"),
     ("analysis.probe_size", "null"),
+    ("task.copied", "null"),
 ]  # model=gru reads no Transformer or Mamba key
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..console import ConfigError
-from ..data.vocab import total_vocab
+from ..data.tasks import vocabulary
 
 MODELS = ("gru", "transformer", "mamba")
 MODEL_KEYS = {
@@ -152,7 +152,7 @@ def check_transformer(cfg: DictConfig) -> None:
 def transformer_parameter_count(cfg: DictConfig) -> int:
     """The trainable parameters of `transformer.TransformerSeq2Seq` for `cfg`: nn.Transformer (its
     layers and final norms), the source and target embeddings, a learned position table, the readout."""
-    vocab, model = total_vocab(cfg.task.vocab_size), cfg.model
+    vocab, model = vocabulary(cfg.task.name, cfg.task.vocab_size), cfg.model
     d, ff, layers = model.d_model, model.ff_size, model.layers
     attention = 4 * d * d + 4 * d  # in_proj (3d x d) and its bias, out_proj (d x d) and its bias
     feed_forward = 2 * d * ff + ff + d
@@ -171,7 +171,7 @@ def mamba_parameter_count(cfg: DictConfig) -> int:
     projection to x and z, the depthwise convolution, the projections of Δ, B and C, A_log, D, the output
     projection), but the encoder's last layer without the gate, D and output projection (nothing reads its
     output); the source and target embeddings, the final norm and the readout."""
-    vocab, model = total_vocab(cfg.task.vocab_size), cfg.model
+    vocab, model = vocabulary(cfg.task.name, cfg.task.vocab_size), cfg.model
     d, n, k = model.d_model, model.d_state, model.d_conv
     inner, rank = model.expand * d, -(-d // 16)  # E, and R = ceil(d / 16)
     state = d * inner + inner * k + inner + inner * (rank + 2 * n) + rank * inner + inner + inner * n  # x, conv, SSM

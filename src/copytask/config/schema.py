@@ -54,6 +54,7 @@ class TaskConfig:
     vocab_size: int = MISSING
     variable_length: bool = MISSING
     min_length: int = MISSING
+    copied: int | None = None  # selective copying's k; null for a task that does not read it
 
 
 @dataclass
@@ -158,6 +159,7 @@ MINIMUM = {
     "task.length": 1,
     "task.vocab_size": 2,  # one symbol would make copying trivial
     "task.min_length": 1,
+    "task.copied": 1,
     "model.embedding_size": 1,
     "model.hidden_size": 1,
     "attention.size": 1,

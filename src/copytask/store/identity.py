@@ -34,7 +34,13 @@ NOT_IDENTITY = (
 # Keys whose value here is what the code computed before the key existed: at that value a key is left
 # out of the identity, so that adding a key (with such a default) renames no existing run, and giving
 # it explicitly (`attention.heads=1`) is the same run.
-NEUTRAL = {"attention.heads": 1, "attention.local": None, "attention.variant": None, "model.name": "gru"}
+NEUTRAL = {
+    "attention.heads": 1,
+    "attention.local": None,
+    "attention.variant": None,
+    "model.name": "gru",
+    "task.copied": None,  # a task that does not read it (checks refuse any other value there)
+}
 
 
 # Keys that change nothing unless another key has a value: (key, condition on the config). Each model
@@ -129,10 +135,13 @@ def model_label(cfg: DictConfig) -> str:
 
 
 def run_name(cfg: DictConfig) -> str:
-    """Readable and unique: `<architecture>-<task><length>-seed<seed>-<hash of the identity>`."""
+    """Readable and unique: `<architecture>-<task><length>-seed<seed>-<hash of the identity>`, the length
+    followed by `k<task.copied>` for a task that reads it (`mamba-selective_copy64k8-seed0-...`)."""
     digest = hashlib.sha1(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:8]
     task = cfg.task
     lengths = f"{task.min_length}-{task.length}" if task.variable_length else f"{task.length}"
+    if task.get("copied") is not None:
+        lengths += f"k{task.copied}"
     return f"{architecture(cfg)}-{task.name}{lengths}-seed{cfg.seed}-{digest}"
 
 

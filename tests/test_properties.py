@@ -129,6 +129,7 @@ VALID = {
     "model.d_state": st.integers(1, 4),
     "model.d_conv": st.integers(1, 5),
     "model.expand": st.integers(1, 3),
+    "model.selective": st.booleans().map(str).map(str.lower) | st.just("null"),  # model=mamba's only (else null)
     "analysis.lengths": st.lists(st.integers(1, 9), min_size=1, max_size=3).map(
         lambda lengths: f"[{','.join(map(str, lengths))}]"
     ),
@@ -388,13 +389,15 @@ def test_attention_weights_keep_the_contract_on_mixed_length_batches(attention, 
     st.integers(1, 4),  # model.d_state
     st.integers(1, 5),  # model.d_conv
     st.integers(1, 2),  # model.layers
+    st.booleans(),  # model.selective: the LTI SSM of the selection ablated too
     st.integers(0, 2**16),
 )
-def test_mamba_gives_each_sequence_of_a_mixed_batch_what_it_gets_alone(batch, d_state, d_conv, layers, seed):
+def test_mamba_gives_each_sequence_of_a_mixed_batch_what_it_gets_alone(batch, d_state, d_conv, layers, selective, seed):
     """The state a Mamba encoder hands over is the one after each sequence's own last symbol, whatever the
     padding: logits and the summary state per sequence as alone, and the fused scan as torch's loop."""
     src, lengths, tgt_in = batch
     sizes = [f"model.d_state={d_state}", f"model.d_conv={d_conv}", f"model.layers={layers}"]
+    sizes.append(f"model.selective={str(selective).lower()}")
     cfg = compose(["model=mamba", "model.d_model=8", *sizes])
     torch.manual_seed(seed)
     model = build_model(cfg).eval()
@@ -456,6 +459,7 @@ NEUTRAL = [
     ("analysis.beam_widths", "[2]"),
     ("analysis.probe_size", "null"),
     ("task.copied", "null"),
+    ("model.selective", "null"),
 ]  # model=gru reads no Transformer or Mamba key
 
 

@@ -73,6 +73,7 @@ class ModelConfig:  # each model=... option sets its own keys (model_keys.MODEL_
     d_state: int | None = None
     d_conv: int | None = None
     expand: int | None = None
+    selective: bool | None = None
 
 
 @dataclass

@@ -49,6 +49,7 @@ def build_model(
             model.d_conv,
             model.expand,
             fused=cfg.train.get("fused", True),
+            selective=model.get("selective") is not False,  # absent from older runs: Mamba's own, selective
         )
     return model_class(
         vocab=vocabulary(cfg.task.name, cfg.task.vocab_size),

@@ -39,6 +39,7 @@ NEUTRAL = {
     "attention.local": None,
     "attention.variant": None,
     "model.name": "gru",
+    "model.selective": True,  # Mamba's own selective SSM
     "task.copied": None,  # a task that does not read it (checks refuse any other value there)
 }
 
@@ -117,12 +118,13 @@ def attention_label(name: str, heads: int = 1) -> str:
 
 def architecture(cfg: DictConfig) -> str:
     """What a run's model is, in a word: a GRU model's attention type (`attention.name`), or
-    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer, or `mamba`. Run names
+    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer, or `mamba`, or
+    `mamba_lti` for Mamba with the selection ablated (`model.selective=false`: an LTI SSM). Run names
     start with it; metrics.json records it as `attention`."""
     if is_transformer(cfg):
         return "transformer" if cfg.model.positions == "sinusoidal" else f"transformer_{cfg.model.positions}"
     if model_name(cfg) == "mamba":
-        return "mamba"
+        return "mamba" if cfg.model.get("selective") in (True, None) else "mamba_lti"  # None: runs from before it
     return cfg.attention.name
 
 

@@ -195,8 +195,9 @@ def test_the_memory_check_compares_the_estimate_with_the_machines_memory(make_co
         ["experiment=budget"],
         ["experiment=capacity", "model.hidden_size=16,32,64,128,256"],
         ["experiment=fixed_state"],
+        ["experiment=selective_copy"],
     ],
-    ids=["default", "attention_zoo", "budget", "capacity-256", "fixed_state"],
+    ids=["default", "attention_zoo", "budget", "capacity-256", "fixed_state", "selective_copy"],
 )
 @pytest.mark.slow
 def test_every_preset_fits_a_small_machine(preset, monkeypatch):

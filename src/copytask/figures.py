@@ -42,6 +42,7 @@ MODEL_STYLES = {
     "transformer_learned": ("slateblue", "d"),
     "linear": ("tab:cyan", "P"),
     "mamba": ("darkgreen", "H"),
+    "mamba_lti": ("limegreen", "8"),  # Mamba with the selection ablated: its green, lighter
 }
 EXTRA_STYLES = list(
     zip(("goldenrod", "crimson", "teal", "sienna", "orchid", "yellowgreen", "steelblue", "salmon"), "8*pHd<>v")
@@ -164,8 +165,11 @@ def plot_attention(sample: dict, vocab_size: int, task: str, title: str, path: P
     (heads, T_dec, T_enc) for one panel per head."""
     weights = np.asarray(sample["weights"], dtype=float)
     maps = weights[None] if weights.ndim == 2 else weights
-    size = max(4.0, 0.13 * max(maps.shape[1:]))  # about 9 pt per cell keeps a length-80 map readable
-    figure, axes = panels(len(maps), width=size + (1.5 if len(maps) == 1 else 0.5), height=size)
+    # about 9 pt per cell keeps a length-80 map readable; a target shorter than its source (selective copying)
+    # gets a map as wide as its source and only as tall as its rows
+    size = max(4.0, 0.13 * max(maps.shape[1:]))
+    height = max(4.0, 0.13 * maps.shape[1] + 1.5) if maps.shape[1] < maps.shape[2] else size
+    figure, axes = panels(len(maps), width=size + (1.5 if len(maps) == 1 else 0.5), height=height)
     for head, (ax, head_weights) in enumerate(zip(axes, maps)):
         image = draw_attention(ax, head_weights, sample, vocab_size, task)
         if len(maps) > 1:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..data.tasks import TASKS, Sources, vocabulary
+from ..data.tasks import TASKS, UNIFORM, Sources, vocabulary
 from . import model_keys
 from .model_keys import FLOAT, LONG
 from .schema import (
@@ -133,7 +133,7 @@ def heldout_share(
     vocab_size: int,
     eval_size: int,
     min_length: int | None = None,
-    sources: Sources = Sources(),
+    sources: Sources = UNIFORM,
     copied: int | None = None,
 ) -> float:
     """An upper bound on the probability that a fresh training row is a held-out sequence.
@@ -175,7 +175,7 @@ def check_heldout(
     eval_size: int,
     val_size: int,
     min_length: int | None = None,
-    sources: Sources = Sources(),
+    sources: Sources = UNIFORM,
     copied: int | None = None,
 ) -> None:
     """ConfigError unless the test and validation sets (`eval_size` + `val_size` sequences, held out

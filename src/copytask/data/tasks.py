@@ -68,6 +68,9 @@ class Sources:
         return digits % vocab_size + NUM_SPECIAL
 
 
+UNIFORM = Sources()  # copy's sources: every task's unless it says otherwise
+
+
 class AmongNoise(Sources):
     """Selective copying's sources (Gu and Dao, 2023, section 3.1): `copied` = k content symbols, uniform and
     independent, at k distinct positions drawn uniformly among each source's, the noise token everywhere
@@ -104,7 +107,7 @@ class AmongNoise(Sources):
         import torch
 
         layouts = torch.tensor(list(combinations(range(length), copied)), dtype=torch.long)  # (C(L, k), k)
-        contents = Sources().every(copied, vocab_size, None)  # (V^k, k)
+        contents = UNIFORM.every(copied, vocab_size, None)  # (V^k, k)
         rows = torch.full((len(layouts) * len(contents), length), noise_token(vocab_size), dtype=torch.long)
         positions = layouts.repeat_interleave(len(contents), 0)  # each layout with every content in turn
         return rows.scatter(1, positions, contents.repeat(len(layouts), 1))
@@ -120,12 +123,12 @@ class Task(NamedTuple):
 TASKS: dict[str, Task] = {}
 
 
-def task(name: str, sources: Sources | None = None) -> Callable[[Copies], Copies]:
+def task(name: str, sources: Sources = UNIFORM) -> Callable[[Copies], Copies]:
     """Register `copies` as the task `name` (the config's `task.name`), its sources drawn by `sources`
-    (None: `Sources`, every position a uniform content symbol)."""
+    (by default every position a uniform content symbol)."""
 
     def register(copies: Copies) -> Copies:
-        TASKS[name] = Task(copies, sources or Sources())
+        TASKS[name] = Task(copies, sources)
         return copies
 
     return register

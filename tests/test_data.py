@@ -218,3 +218,34 @@ def test_a_noise_task_s_models_have_the_noise_token_and_copy_s_do_not():
     assert symbol(noise_token(9), 9) == "_" and parse_symbols("_a_b", 9, noise=True) == [12, 3, 12, 4]
     with pytest.raises(ValueError, match="unknown symbol '_'"):
         parse_symbols("_a_b", 9)
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["task.copied=0"], "task.copied must be an integer >= 1, got 0"),
+        (["task.copied=-2"], "task.copied must be an integer >= 1, got -2"),
+        (["task.length=8", "task.copied=8"], "task.copied (8) must be less than task.length (8)"),
+        (["task.length=8", "task.copied=9"], "task.copied (9) must be less than task.length (8)"),
+        (["task.copied=null"], "task.copied must be an integer >= 1 with task=selective_copy, got null"),
+        (["task.copied=2.5"], "task.copied must be an integer >= 1, got 2.5"),
+        (["task.variable_length=true", "task.min_length=4", "task.copied=4"], "less than task.min_length (4)"),
+        (["task=copy", "task.copied=3"], "task.copied=3 is selective copying's"),
+        (["task=reverse", "task.copied=3"], "task=reverse does not read it"),
+        (["task.vocab_size=2", "task.length=5", "task.copied=1"], "task.length=5 with task.copied=1 over"),
+    ],
+)
+def test_bad_selective_copying_values_are_refused_in_one_line(overrides, says):
+    """Issue 82: k < 1, k >= L (the shortest L of variable lengths), no k, a k the task does not read, and too
+    few sources for the held-out sets (here C(5, 1) x 2 = 10), each refused in one line naming the key."""
+    with pytest.raises(copytask.ConfigError) as refused:
+        copytask.compose([*TINY, "task=selective_copy", "task.length=6", "task.copied=2", *overrides])
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_refused_k_writes_nothing(tmp_path):
+    from .conftest import run_cli
+
+    done = run_cli("train", *TINY, "task=selective_copy", "task.length=4", "task.copied=4", f"runs_dir={tmp_path}/r")
+    assert done.returncode == 2 and done.stderr.startswith("copytask: error: task.copied (4) must be less than")
+    assert not (tmp_path / "r").exists()

@@ -127,3 +127,13 @@ def test_too_few_selective_copying_sources_for_the_heldout_sets_are_refused():
     with pytest.raises(copytask.ConfigError, match=r"of task.length=4 with task.copied=2 over task.vocab_size=2 ") as e:
         copytask.compose([*SELECTIVE, "task.vocab_size=2"])
     assert "train.eval_size + train.val_size <= 12" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_selective_copyings_per_length_set_holds_no_trained_source_and_k_symbols_each(make_config):
+    """Variable lengths 4-6 with k = 2: every length of the mixed set has k-symbol targets, and none of its
+    sources is one training drew or the validation set holds."""
+    cfg = make_config(*SELECTIVE, "task.variable_length=true", "task.min_length=4", "task.length=6")
+    seen = splits.unscorable(cfg, 20)
+    batch, notes = analysis.per_length_batch(cfg, seen, per_length=16)
+    assert set(batch.src_lengths.tolist()) == {4, 5, 6} and not keys(batch) & seen
+    assert batch.tgt_out.shape[1] == 3 and (batch.tgt_lengths == 2).all() and notes == []

@@ -14,8 +14,9 @@ from copytask import cli, figures, store
 from copytask.config import schema
 from copytask.console import CopytaskWarning
 from copytask.data import batches
-from copytask.data.batches import Batch, make_batch
-from copytask.data.vocab import EOS, total_vocab
+from copytask.data.batches import make_batch, task_batch
+from copytask.data.tasks import TASKS
+from copytask.data.vocab import EOS, noise_token, total_vocab
 from copytask.evaluation import analysis
 from copytask.models.greedy import evaluate
 from copytask.models.recurrent import Seq2Seq
@@ -58,35 +59,39 @@ def test_fixed_weights_put_everything_on_one_valid_position():
 
 
 def hand_built(task: str, lengths: torch.Tensor, on_target: float = 1.0):
-    """A batch and weights (B, T_dec, T_enc) with `on_target` on the copied position, the rest spread."""
-    t_enc = int(lengths.max())
-    t_dec = t_enc + 1
-    # alignment reads only the lengths: the symbols do not matter here
-    batch = Batch(
-        torch.zeros(len(lengths), t_enc, dtype=torch.long),
-        lengths,
-        *torch.zeros(2, len(lengths), t_dec, dtype=torch.long),
-    )
-    weights = torch.zeros(len(lengths), t_dec, t_enc)
-    for b, length in enumerate(lengths.tolist()):
-        for t in range(length):
-            source = t if task == "copy" else length - 1 - t
+    """A batch of `task` (sources of `lengths` over 9 symbols, 2 of them copied for selective copying) and
+    weights (B, T_dec, T_enc) with `on_target` on each step's copied position, the rest spread."""
+    t_enc, generator = int(lengths.max()), torch.Generator().manual_seed(0)
+    sources = TASKS[task].sources
+    batch = task_batch(task, sources.draw(lengths, t_enc, 9, 2, generator), lengths, 9)
+    copied = batches.copied_positions(task, batch, 9)  # (B, T_dec)
+    weights = torch.zeros(len(lengths), batch.tgt_out.size(1), t_enc)
+    for b, (length, steps) in enumerate(zip(lengths.tolist(), batch.tgt_lengths.tolist())):
+        for t in range(steps):
             weights[b, t, :length] = (1 - on_target) / max(length - 1, 1)
-            weights[b, t, source] = on_target
+            weights[b, t, copied[b, t]] = on_target
     return weights, batch
 
 
-@pytest.mark.parametrize("task", ["copy", "reverse"])
+@pytest.mark.parametrize("task", ["copy", "reverse", "selective_copy"])
 def test_alignment_of_a_hand_built_matrix(task):
-    lengths = torch.tensor([4, 2, 3])
+    lengths = torch.tensor([4, 2, 3]) if task != "selective_copy" else torch.tensor([6, 3, 5])
     diagonal, batch = hand_built(task, lengths)
-    assert analysis.alignment(diagonal, batch.tgt_out, batch, task) == {"hit": 1.0, "mass": 1.0, "adjacent": 0.0}
+    assert analysis.alignment(diagonal, batch.tgt_out, batch, task, 9) == {"hit": 1.0, "mass": 1.0, "adjacent": 0.0}
     spread, _ = hand_built(task, lengths, on_target=0.7)
-    result = analysis.alignment(spread, batch.tgt_out, batch, task)
+    result = analysis.alignment(spread, batch.tgt_out, batch, task, 9)
     assert result["hit"] == 1.0 and result["mass"] == pytest.approx(0.7)
+    if task == "selective_copy":  # row t on source position t, as copy's: a hit only where no noise comes before
+        t_dec = batch.tgt_out.size(1)
+        in_order = torch.eye(t_dec, diagonal.size(-1)).expand_as(diagonal)  # (B, T_dec, T_enc)
+        skipped = batches.copied_positions(task, batch, 9) != torch.arange(t_dec)  # (B, T_dec)
+        result = analysis.alignment(in_order, batch.tgt_out, batch, task, 9)
+        expected = 1 - skipped[batch.content_mask].float().mean().item()
+        assert 0 < expected < 1 and result["hit"] == pytest.approx(expected)
+        return
     # the other task's matrix (anti-diagonal for copy, diagonal for reverse) mostly misses
     other, _ = hand_built("reverse" if task == "copy" else "copy", lengths)
-    assert analysis.alignment(other, batch.tgt_out, batch, task)["hit"] == pytest.approx(
+    assert analysis.alignment(other, batch.tgt_out, batch, task, 9)["hit"] == pytest.approx(
         1 / 9
     )  # only the middle of length 3 agrees
 
@@ -97,7 +102,7 @@ def test_attention_one_position_off_counts_as_adjacent_not_hit():
     shifted = torch.zeros_like(diagonal)
     shifted[:, 1:] = diagonal[:, :-1]  # row t attends t - 1, as trained models do at long lengths
     shifted[:, 0, 0] = 1.0
-    result = analysis.alignment(shifted, batch.tgt_out, batch, "copy")
+    result = analysis.alignment(shifted, batch.tgt_out, batch, "copy", 9)
     content_steps = int(lengths.sum())
     assert result["hit"] == pytest.approx(2 / content_steps)  # only row 0 of each sequence
     assert result["adjacent"] == pytest.approx(1 - 2 / content_steps)
@@ -111,7 +116,7 @@ def test_alignment_leaves_out_the_steps_after_an_outputs_end():
     shifted[0, 0] = diagonal[0, 0]  # but the first step of the first sequence hits
     tokens = batch.tgt_out.clone()
     tokens[0, 1] = EOS
-    result = analysis.alignment(shifted, tokens, batch, "copy")
+    result = analysis.alignment(shifted, tokens, batch, "copy", 9)
     assert result["hit"] == pytest.approx(1 / (2 + 3))  # steps 0-1 of the first sequence, 0-2 of the second
 
 
@@ -269,11 +274,19 @@ def test_figures_are_drawn_from_the_analysis_files(analysed_runs, tmp_path):
     assert all(path.stat().st_size > 1000 for path in paths)
 
 
-@pytest.mark.parametrize("task, expected", [("copy", [0, 1, 2, 3]), ("reverse", [3, 2, 1, 0])])
-def test_copied_source_positions_are_the_alignment_targets(task, expected):
-    assert batches.copied_source_positions(task, 4) == expected
-    lengths = torch.tensor([4, 2])
-    assert batches.copied_positions(task, lengths, 4)[0].tolist() == expected  # what alignment scores
+NOISE = noise_token(9)
+
+
+@pytest.mark.parametrize(
+    "task, source, expected",
+    [("copy", [3, 4, 5, 6], [0, 1, 2, 3]), ("reverse", [3, 4, 5, 6], [3, 2, 1, 0]),
+     ("selective_copy", [NOISE, 4, NOISE, 6], [1, 3])],
+)  # fmt: skip
+def test_copied_source_positions_are_the_alignment_targets(task, source, expected):
+    """Selective copying's output step t copies the t-th content symbol, wherever the noise puts it."""
+    assert batches.copied_source_positions(task, source, 9) == expected
+    batch = task_batch(task, torch.tensor([source, [7, 8, 0, 0]]), torch.tensor([4, 2]), 9)
+    assert batches.copied_positions(task, batch, 9)[0].tolist()[: len(expected)] == expected  # what alignment scores
 
 
 @pytest.mark.parametrize("task", ["copy", "reverse"])
@@ -290,6 +303,20 @@ def test_attention_maps_outline_the_copied_cell_of_every_content_step(task):
     plt.close(figure)
     assert len(boxes) == length  # the EOS row copies nothing
     assert cells == {(step, step if task == "copy" else length - 1 - step) for step in range(length)}
+
+
+def test_a_selective_copying_map_outlines_each_content_symbol_and_greys_the_noise():
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    sample = {"source": [NOISE, 3, 4, NOISE, 5], "target": [3, 4, 5, EOS], "output": [3, 4, 5, EOS]}
+    figure, ax = plt.subplots()
+    figures.draw_attention(ax, torch.rand(4, 5).numpy(), sample, 9, "selective_copy")
+    boxes = [patch for patch in ax.patches if isinstance(patch, Rectangle)]
+    cells = {(round(box.get_y() + 0.5), round(box.get_x() + 0.5)) for box in boxes}
+    grey = [label.get_text() for label in ax.get_xticklabels() if label.get_color() == "grey"]
+    plt.close(figure)
+    assert cells == {(0, 1), (1, 2), (2, 4)} and grey == ["_", "_"]
 
 
 def test_counterfactual_figure_is_in_percent_with_a_chance_line(monkeypatch, tmp_path):

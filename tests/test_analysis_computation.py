@@ -148,6 +148,13 @@ RECORDED = {
         "beam3_tokens_0": [8, 11, 8, 8, 2], "beam3_score_0": -8.014002799987793, "beam3_tokens_1": [4, 11, 4, 11, 2],
         "beam3_score_1": -7.955204010009766, "probe_input_size": 448, "probe_input_mean_abs": 0.3179493896005455,
     },
+    "mamba_lti": {
+        "greedy_token_acc": 0.14453125, "greedy_seq_acc": 0.0, "teacher_forced_token_acc": 0.140625,
+        "teacher_forced_seq_acc": 0.0, "beam1_token_acc": 0.1484375, "beam3_token_acc": 0.140625, "probe_trained": 1.0,
+        "probe_untrained": 0.99609375, "probe_control": 1.0, "length6_token_acc": 0.06770833333333333,
+        "beam3_tokens_0": [4, 11, 4, 8, 2], "beam3_score_0": -7.699857234954834, "beam3_tokens_1": [4, 4, 8, 8, 2],
+        "beam3_score_1": -7.789144039154053, "probe_input_size": 448, "probe_input_mean_abs": 0.3567305814581994,
+    },
     "transformer": {
         "greedy_token_acc": 0.2421875, "greedy_seq_acc": 0.0, "teacher_forced_token_acc": 0.28515625,
         "teacher_forced_seq_acc": 0.0, "beam1_token_acc": 0.2734375, "beam3_token_acc": 0.203125,

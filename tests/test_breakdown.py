@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from copytask.console import ConfigError
-from copytask.data.batches import Batch, make_batch
+from copytask.data.batches import Batch, make_batch, task_batch
 from copytask.data.scoring import accuracy
 from copytask.data.splits import heldout_keys, sequence_keys, training_sequences
-from copytask.data.vocab import EOS, total_vocab
+from copytask.data.vocab import EOS, noise_token, total_vocab
 from copytask.evaluation.breakdown import teacher_forced
 from copytask.evaluation.probe import (
     fit_probe,
@@ -40,6 +40,27 @@ class Oracle(nn.Module):
         return nn.functional.one_hot(self.tokens, total_vocab(V)).float(), None
 
 
+def copy_labels(batch):
+    """The probe's labels of a batch of the copy task: the symbol at each source position."""
+    return source_labels(batch, "copy", V)
+
+
+def test_the_probe_reads_each_copied_symbol_in_source_order():
+    """Issue 82: copy's labels are its sources' symbols by position (as before the registry had targets
+    shorter than their sources), reverse's too (in source order, not output order); selective copying's
+    are its content symbols in order, the noise left out."""
+    batch = make_batch("copy", 8, L, V, torch.Generator().manual_seed(0), min_length=2)
+    labels, valid = copy_labels(batch)
+    assert torch.equal(valid, batch.src_mask) and torch.equal(labels, (batch.src - 3).clamp(min=0))
+    reverse = task_batch("reverse", batch.src, batch.src_lengths, V)
+    assert all(torch.equal(got, want) for got, want in zip(source_labels(reverse, "reverse", V), (labels, valid)))
+    noise = noise_token(V)
+    selective = task_batch("selective_copy", torch.tensor([[noise, 5, noise, 7, 3], [4, noise, noise, noise, 7]]),
+                           torch.tensor([5, 5]), V)  # fmt: skip
+    labels, valid = source_labels(selective, "selective_copy", V)
+    assert labels.tolist() == [[2, 4, 0], [1, 4, 0]] and valid.tolist() == [[True, True, True], [True, True, False]]
+
+
 def test_teacher_forced_accuracy_is_all_right_where_its_argmax_is_the_target():
     batch = make_batch("copy", 16, L, V, torch.Generator().manual_seed(0))
     tokens = teacher_forced(Oracle(batch.tgt_out), batch)
@@ -62,7 +83,7 @@ def test_teacher_forced_accuracy_ends_each_output_at_its_first_eos():
 RIDGES = [1e-6, 1e-4, 1e-2, 1.0]
 
 
-def probe_accuracy(features_of, size: int = 2000, labels_of=source_labels) -> list[float]:
+def probe_accuracy(features_of, size: int = 2000, labels_of=copy_labels) -> list[float]:
     """Fit the probe on `size` sequences' features, score it on 1000 others -> accuracy by source position."""
     fitting, heldout = (
         make_batch("copy", n, L, V, torch.Generator().manual_seed(s)) for n, s in ((size, 1), (1000, 2))
@@ -75,7 +96,7 @@ def probe_accuracy(features_of, size: int = 2000, labels_of=source_labels) -> li
 def linear_code(batch) -> torch.Tensor:
     """States that hold each symbol linearly: the one-hot sources through a fixed random map."""
     mixing = torch.randn(L * V, 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    return one_hot(*source_labels(batch), V) @ mixing
+    return one_hot(*copy_labels(batch), V) @ mixing
 
 
 def test_teacher_forcing_in_chunks_of_shorter_sequences_gives_the_whole_batchs_width(make_config):
@@ -121,7 +142,7 @@ def test_the_penalty_is_chosen_on_held_out_fitting_data():
 
     fitting, heldout = (make_batch("copy", n, L, V, torch.Generator().manual_seed(s)) for n, s in ((80, 1), (1000, 2)))
     features, test_features = noisy(fitting), noisy(heldout)
-    (labels, valid), (test_labels, test_valid) = source_labels(fitting), source_labels(heldout)
+    (labels, valid), (test_labels, test_valid) = copy_labels(fitting), copy_labels(heldout)
     weights, bias, chosen = fit_probe(features, labels, valid, V, RIDGES)
     assert chosen > RIDGES[0]
     (smallest, smallest_bias), *_ = ridge_path(features, one_hot(labels, valid, V), RIDGES[:1])
@@ -138,13 +159,13 @@ def control_task_map() -> torch.Tensor:
 
 def control_task(batch):
     """The control task's labels of `batch`'s sources."""
-    labels, valid = source_labels(batch)
+    labels, valid = copy_labels(batch)
     return control_task_map()[torch.arange(L), labels], valid
 
 
 def bijection(batch):
     """The symbols relabelled by a permutation of its own at each position: a control task with the task's chance."""
-    labels, valid = source_labels(batch)
+    labels, valid = copy_labels(batch)
     generator = torch.Generator().manual_seed(8)
     permutations = torch.stack([torch.randperm(V, generator=generator) for _ in range(L)])  # (L, V)
     return permutations[torch.arange(L), labels], valid
@@ -177,7 +198,7 @@ def test_the_merged_control_task_is_the_symbols_probe_coarsened_and_neither_boun
     fitting, heldout = (
         make_batch("copy", n, L, V, torch.Generator().manual_seed(s)) for n, s in ((2000, 1), (1000, 2))
     )
-    (labels, valid), (control, _) = source_labels(fitting), control_task(fitting)
+    (labels, valid), (control, _) = copy_labels(fitting), control_task(fitting)
     features, test_features = half_read(fitting), half_read(heldout)
     [(weights, bias)] = ridge_path(features, one_hot(labels, valid, V), [1e-2])
     [(control_weights, control_bias)] = ridge_path(features, one_hot(control, valid, V), [1e-2])
@@ -185,7 +206,7 @@ def test_the_merged_control_task_is_the_symbols_probe_coarsened_and_neither_boun
     control_scores = (test_features @ control_weights + control_bias).view(-1, L, V)
     merge = torch.nn.functional.one_hot(control_task_map(), V).double()  # (L, V symbols, V labels)
     torch.testing.assert_close(control_scores, torch.einsum("bls,lsc->blc", scores, merge))
-    (test_labels, _), (test_control, _) = source_labels(heldout), control_task(heldout)
+    (test_labels, _), (test_control, _) = copy_labels(heldout), control_task(heldout)
     read, control_read = scores.argmax(-1) == test_labels, control_scores.argmax(-1) == test_control
     assert (read & ~control_read).any() and (control_read & ~read).any()
 

@@ -1,6 +1,7 @@
 """Issue 70: `store.provenance.COMPUTATION` says which complete runs are reused, so it must change
 whenever what a run computes changes. This test keeps it honest: a tiny deterministic run of each
-model (every attention config, and every other option of configs/model/: the Transformer and Mamba)
+model (every attention config, and every other option of configs/model/: the Transformer, Mamba and Mamba
+with the selection ablated)
 trains for a few steps on the CPU, and its loss and accuracies must equal the values recorded here, to a
 tolerance that float rounding across torch versions and builds (and the kernels against torch's ops) stays
 inside. A model without recorded values fails, printing the values to record: a family added unguarded
@@ -39,6 +40,7 @@ WINDOW = 1
 SIZES = {
     "transformer": ["model.d_model=8", "model.heads=2", "model.layers=1", "model.ff_size=16"],
     "mamba": ["model.d_model=16", "model.d_state=4", "model.layers=2"],
+    "mamba_lti": ["model.d_model=16", "model.d_state=4", "model.layers=2"],
 }
 MODELS = {
     name: [f"attention={name}", *([f"attention.window={WINDOW}"] if option.get("window") else [])]
@@ -61,6 +63,7 @@ RECORDED = {
     "scaled_dot": (1.3924771308898927, 0.3359375, 0.0, 0.375),
     "transformer": (1.8155441284179688, 0.2421875, 0.0, 0.1875),
     "mamba": (1.7733068466186523, 0.140625, 0.0, 0.15625),
+    "mamba_lti": (1.7929983139038086, 0.14453125, 0.0, 0.046875),
 }
 KEYS = ("final_loss", "token_acc", "seq_acc", "val_token_acc")
 GRU = {"gru_forward", "gru_backward"}
@@ -71,6 +74,7 @@ KERNELS = {
     "luong_concat": GRU | {"additive_forward", "additive_backward"},
     "transformer": {"transformer_layer", "attention_step"},
     "mamba": {"causal_conv_forward", "causal_conv_backward", "selective_scan_forward", "selective_scan_backward"},
+    "mamba_lti": {"causal_conv_forward", "causal_conv_backward", "selective_scan_forward", "selective_scan_backward"},
 }
 # Float rounding moves the loss in its sixth digit (the kernels against torch's ops: 2e-7); it may tip
 # one near-tied argmax, so an accuracy may move by one token or one sequence of its set, no more.

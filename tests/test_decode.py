@@ -45,6 +45,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for attention in ATTENTION_TYPES:
         assert cli.main(["train", *tiny, f"attention={attention}"]) == 0
     assert cli.main(["train", *tiny, "attention=luong_general", "task=reverse"]) == 0
+    assert cli.main(["train", *tiny, "attention=luong_general", "task=selective_copy", "task.copied=2"]) == 0
     return {
         "-".join(folder.name.split("-")[:2]).removesuffix(str(TRAINED_LENGTH)): folder
         for folder in store.complete_runs(runs_dir)
@@ -161,6 +162,27 @@ def test_reverse_target_is_the_reversed_input(runs, capsys):
     assert rows[0].index(cli_decode.COPIED) == first_cell(header) + 2 * 4 + 1  # output step 0 copies the last symbol
 
 
+def test_selective_copying_shows_the_noise_and_aligns_output_with_its_shorter_target(runs, capsys):
+    """Issue 82: the input (noise `_`) on a line of its own, output and target (the content symbols in
+    order) aligned with each other, and each row's copied mark on its symbol's cell, past the noise."""
+    lines = decoded(capsys, runs["luong_general-selective_copy4k2"], "_c__e_")  # another length than trained
+    first = lines.index(next(line for line in lines if line.startswith("input")))
+    assert cells(lines[first], "input") == ["_", "c", "_", "_", "e", "_"]
+    output, target, marks, scored = lines[first + 1 : first + 5]
+    assert cells(target, "target") == ["c", "e", "</s>"] and len(cells(output, "output")) >= 1
+    wrong = {i for i, char in enumerate(marks) if char == cli_decode.WRONG}
+    width = len("output  ")
+    assert all(output[i : i + 1] != target[i : i + 1] or output[i] == " " for i in wrong)  # marked under a difference
+    assert all(i >= width for i in wrong)
+    start = lines.index(next(line for line in lines if line.startswith("token accuracy"))) + 1
+    header, rows = lines[start], lines[start + 1 :]
+    steps = len(cells(output, "output"))  # one heatmap row per output step
+    marked = [row.index(cli_decode.COPIED) if cli_decode.COPIED in row else None for row in rows[:steps]]
+    expected = [first_cell(header) + 2 * 1 + 1, first_cell(header) + 2 * 4 + 1, None]  # c at 1, e at 4, then none
+    assert marked == expected[:steps]
+    assert scored.startswith("token accuracy ") and "/2 " in scored  # two symbols scored
+
+
 def test_multihead_shows_one_map_per_head(runs, capsys):
     lines = decoded(capsys, runs["multihead-copy"], "abc")
     assert [line for line in lines if line.startswith("head ")] == [f"head {head}" for head in range(HEADS)]
@@ -238,6 +260,12 @@ def no_checkpoint(runs: dict[str, Path], tmp_path: Path) -> Path:
         (lambda runs, tmp: [runs["luong_general-copy"], "abc", "--beam", "0"], r"--beam must be .* to 64, got 0"),
         (lambda runs, tmp: [runs["luong_general-copy"], "abc", "--beam", "65"], r"--beam must be .* to 64, got 65"),
         (lambda runs, tmp: [runs["luong_general-copy"], "abc", "--beam", "2.5"], r"--beam: invalid int value: '2.5'"),
+        (lambda runs, tmp: [runs["luong_general-copy"], "a_b"], r"unknown symbol '_'"),  # copy has no noise
+        (lambda runs, tmp: [runs["luong_general-selective_copy4k2"], "____"], r"give at least one"),
+        (
+            lambda runs, tmp: [runs["luong_general-selective_copy4k2"], "--random", "2", "--length", "2"],
+            r"--length must be at least 3 for task selective_copy with task.copied=2, got 2",
+        ),  # fmt: skip
     ],
 )
 def test_refusals_are_one_line_and_exit_status_2(runs, tmp_path, args, says):

@@ -184,13 +184,13 @@ def test_the_gru_without_host_reads_computes_what_packing_does(bidirectional):
 @pytest.mark.parametrize("task", ["copy", "reverse"])
 def test_task_batches_are_made_on_their_symbols_device(task):
     symbols = torch.randint(3, 8, (4, 5)).to("meta")
-    batch = task_batch(task, symbols, torch.tensor([5, 2, 3, 1]).to("meta"))
+    batch = task_batch(task, symbols, torch.tensor([5, 2, 3, 1]).to("meta"), 5)
     assert all(t.is_meta for t in (batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out))
     assert batch.tgt_in.shape == batch.tgt_out.shape == (4, 6)
 
 
 def test_a_batch_moves_as_one_buffer_with_its_values():
-    cfg_batch = task_batch("reverse", torch.randint(3, 8, (4, 5)), torch.tensor([5, 2, 3, 1]))
+    cfg_batch = task_batch("reverse", torch.randint(3, 8, (4, 5)), torch.tensor([5, 2, 3, 1]), 5)
     moved = cfg_batch.to("meta")
     for name in ("src", "src_lengths", "tgt_in", "tgt_out"):
         assert getattr(moved, name).shape == getattr(cfg_batch, name).shape
@@ -199,7 +199,7 @@ def test_a_batch_moves_as_one_buffer_with_its_values():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_batch_reaches_the_gpu_intact():
-    batch = task_batch("reverse", torch.randint(3, 8, (4, 5)), torch.tensor([5, 2, 3, 1]))
+    batch = task_batch("reverse", torch.randint(3, 8, (4, 5)), torch.tensor([5, 2, 3, 1]), 5)
     moved = batch.to("cuda")
     for name in ("src", "src_lengths", "tgt_in", "tgt_out"):
         assert torch.equal(getattr(moved, name).cpu(), getattr(batch, name))

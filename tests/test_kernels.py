@@ -200,7 +200,7 @@ def test_bahdanau_decode_of_a_one_step_target_equals_the_step_loop(kernel, sourc
     loop = copy.deepcopy(fused)
     loop.decoder.fused = False
     symbols = torch.randint(3, total_vocab(9), (sequences, source), generator=torch.Generator().manual_seed(0))
-    whole = task_batch("copy", symbols, torch.full((sequences,), source))
+    whole = task_batch("copy", symbols, torch.full((sequences,), source), 9)
     batch = Batch(whole.src, whole.src_lengths, whole.tgt_in[:, :1], whole.tgt_out[:, :1])
     weights = assert_same_training_step(fused, loop, batch, through_weights=True)
     assert weights.shape == (sequences, 1, source)

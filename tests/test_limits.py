@@ -196,8 +196,9 @@ def test_the_memory_check_compares_the_estimate_with_the_machines_memory(make_co
         ["experiment=capacity", "model.hidden_size=16,32,64,128,256"],
         ["experiment=fixed_state"],
         ["experiment=fixed_state_budget"],
+        ["experiment=selective_copy"],
     ],
-    ids=["default", "attention_zoo", "budget", "capacity-256", "fixed_state", "fixed_state_budget"],
+    ids=["default", "attention_zoo", "budget", "capacity-256", "fixed_state", "fixed_state_budget", "selective_copy"],
 )
 @pytest.mark.slow
 def test_every_preset_fits_a_small_machine(preset, monkeypatch):

@@ -34,6 +34,8 @@ SMALL = ["model=mamba", "model.d_model=8", "model.d_state=3", "model.layers=2"]
 TINY_MAMBA = [*TINY, *SMALL]
 # the fused path needs the kernels; torch's loop runs everywhere
 PATHS = [pytest.param(True, id="kernel"), pytest.param(False, id="torch")]
+# Mamba's selective SSM, and the LTI one of model.selective=false (issue 82)
+SELECTIVITY = [pytest.param(True, id="selective"), pytest.param(False, id="lti")]
 
 
 def needs_kernel(fused: bool) -> None:
@@ -42,11 +44,15 @@ def needs_kernel(fused: bool) -> None:
         built_kernels()
 
 
-def small_model(fused: bool = True, layers: int = 2, d_conv: int = 4, seed: int = 0) -> MambaSeq2Seq:
+def small_model(
+    fused: bool = True, layers: int = 2, d_conv: int = 4, seed: int = 0, selective: bool = True
+) -> MambaSeq2Seq:
     """A small model with every parameter moved off its initialisation (D = 1, A = -(n + 1), zero-initialised
     biases would hide a term the equations have and the code lacks)."""
     torch.manual_seed(seed)
-    model = MambaSeq2Seq(total_vocab(6), d_model=8, layers=layers, d_state=3, d_conv=d_conv, expand=2, fused=fused)
+    model = MambaSeq2Seq(
+        total_vocab(6), d_model=8, layers=layers, d_state=3, d_conv=d_conv, expand=2, fused=fused, selective=selective
+    )
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
@@ -292,10 +298,11 @@ def test_the_ops_are_registered_as_torch_asks():
     torch.library.opcheck(mamba_ops.causal_conv_forward, [t.requires_grad_() for t in conv])
 
 
+@pytest.mark.parametrize("selective", SELECTIVITY)
 @pytest.mark.parametrize("fused", PATHS)
-def test_the_training_forward_equals_the_decoder_fed_one_token_at_a_time(fused):
+def test_the_training_forward_equals_the_decoder_fed_one_token_at_a_time(fused, selective):
     needs_kernel(fused)
-    model = small_model(fused)
+    model = small_model(fused, selective=selective)
     batch = make_batch("copy", 5, 7, 6, torch.Generator().manual_seed(2), min_length=2)
     with torch.no_grad():
         logits, weights = model(batch.src, batch.src_lengths, batch.tgt_in)
@@ -305,10 +312,11 @@ def test_the_training_forward_equals_the_decoder_fed_one_token_at_a_time(fused):
     torch.testing.assert_close(stepped, logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("selective", SELECTIVITY)
 @pytest.mark.parametrize("fused", PATHS)
-def test_greedy_equals_the_teacher_forced_argmax_on_its_own_outputs(fused):
+def test_greedy_equals_the_teacher_forced_argmax_on_its_own_outputs(fused, selective):
     needs_kernel(fused)
-    model = small_model(fused)
+    model = small_model(fused, selective=selective)
     batch = make_batch("copy", 16, 6, 6, torch.Generator().manual_seed(3), min_length=1)
     tokens, weights = model.greedy(batch.src, batch.src_lengths, steps=7)
     assert weights is None and len(set(tokens.flatten().tolist())) > 2  # not one token everywhere
@@ -372,9 +380,10 @@ def test_the_summary_state_is_every_encoder_layers_ssm_state_and_window():
     torch.testing.assert_close(summary, torch.cat([part.flatten(1) for state in states for part in state], 1))
 
 
-def test_beam_search_reorders_every_layers_state():
+@pytest.mark.parametrize("selective", SELECTIVITY)
+def test_beam_search_reorders_every_layers_state(selective):
     """Row i of every decoder layer's SSM state and window becomes row rows[i], and the next step reads them."""
-    model = small_model(fused=False)
+    model = small_model(fused=False, selective=selective)
     batch = make_batch("copy", 3, 5, 6, torch.Generator().manual_seed(0))
     rows = torch.tensor([2, 2, 0])
     with torch.no_grad():
@@ -405,12 +414,79 @@ def test_the_papers_initialisation():
     assert not hasattr(encoder_last, "out_proj") and encoder_last.in_proj.out_features == 80  # x only
 
 
+def lti_kernel(block: MambaBlock, length: int) -> torch.Tensor:
+    """K_j = C exp(Δ A)^j Δ B for j = 0 .. length - 1, per channel: (length, E), from the block's parameters."""
+    delta, A = F.softplus(block.dt_bias), -torch.exp(block.A_log)  # (E,), (E, N)
+    powers = torch.exp(delta[:, None] * A)[None] ** torch.arange(length, dtype=A.dtype)[:, None, None]  # (J, E, N)
+    return (powers * (delta[:, None] * block.B) * block.C).sum(-1)
+
+
+def causal_convolution(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+    """y_t = sum_{j <= t} K_j * x_{t - j}, per channel: x (B, T, E), kernel (T, E) -> (B, T, E), written out."""
+    steps = x.size(1)
+    return torch.stack([sum(kernel[j] * x[:, t - j] for j in range(t + 1)) for t in range(steps)], 1)
+
+
+@pytest.mark.parametrize("fused", PATHS)
+def test_without_selection_the_ssm_is_a_causal_convolution_with_its_lti_kernel(fused):
+    """Issue 82: with Δ, B and C learned (model.selective=false) the SSM is linear and time-invariant: its output
+    is the convolution of its input x (after the block's convolution and SiLU) with K_j = C exp(Δ A)^j Δ B, and
+    the state it hands over is sum_j exp(Δ A)^j Δ B x_{T-1-j}; the block's output is then its gate and
+    projection of that, as the selective block's. In float64 on torch's path, float32 to rounding in the kernel."""
+    needs_kernel(fused)
+    block = small_model(fused, selective=False).decoder_layers[0].block
+    if not fused:
+        block = block.double()
+    dtype = block.A_log.dtype
+    hidden = torch.randn(3, 9, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dtype)
+    with torch.no_grad():
+        output, state = block(hidden, block.initial_state(3, hidden), fused=fused)
+        x, z = block.in_proj(hidden).chunk(2, dim=-1)
+        window = torch.cat([hidden.new_zeros(3, block.d_conv - 1, block.d_inner), x], 1)
+        x = F.silu(F.conv1d(window.transpose(1, 2), block.conv1d.weight, block.conv1d.bias, groups=x.size(-1)))
+        x = x.transpose(1, 2)  # (B, T, E)
+        kernel = lti_kernel(block, 9)
+        y = causal_convolution(x, kernel)
+        want = block.out_proj((y + block.D * x) * F.silu(z))
+        delta, A = F.softplus(block.dt_bias), -torch.exp(block.A_log)
+        decay = torch.exp(delta[:, None] * A)  # (E, N)
+        handed = sum(decay**j * (delta[:, None] * block.B) * x[:, 8 - j, :, None] for j in range(9))  # (B, E, N)
+    tolerance = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 1e-4}
+    torch.testing.assert_close(output, want, **tolerance)
+    torch.testing.assert_close(state.ssm, handed, **tolerance)
+    assert kernel.abs().max() > 1e-3 and (kernel[1:] != kernel[:1]).any()  # a kernel that weighs the past
+
+
+@pytest.mark.parametrize("fused", PATHS)
+def test_the_lti_ssm_reads_no_input_for_its_parameters_and_the_selective_one_does(fused):
+    """Its Δ, B and C are the same at every position whatever the input (the selective layer's are not), and
+    only its own parameters hold them: no projection of x."""
+    needs_kernel(fused)
+    lti, selective = (small_model(fused, selective=flag).decoder_layers[0].block for flag in (False, True))
+    assert not hasattr(lti, "x_proj") and not hasattr(lti, "dt_proj")
+    assert lti.dt_bias.shape == (16,) and lti.B.shape == lti.C.shape == (3,)  # Δ per channel; B, C shared
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for block, constant in ((lti, True), (selective, False)):
+            parts = block._selection(x)
+            assert all(torch.equal(part, part[:1, :1].expand_as(part)) for part in parts) == constant
+
+
 def test_the_default_model_is_near_luong_generals_size_and_counted_without_torch(make_config):
     mamba, luong = (build_model(make_config(option)) for option in ("model=mamba", "attention=luong_general"))
     assert luong and abs(count_parameters(mamba) - count_parameters(luong)) / count_parameters(luong) < 0.1
-    for overrides in (["model=mamba"], SMALL, [*SMALL, "model.layers=1", "model.d_conv=1", "model.expand=3"]):
+    for overrides in (
+        ["model=mamba"],
+        SMALL,
+        [*SMALL, "model.layers=1", "model.d_conv=1", "model.expand=3"],
+        ["model=mamba_lti"],
+        [*SMALL, "model.selective=false", "task=selective_copy", "task.length=12"],  # and the noise token's row
+    ):
         cfg = make_config(*overrides)
         assert count_parameters(build_model(cfg)) == parameter_count(cfg)
+    lti = make_config("model=mamba_lti")
+    # the LTI SSM's Δ (E), B and C (N) in place of x_proj (E x (R + 2N)) and dt_proj (R x E + E), in 4 layers
+    assert parameter_count(make_config("model=mamba")) - parameter_count(lti) == 4 * (80 * (3 + 8) + 3 * 80 - 8)
     assert all(p.grad is None for p in mamba.parameters())  # (nothing trained here)
 
 
@@ -485,6 +561,11 @@ def test_on_cuda_it_trains_without_a_host_sync_and_computes_what_the_cpu_does(ma
         (["attention=bahdanau"], "attention=bahdanau (and every attention.* key) is model=gru's decoder; model=mamba"),
         (["model.d_state=100000000"], "the SSM states"),
         (["model.d_model=1000000", "model.expand=100"], "the parameters"),
+        (["model.selective=null"], "model.selective must not be null with model=mamba"),
+        (["model.selective=maybe"], "model.selective must be true or false, got 'maybe'"),
+        (["model=gru", "model.selective=false"], "model.selective=false is model=mamba's"),
+        (["model=transformer", "model.selective=true"], "model.selective=true is model=mamba's"),
+        (["model=gru", "model.selective=false"], "model=gru has no such choice"),
     ],
 )
 def test_bad_values_are_refused_in_one_line(overrides, message):
@@ -505,6 +586,10 @@ def test_run_names_name_mamba_and_leave_the_others(make_config):
     assert store.run_name(make_config("model=mamba", "model.heads=2")) == name
     assert store.run_name(make_config("model=mamba", "model.d_state=8")) != name
     assert store.run_name(make_config("model=mamba", "model.layers=1")) != name
+    # the selection ablated is another computation, named as such; true is Mamba's own, the same run
+    lti = store.run_name(make_config("model=mamba", "model.selective=false"))
+    assert lti.startswith("mamba_lti-copy20-seed0-") and lti == store.run_name(make_config("model=mamba_lti"))
+    assert store.run_name(make_config("model=mamba", "model.selective=true")) == name
     transformer = store.run_name(make_config("model=transformer"))
     assert store.run_name(make_config("model=transformer", "model.d_state=8")) == transformer
     assert store.run_name(make_config("model=transformer", "model.layers=1")) != transformer

@@ -107,6 +107,7 @@ VALID = {
     "task.vocab_size": st.integers(2, 12),
     "task.variable_length": st.booleans().map(str).map(str.lower),
     "task.min_length": st.integers(1, 6),
+    "task.copied": st.integers(1, 5).map(str) | st.just("null"),  # task=selective_copy's k (null for the others)
     "attention.heads": st.integers(1, 4),
     "attention.size": st.integers(1, 8),  # the additive score's size, linear attention's feature size
     "attention.window": st.integers(1, 4),
@@ -128,6 +129,7 @@ VALID = {
     "model.d_state": st.integers(1, 4),
     "model.d_conv": st.integers(1, 5),
     "model.expand": st.integers(1, 3),
+    "model.selective": st.booleans().map(str).map(str.lower) | st.just("null"),  # model=mamba's only (else null)
     "analysis.lengths": st.lists(st.integers(1, 9), min_size=1, max_size=3).map(
         lambda lengths: f"[{','.join(map(str, lengths))}]"
     ),
@@ -251,6 +253,8 @@ PROPERTY = settings(max_examples=80, deadline=None, derandomize=True, suppress_h
     ["attention=scaled_dot", "task=reverse", "task.length=1000000", "model.embedding_size=1000000"]
 )  # issue 19: killed for memory
 # Found by this test; each was a traceback, or a NaN loss after the run folder was written:
+@example(["task=selective_copy", "task.copied=2", "architecture=mamba"])  # issue 82: k among noise, target of k
+@example(["task=selective_copy", "task.copied=4"])  # k >= L (QUIET's task.length=4)
 @example(["=3"])  # Hydra's ValueError
 @example(["attention=[1,2]"])  # Hydra's TypeError
 @example(["train.lr=nan"])
@@ -323,7 +327,7 @@ def mixed_batches(draw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     longest = max(lengths)
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     symbols = torch.randint(3, 12, (len(lengths), longest), generator=generator)
-    batch = task_batch("copy", symbols, torch.tensor(lengths))
+    batch = task_batch("copy", symbols, torch.tensor(lengths), 9)  # symbols 3 .. 11: 9 content symbols
     return batch.src, batch.src_lengths, batch.tgt_in
 
 
@@ -385,13 +389,15 @@ def test_attention_weights_keep_the_contract_on_mixed_length_batches(attention, 
     st.integers(1, 4),  # model.d_state
     st.integers(1, 5),  # model.d_conv
     st.integers(1, 2),  # model.layers
+    st.booleans(),  # model.selective: the LTI SSM of the selection ablated too
     st.integers(0, 2**16),
 )
-def test_mamba_gives_each_sequence_of_a_mixed_batch_what_it_gets_alone(batch, d_state, d_conv, layers, seed):
+def test_mamba_gives_each_sequence_of_a_mixed_batch_what_it_gets_alone(batch, d_state, d_conv, layers, selective, seed):
     """The state a Mamba encoder hands over is the one after each sequence's own last symbol, whatever the
     padding: logits and the summary state per sequence as alone, and the fused scan as torch's loop."""
     src, lengths, tgt_in = batch
     sizes = [f"model.d_state={d_state}", f"model.d_conv={d_conv}", f"model.layers={layers}"]
+    sizes.append(f"model.selective={str(selective).lower()}")
     cfg = compose(["model=mamba", "model.d_model=8", *sizes])
     torch.manual_seed(seed)
     model = build_model(cfg).eval()
@@ -452,6 +458,8 @@ NEUTRAL = [
     ("analysis.lengths", "[5,9]"),
     ("analysis.beam_widths", "[2]"),
     ("analysis.probe_size", "null"),
+    ("task.copied", "null"),
+    ("model.selective", "null"),
 ]  # model=gru reads no Transformer or Mamba key
 
 

@@ -464,3 +464,81 @@ def test_the_state_figure_knows_the_part_of_each_familys_state_its_size_does_not
     linear = make_config("attention=linear", "attention.size=8")
     assert fixed_part(linear) == (64, "hand-over") and build_model(linear).state_floats(20) == 64 + 8 * 65
     assert fixed_part(make_config("attention=none")) is None and fixed_part(make_config("model=transformer")) is None
+
+
+def selective_summary(families=("none", "mamba")) -> tuple[pd.DataFrame, list[str]]:
+    """`summarise` of a made-up union grid as experiment=selective_copy's: plain copy at L = 8, k = 8 at L = 16,
+    32, 64 and k = 4, 16 at L = 64, three seeds of each family, accuracy falling with L and k."""
+    settings = [("copy", math.nan, 8)] + [("selective_copy", 8, length) for length in (16, 32, 64)]
+    settings += [("selective_copy", k, 64) for k in (4, 16)]
+    runs = [
+        {"task.name": task, "task.copied": k, "length": length, "attention": family, "seed": seed,
+         "token_acc": max(0.0, 1 - length / 100 - (0 if math.isnan(k) else k / 50) - 0.01 * seed - 0.1 * i),
+         "seq_acc": 0.0, "chance": 1 / 9, "params": 10}
+        for task, k, length in settings for i, family in enumerate(families) for seed in range(3)
+    ]  # fmt: skip
+    return summarise(pd.DataFrame(runs), ["task.name", "task.copied"]), ["task.name", "task.copied"]
+
+
+def keeping(drawn: dict) -> object:
+    """A `save` that keeps each figure in `drawn` by file name, and writes nothing."""
+    return lambda figure, path, dpi=120: drawn.setdefault(path.name, figure) and path
+
+
+def test_selective_copying_is_drawn_against_length_at_fixed_k_and_against_k_at_fixed_length(tmp_path, monkeypatch):
+    """Issue 82: one panel per fixed k with two lengths or more, one per fixed L with two k or more; a line per
+    family with its band; the plain copy task at L = k hollow beside the first; a table of every (k, L)."""
+    from copytask.reporting import selective_section
+
+    drawn = {}
+    monkeypatch.setattr(selective_section, "save", keeping(drawn))
+    summary, settings = selective_summary()
+    section = selective_section.selective_section(summary, settings, tmp_path)
+    figure = drawn[selective_section.SELECTIVE_FIGURE]
+    by_length, by_k = [axis for axis in figure.axes if axis.get_visible()]
+    assert "k = 8" in by_length.get_title() and "L = 64" in by_k.get_title()
+    lines = {line.get_label(): line for line in by_length.lines if not line.get_label().startswith("_")}
+    assert list(lines["none"].get_xdata()) == [16, 32, 64] and list(lines["mamba"].get_xdata()) == [16, 32, 64]
+    assert list(lines["none"].get_ydata()) == pytest.approx([67, 51, 19])  # the mean over seeds, in %
+    assert len(by_length.collections) >= 2  # a band per family
+    hollow = [line for line in by_length.lines if line.get_markerfacecolor() == "none" and len(line.get_xdata())]
+    assert sorted(line.get_xdata()[0] for line in hollow) == [8, 8]  # plain copy at L = k = 8, each family
+    assert "plain copy at L = k" in lines
+    k_lines = {line.get_label(): line for line in by_k.lines if not line.get_label().startswith("_")}
+    assert list(k_lines["mamba"].get_xdata()) == [4, 8, 16]
+    table = selective_section.selective_table(summary, settings)
+    assert list(table.columns) == ["attention", "copy L=8", "k=4 L=64", "k=8 L=16", "k=8 L=32", "k=8 L=64",
+                                   "k=16 L=64"]  # fmt: skip
+    assert list(table["attention"]) == ["none", "mamba"] and table.iloc[0]["k=8 L=16"].startswith("67.0 [")
+    assert section.figures and "the length or the content" in "\n".join(section.lines)
+    monkeypatch.undo()
+    plain = summary[summary["task.name"] == "copy"].drop(columns=["task.copied"])
+    assert selective_section.selective_section(plain, ["task.name"], tmp_path) == ([], [])  # no k swept: nothing
+
+
+def test_a_setting_some_runs_lack_is_a_line_style_of_its_own_not_a_line_dropped(tmp_path, monkeypatch):
+    """The accuracy figure of a grid whose copy runs have no task.copied beside selective copying's: the copy
+    runs are drawn, as task.copied=- (NaN, grouped away before)."""
+    from copytask.reporting import result_figures
+
+    drawn = {}
+    monkeypatch.setattr(result_figures, "save", keeping(drawn))
+    summary, settings = selective_summary()
+    result_figures.plot_accuracy(summary, settings, "length", tmp_path / "accuracy", pd.DataFrame())
+    copy_axis = drawn["accuracy.png"].axes[0]
+    assert "task.name=copy" in copy_axis.get_title()
+    labels = {container.get_label() for container in copy_axis.containers}
+    assert {"none, task.copied=-", "mamba, task.copied=-"} <= labels
+
+
+def test_the_selective_copying_preset_is_the_union_of_its_settings():
+    """experiment=selective_copy: k = 8 at L = 16-128, k = 4, 8, 16 at L = 64 and plain copy at L = 8, each for
+    the six families and three seeds: 7 x 6 x 3 runs, no other (task, k, L)."""
+    _, grid = compose_grid(["experiment=selective_copy"])
+    tasks = {(run.config.task.name, run.config.task.copied, run.config.task.length) for run in grid}
+    assert tasks == {("copy", None, 8), *(("selective_copy", 8, L) for L in (16, 32, 64, 128)),
+                     ("selective_copy", 4, 64), ("selective_copy", 16, 64)}  # fmt: skip
+    families = {store.model_label(run.config) for run in grid}
+    assert families == {"none", "luong_general", "transformer", "linear", "mamba", "mamba_lti"}
+    assert len(grid) == len({run.folder for run in grid}) == 7 * 6 * 3
+    assert {run.config.train.steps for run in grid} == {1200}  # the default budget

@@ -73,8 +73,14 @@ def history(folder) -> pd.DataFrame:
 
 @pytest.mark.parametrize(
     "model",
-    [["attention=luong_general"], ["model=transformer", "model.dropout=0.1"], ["model=mamba", "model.d_model=8"]],
-    ids=["gru", "transformer-dropout", "mamba"],
+    [
+        ["attention=luong_general"],
+        ["model=transformer", "model.dropout=0.1"],
+        ["model=mamba", "model.d_model=8"],
+        # issue 82: sources drawn with their noise placement, targets shorter than them, the LTI SSM
+        ["model=mamba_lti", "model.d_model=8", "task=selective_copy", "task.length=9", "task.copied=3"],
+    ],
+    ids=["gru", "transformer-dropout", "mamba", "mamba_lti-selective_copy"],
 )
 def test_a_run_killed_between_evaluations_resumes_to_the_uninterrupted_numbers(tmp_path, model):
     whole = run_cli("train", *RUN, *model, f"runs_dir={tmp_path / 'whole'}")

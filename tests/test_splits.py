@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import copytask
 from copytask.data import splits
+from copytask.data.batches import task_batch
+from copytask.data.vocab import noise_token
 from copytask.evaluation import analysis
+from copytask.models.build import build_model
 from copytask.training.loop import train
 
 from .conftest import TINY
@@ -83,3 +87,53 @@ def test_the_length_mix_says_which_lengths_training_draws_less(make_config):
     assert mix[1]["held_out"] == 9 and mix[1]["train_share"] == 0 and mix[1]["uniform_share"] == pytest.approx(1 / 20)
     assert 0 < mix[2]["train_share"] < 1 / 20 and max(mix) <= 4  # from length 5 on, under 1% is held out
     assert splits.training_length_mix(make_config("task.length=20")) == []
+
+
+SELECTIVE = [*TINY, "task=selective_copy", "task.length=4", "task.copied=2", "task.vocab_size=3", "train.eval_size=16"]
+
+
+def test_selective_copyings_sets_are_keyed_by_the_whole_source_noise_placement_included(make_config):
+    """Issue 82: C(4, 2) x 3^2 = 54 sources, up to 32 of them held out: the sets are disjoint by source, and
+    two sources with the same symbols at other positions (one target) are two sequences, not one."""
+    cfg = make_config(*SELECTIVE)
+    test, validation, heldout = splits.heldout_keys(cfg)
+    assert not keys(test) & keys(validation) and 16 < len(heldout) <= 32
+    every = splits.unseen_at_length(cfg, 4, 100, torch.Generator(), set(), "every source")[0]
+    assert len(keys(every)) == 54
+    trained = splits.training_sequences(cfg, 60, heldout)  # 480 rows: every source left, many times over
+    assert trained == keys(every) - heldout  # training draws every other source, and only those
+    targets = {tuple(row) for row in validation.tgt_out.tolist()} | {tuple(row) for row in test.tgt_out.tolist()}
+    assert len(targets) < len(heldout)  # some held-out sources share a target: keyed by source, not by target
+    noise = noise_token(3)
+    a, b = (task_batch("selective_copy", torch.tensor([row]), torch.tensor([4]), 3) for row in
+            ([3, 4, noise, noise], [noise, 3, noise, 4]))  # fmt: skip
+    assert torch.equal(a.tgt_out, b.tgt_out) and keys(a) != keys(b)
+
+
+def test_a_length_selective_copying_does_not_draw_has_no_heldout_set_and_says_so(make_config):
+    cfg = make_config(*SELECTIVE)
+    assert splits.sequence_count(cfg, 2) == 0 and splits.sequence_count(cfg, 3) == 3 * 9
+    batch, available = splits.heldout_at_length(cfg, 2, 16)
+    assert available == 0 and len(batch) == 0
+    batch, available = splits.heldout_at_length(cfg, 3, 100)  # every one of the 27 sources of length 3, once
+    assert available == 27 and len(keys(batch)) == 27
+    rows = analysis.length_generalisation(build_model(cfg), cfg, [2, 3])
+    assert rows[0]["scored"] == 0 and rows[0]["token_acc"] is None and "not defined" in rows[0]["note"]
+    assert rows[1]["scored"] == 16 and rows[1]["token_acc"] is not None
+
+
+def test_too_few_selective_copying_sources_for_the_heldout_sets_are_refused():
+    """C(4, 2) x 2^2 = 24 sources cannot hold 16 + 16 held out: refused in one line, naming k, before a run."""
+    with pytest.raises(copytask.ConfigError, match=r"of task.length=4 with task.copied=2 over task.vocab_size=2 ") as e:
+        copytask.compose([*SELECTIVE, "task.vocab_size=2"])
+    assert "train.eval_size + train.val_size <= 12" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_selective_copyings_per_length_set_holds_no_trained_source_and_k_symbols_each(make_config):
+    """Variable lengths 4-6 with k = 2: every length of the mixed set has k-symbol targets, and none of its
+    sources is one training drew or the validation set holds."""
+    cfg = make_config(*SELECTIVE, "task.variable_length=true", "task.min_length=4", "task.length=6")
+    seen = splits.unscorable(cfg, 20)
+    batch, notes = analysis.per_length_batch(cfg, seen, per_length=16)
+    assert set(batch.src_lengths.tolist()) == {4, 5, 6} and not keys(batch) & seen
+    assert batch.tgt_out.shape[1] == 3 and (batch.tgt_lengths == 2).all() and notes == []

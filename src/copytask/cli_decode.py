@@ -1,10 +1,10 @@
 """`python -m copytask decode RUN_DIR SYMBOLS | --random N [--length L] [--beam K]`: the command line's
 part of decode, over `api.decode` (`evaluation.decode` returns the values this prints).
 
-For each sequence it prints its input, output (up to its first EOS) and target aligned, `^` under every
-wrong output symbol, its token accuracy, and the attention as a text heatmap (`text_heatmap`): one map
-per head for a multi-head model, else the model's one map. `--png FILE` draws the first sequence's map
-as the report does (`figures.plot_attention`).
+For each sequence it prints its input (selective copying's noise as `_`), output (up to its first EOS) and
+target aligned, `^` under every wrong output symbol, its token accuracy, and the attention as a text heatmap
+(`text_heatmap`): one map per head for a multi-head model, else the model's one map. `--png FILE` draws the
+first sequence's map as the report does (`figures.plot_attention`).
 
 The arguments, the run folder and the symbols are checked before torch is imported, so a refusal
 is one line at once: `copytask: error: ...`, exit status 2.
@@ -61,17 +61,18 @@ def alignment_lines(source: list[str], output: list[str], target: list[str]) -> 
     """Input, output and target symbols in columns, then a line with `^` under every output symbol that
     differs from the target, and under every target symbol an output that ended early did not reach. A
     column is as wide as its widest symbol but a line's last, which nothing follows: an output's EOS
-    (`</s>`) hangs past its column rather than widening it and opening a gap in the lines above and below."""
-    widths = [
-        max([1, *(len(cells[i]) for cells in (source, output, target) if i < len(cells) - 1)])
-        for i in range(len(target))
-    ]
+    (`</s>`) hangs past its column rather than widening it and opening a gap in the lines above and below.
+    Where the target is not the source's length (selective copying: its content symbols), the input is a
+    line of its own, and output and target are aligned with each other."""
+    aligned = (source, output, target) if len(target) == len(source) + 1 else (output, target)
+    widths = [max([1, *(len(cells[i]) for cells in aligned if i < len(cells) - 1)]) for i in range(len(target))]
 
     def line(name: str, cells: list[str]) -> str:
         return (f"{name:<8}" + " ".join(cell.ljust(width) for cell, width in zip(cells, widths))).rstrip()
 
     marks = [WRONG if i >= len(output) or output[i] != want else " " for i, want in enumerate(target)]
-    return [line("input", source), line("output", output), line("target", target), line("", marks)]
+    first = line("input", source) if len(aligned) == 3 else f"{'input':<8}" + " ".join(source)
+    return [first, line("output", output), line("target", target), line("", marks)]
 
 
 def text_heatmap(weights: list[list[float]], source: list[str], rows: list[str], copied: list[int]) -> list[str]:
@@ -145,7 +146,8 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
         )
         if weights is None:
             continue
-        copied = copied_source_positions(task, len(text["input"]))
+        length = int(decoded.lengths[i])
+        copied = copied_source_positions(task, decoded.source[i, :length].tolist(), cfg.task.vocab_size)
         for head in range(heads):
             if heads > 1:
                 print(f"head {head}")

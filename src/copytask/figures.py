@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from .data.batches import copied_source_positions
-from .data.vocab import symbol
+from .data.vocab import noise_token, symbol
 
 COLUMNS = 3  # panels per row: five to a row made strips of panels too small to read
 
@@ -42,6 +42,7 @@ MODEL_STYLES = {
     "transformer_learned": ("slateblue", "d"),
     "linear": ("tab:cyan", "P"),
     "mamba": ("darkgreen", "H"),
+    "mamba_lti": ("limegreen", "8"),  # Mamba with the selection ablated: its green, lighter
 }
 EXTRA_STYLES = list(
     zip(("goldenrod", "crimson", "teal", "sienna", "orchid", "yellowgreen", "steelblue", "salmon"), "8*pHd<>v")
@@ -137,18 +138,21 @@ def draw_attention(ax: Axes, weights: np.ndarray, sample: dict, vocab_size: int,
     """One attention map on `ax`: `weights` (T_dec, T_enc), output steps (rows) against the source
     positions of `sample` (its `source` and `target` tokens, and `output`, the greedy output, where
     known), symbols on both axes, one colour scale from 0 to 1 for every map. Output symbols that
-    differ from the target are red; the source position each output step copies
-    (`batches.copied_source_positions`) is outlined. -> the image, for a colour bar."""
+    differ from the target are red; selective copying's noise tokens (`_`) are grey; the source position
+    each output step copies (`batches.copied_source_positions`) is outlined. -> the image, for a colour bar."""
     rows, columns = weights.shape
     image = ax.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
     font = 7 if max(rows, columns) > 30 else 9
     rows_symbols = sample.get("output", sample["target"])
     ax.set_xticks(range(columns), [symbol(t, vocab_size) for t in sample["source"]], fontsize=font)
     ax.set_yticks(range(rows), [symbol(t, vocab_size) for t in rows_symbols[:rows]], fontsize=font)
+    for label, token in zip(ax.get_xticklabels(), sample["source"]):
+        if token == noise_token(vocab_size):
+            label.set_color("grey")
     for label, output, target in zip(ax.get_yticklabels(), rows_symbols, sample["target"]):
         if output != target:
             label.set_color("red")
-    for step, position in enumerate(copied_source_positions(task, columns)):
+    for step, position in enumerate(copied_source_positions(task, sample["source"][:columns], vocab_size)):
         ax.add_patch(Rectangle((position - 0.5, step - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=0.8))
     ax.set(
         xlabel="source symbol", ylabel="output symbol (greedy; red: wrong)" if "output" in sample else "target symbol"
@@ -161,8 +165,11 @@ def plot_attention(sample: dict, vocab_size: int, task: str, title: str, path: P
     (heads, T_dec, T_enc) for one panel per head."""
     weights = np.asarray(sample["weights"], dtype=float)
     maps = weights[None] if weights.ndim == 2 else weights
-    size = max(4.0, 0.13 * max(maps.shape[1:]))  # about 9 pt per cell keeps a length-80 map readable
-    figure, axes = panels(len(maps), width=size + (1.5 if len(maps) == 1 else 0.5), height=size)
+    # about 9 pt per cell keeps a length-80 map readable; a target shorter than its source (selective copying)
+    # gets a map as wide as its source and only as tall as its rows
+    size = max(4.0, 0.13 * max(maps.shape[1:]))
+    height = max(4.0, 0.13 * maps.shape[1] + 1.5) if maps.shape[1] < maps.shape[2] else size
+    figure, axes = panels(len(maps), width=size + (1.5 if len(maps) == 1 else 0.5), height=height)
     for head, (ax, head_weights) in enumerate(zip(axes, maps)):
         image = draw_attention(ax, head_weights, sample, vocab_size, task)
         if len(maps) > 1:

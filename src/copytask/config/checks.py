@@ -20,8 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..data.tasks import TASKS
-from ..data.vocab import total_vocab
+from ..data.tasks import TASKS, UNIFORM, Sources, vocabulary
 from . import model_keys
 from .model_keys import FLOAT, LONG
 from .schema import (
@@ -73,13 +72,35 @@ def check_keys(cfg: DictConfig) -> None:
 
 
 def check_task(task: DictConfig, train: DictConfig) -> None:
-    """A registered task, lengths in order, and room for the held-out sets (`check_heldout`)."""
+    """A registered task, lengths in order, task.copied where the task reads it (and only there: 1 <= k <
+    every length it draws), and room for the held-out sets (`check_heldout`)."""
     if task.name not in TASKS:
         raise ConfigError(f"task.name must be one of {', '.join(TASKS)}, got {task.name!r}")
     if task.variable_length and task.min_length > task.length:
         raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")
+    sources, copied = TASKS[task.name].sources, task.get("copied")
+    shortest = task.min_length if task.variable_length else task.length
+    which = "task.min_length" if task.variable_length else "task.length"
+    if not sources.reads_copied and copied is not None:
+        raise ConfigError(
+            f"task.copied={copied} is selective copying's (its content symbols among noise); task={task.name} "
+            "does not read it: leave it null, or choose task=selective_copy"
+        )
+    if sources.reads_copied and copied is None:
+        raise ConfigError(f"task.copied must be an integer >= 1 with task={task.name}, got null")
+    if sources.reads_copied and copied >= shortest:
+        raise ConfigError(
+            f"task.copied ({copied}) must be less than {which} ({shortest}): task={task.name} puts its "
+            f"{copied} content symbols among every source's positions with at least one noise token"
+        )
     check_heldout(
-        task.length, task.vocab_size, train.eval_size, train.val_size, task.min_length if task.variable_length else None
+        task.length,
+        task.vocab_size,
+        train.eval_size,
+        train.val_size,
+        task.min_length if task.variable_length else None,
+        sources,
+        copied,
     )
 
 
@@ -107,21 +128,30 @@ def check_training(train: DictConfig) -> None:
 MAX_HELDOUT_SHARE = 0.5
 
 
-def heldout_share(length: int, vocab_size: int, eval_size: int, min_length: int | None = None) -> float:
+def heldout_share(
+    length: int,
+    vocab_size: int,
+    eval_size: int,
+    min_length: int | None = None,
+    sources: Sources = UNIFORM,
+    copied: int | None = None,
+) -> float:
     """An upper bound on the probability that a fresh training row is a held-out sequence.
 
-    Fixed length L over V symbols: the held-out set holds at most min(eval_size, V^L) of the V^L
-    sequences. With `min_length` m each length in [m, L] is equally likely, and the held-out set
-    holds at most min(eval_size, V^l) of the V^l sequences of length l. Computed in logarithms
-    where V^L is too large to compute; the terms fall geometrically with l, so the sum stops once
+    Fixed length L: the held-out set holds at most min(eval_size, N_L) of the N_L sources of length L
+    the task draws (`sources.count`, with `copied`: V^L over V symbols for copy, C(L, k) V^k for selective
+    copying). With `min_length` m each length in [m, L] is equally likely, and the held-out set
+    holds at most min(eval_size, N_l) of the N_l sources of length l. Computed in logarithms
+    where N_L is too large to compute; the terms fall geometrically with l, so the sum stops once
     they no longer count."""
     lengths = range(length if min_length is None else min_length, length + 1)
     total = 0.0
     for size in lengths:
-        if size * math.log(vocab_size) < 700:  # V^l is a small enough integer: exact, so 4 of 8 is 1/2
-            term = min(1.0, eval_size / vocab_size**size)
+        log_count = sources.log_count(size, vocab_size, copied)
+        if log_count < 700:  # N_l is a small enough integer: exact, so 4 of 8 is 1/2
+            term = min(1.0, eval_size / sources.count(size, vocab_size, copied))
         else:
-            term = math.exp(min(0.0, math.log(eval_size) - size * math.log(vocab_size)))
+            term = math.exp(min(0.0, math.log(eval_size) - log_count))
         total += term
         if term < 1e-18:
             break
@@ -139,22 +169,32 @@ def _smallest(low: int, fits: Callable[[int], bool]) -> int:
     return low
 
 
-def check_heldout(length: int, vocab_size: int, eval_size: int, val_size: int, min_length: int | None = None) -> None:
+def check_heldout(
+    length: int,
+    vocab_size: int,
+    eval_size: int,
+    val_size: int,
+    min_length: int | None = None,
+    sources: Sources = UNIFORM,
+    copied: int | None = None,
+) -> None:
     """ConfigError unless the test and validation sets (`eval_size` + `val_size` sequences, held out
     of training together) leave enough sequences to train on (`heldout_share` at most
-    MAX_HELDOUT_SHARE): where they hold most of them, excluding them from training cannot work.
-    The message gives the largest train.eval_size + train.val_size, and the smallest task.length
-    and task.vocab_size, that would work, each alone."""
+    MAX_HELDOUT_SHARE; the sources the task draws, `sources` with `copied`): where they hold most of them,
+    excluding them from training cannot work. The message gives the largest train.eval_size +
+    train.val_size, and the smallest task.length and task.vocab_size, that would work, each alone."""
     given, eval_size = eval_size, eval_size + val_size
 
     def fits(length=length, vocab_size=vocab_size, eval_size=eval_size) -> bool:
-        return heldout_share(length, vocab_size, eval_size, min_length) <= MAX_HELDOUT_SHARE
+        return heldout_share(length, vocab_size, eval_size, min_length, sources, copied) <= MAX_HELDOUT_SHARE
 
-    share = heldout_share(length, vocab_size, eval_size, min_length)
+    share = heldout_share(length, vocab_size, eval_size, min_length, sources, copied)
     if share <= MAX_HELDOUT_SHARE:
         return
     largest = _smallest(1, lambda size: not fits(eval_size=size + 1))  # share grows with eval_size; 1 always fits
     lengths = f"task.length={length}" if min_length is None else f"task.min_length={min_length} to task.length={length}"
+    if copied is not None:
+        lengths += f" with task.copied={copied}"
     raise ConfigError(
         f"the test and validation sets (train.eval_size={given} + train.val_size={val_size}) can hold up to "
         f"{share:.0%} of the sequences of {lengths} over task.vocab_size={vocab_size} symbols, and training draws "
@@ -173,7 +213,8 @@ def parameter_count(cfg: DictConfig) -> int:
         return model_keys.transformer_parameter_count(cfg)
     if model_keys.model_name(cfg) == "mamba":
         return model_keys.mamba_parameter_count(cfg)
-    vocab, embedding, hidden = total_vocab(cfg.task.vocab_size), cfg.model.embedding_size, cfg.model.hidden_size
+    vocab = vocabulary(cfg.task.name, cfg.task.vocab_size)
+    embedding, hidden = cfg.model.embedding_size, cfg.model.hidden_size
     attention = cfg.attention
 
     def gru(
@@ -215,7 +256,7 @@ def memory_estimate(
 ) -> dict[str, int]:
     """Roughly the bytes a run needs at its peak, by what needs them, in float32: the parameters with
     their gradients and Adam's two moments, a training step's activations and what autograd saves
-    of them (B = train.batch_size, T_enc = task.length, T_dec = T_enc + 1), and the test and
+    of them (B = train.batch_size, T_enc = task.length, T_dec = T_enc + 1: the longest a target is), and the test and
     validation sets with the attention weights of their evaluation. `parameters`: the model's count
     (None: `parameter_count`'s, without torch); `attention_floats`: what a GRU model's attention keeps
     per attention weight beyond it, by what keeps it (its class's `training_floats`; None: nothing)."""
@@ -250,7 +291,7 @@ def memory_estimate(
     return {
         "the parameters, their gradients and Adam's moments": 4 * parameters * FLOAT,
         **activations,
-        "the logits (B x T_dec x vocabulary)": 3 * batch * t_dec * total_vocab(task.vocab_size) * FLOAT,
+        "the logits (B x T_dec x vocabulary)": 3 * batch * t_dec * vocabulary(task.name, task.vocab_size) * FLOAT,
         # its token ids (source, decoder input, target, decoded output) and, with attention, the weights kept
         (
             "the test and validation sets and their attention weights "

@@ -19,13 +19,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..console import ConfigError
-from ..data.vocab import total_vocab
+from ..data.tasks import vocabulary
 
 MODELS = ("gru", "transformer", "mamba")
 MODEL_KEYS = {
     "gru": ("embedding_size", "hidden_size", "bidirectional"),
     "transformer": ("layers", "heads", "d_model", "ff_size", "positions", "max_length", "dropout"),
-    "mamba": ("layers", "d_model", "d_state", "d_conv", "expand"),
+    "mamba": ("layers", "d_model", "d_state", "d_conv", "expand", "selective"),
 }
 NULLABLE = ("model.max_length",)  # a key of the chosen model that may be null (null: task.length)
 POSITIONS = ("sinusoidal", "learned")
@@ -77,6 +77,11 @@ def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
     for key in MODEL_KEYS[name]:
         if model.get(key) is None and f"model.{key}" not in NULLABLE:
             raise ConfigError(f"model.{key} must not be null with model={name}")
+    if name != "mamba" and model.get("selective") is not None:
+        raise ConfigError(
+            f"model.selective={str(model.selective).lower()} is model=mamba's (its SSM's Δ, B and C computed from the "
+            f"input, or learned as parameters); model={name} has no such choice: leave it null"
+        )
     if name == "gru":
         check_gru(cfg)
         return
@@ -152,7 +157,7 @@ def check_transformer(cfg: DictConfig) -> None:
 def transformer_parameter_count(cfg: DictConfig) -> int:
     """The trainable parameters of `transformer.TransformerSeq2Seq` for `cfg`: nn.Transformer (its
     layers and final norms), the source and target embeddings, a learned position table, the readout."""
-    vocab, model = total_vocab(cfg.task.vocab_size), cfg.model
+    vocab, model = vocabulary(cfg.task.name, cfg.task.vocab_size), cfg.model
     d, ff, layers = model.d_model, model.ff_size, model.layers
     attention = 4 * d * d + 4 * d  # in_proj (3d x d) and its bias, out_proj (d x d) and its bias
     feed_forward = 2 * d * ff + ff + d
@@ -170,11 +175,16 @@ def mamba_parameter_count(cfg: DictConfig) -> int:
     """The trainable parameters of `mamba.MambaSeq2Seq` for `cfg`: per layer its RMSNorm and block (the input
     projection to x and z, the depthwise convolution, the projections of Δ, B and C, A_log, D, the output
     projection), but the encoder's last layer without the gate, D and output projection (nothing reads its
-    output); the source and target embeddings, the final norm and the readout."""
-    vocab, model = total_vocab(cfg.task.vocab_size), cfg.model
+    output); the source and target embeddings, the final norm and the readout. With model.selective=false,
+    Δ (E), B and C (N) are parameters in place of their projections."""
+    vocab, model = vocabulary(cfg.task.name, cfg.task.vocab_size), cfg.model
     d, n, k = model.d_model, model.d_state, model.d_conv
     inner, rank = model.expand * d, -(-d // 16)  # E, and R = ceil(d / 16)
-    state = d * inner + inner * k + inner + inner * (rank + 2 * n) + rank * inner + inner + inner * n  # x, conv, SSM
+    if model.get("selective") is False:
+        selection = inner + 2 * n  # Δ's bias, B, C
+    else:
+        selection = inner * (rank + 2 * n) + rank * inner + inner  # x_proj, then dt_proj's weight and bias
+    state = d * inner + inner * k + inner + selection + inner * n  # x, conv, Δ B C, A
     readout = d * inner + inner + inner * d  # z, D, the output projection
     layer = d + state + readout  # the RMSNorm's weight first
     return 2 * model.layers * layer - readout + 2 * vocab * d + d + d * vocab + vocab

@@ -54,6 +54,7 @@ class TaskConfig:
     vocab_size: int = MISSING
     variable_length: bool = MISSING
     min_length: int = MISSING
+    copied: int | None = None  # selective copying's k; null for a task that does not read it
 
 
 @dataclass
@@ -72,6 +73,7 @@ class ModelConfig:  # each model=... option sets its own keys (model_keys.MODEL_
     d_state: int | None = None
     d_conv: int | None = None
     expand: int | None = None
+    selective: bool | None = None
 
 
 @dataclass
@@ -158,6 +160,7 @@ MINIMUM = {
     "task.length": 1,
     "task.vocab_size": 2,  # one symbol would make copying trivial
     "task.min_length": 1,
+    "task.copied": 1,
     "model.embedding_size": 1,
     "model.hidden_size": 1,
     "attention.size": 1,

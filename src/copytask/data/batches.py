@@ -1,9 +1,10 @@
 """Batches of a task drawn on the fly, and masks.
 
-Token ids (PAD, BOS, EOS, then the content symbols) are `vocab`'s. A source is `L` content symbols
-(PAD after its length); the target is the source symbols its task (`tasks`) copies, followed by
-EOS. The decoder reads `BOS + target` and predicts
-`target + EOS`, so `T_dec = T_enc + 1`.
+Token ids (PAD, BOS, EOS, then the content symbols, and the noise token where a task has it) are
+`vocab`'s. A source is `L` tokens its task draws (`tasks`; PAD after its length); the target is the
+source symbols its task copies, followed by EOS, as long as the source (copy, reverse) or shorter
+(selective copying: its content symbols). The decoder reads `BOS + target` and predicts `target + EOS`,
+so `T_dec` is the longest target's length + 1 (`T_enc + 1` where the target is as long as the source).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .tasks import source_positions, task_positions
-from .vocab import BOS, EOS, NUM_SPECIAL, PAD, total_vocab
+from .tasks import get_task, target_positions
+from .vocab import BOS, EOS, PAD
 
 
 def length_mask(lengths: Tensor, max_length: int) -> Tensor:
@@ -24,10 +25,10 @@ def length_mask(lengths: Tensor, max_length: int) -> Tensor:
 
 @dataclass
 class Batch:
-    src: Tensor  # (B, T_enc) content ids, PAD past each length
+    src: Tensor  # (B, T_enc) the task's source tokens, PAD past each length
     src_lengths: Tensor  # (B,) number of real source symbols
-    tgt_in: Tensor  # (B, T_dec) BOS + target, PAD past each length
-    tgt_out: Tensor  # (B, T_dec) target + EOS, PAD past each length
+    tgt_in: Tensor  # (B, T_dec) BOS + target, PAD past each target's length
+    tgt_out: Tensor  # (B, T_dec) target + EOS, PAD past each target's length
 
     @property
     def src_mask(self) -> Tensor:
@@ -35,9 +36,15 @@ class Batch:
         return length_mask(self.src_lengths, self.src.size(1))
 
     @property
+    def tgt_lengths(self) -> Tensor:
+        """(B,) content symbols of each target (its EOS not counted): `src_lengths` where the target is as
+        long as the source."""
+        return self.target_mask.sum(1) - 1
+
+    @property
     def content_mask(self) -> Tensor:
         """(B, T_dec) True on target positions holding a content symbol (EOS excluded)."""
-        return length_mask(self.src_lengths, self.tgt_out.size(1))
+        return length_mask(self.tgt_lengths, self.tgt_out.size(1))
 
     @property
     def target_mask(self) -> Tensor:
@@ -65,7 +72,9 @@ class Batch:
 
     @staticmethod
     def concat(batches: list[Batch], width: int) -> Batch:
-        """The rows of `batches` in one batch, each padded with PAD to `width` source positions."""
+        """The rows of `batches` in one batch, each padded with PAD to `width` source positions and to the
+        widest of their targets."""
+        t_dec = max(b.tgt_out.size(1) for b in batches)
 
         def padded(t: Tensor, size: int) -> Tensor:
             return torch.nn.functional.pad(t, (0, size - t.size(1)), value=PAD)
@@ -73,17 +82,15 @@ class Batch:
         return Batch(
             torch.cat([padded(b.src, width) for b in batches]),
             torch.cat([b.src_lengths for b in batches]),
-            torch.cat([padded(b.tgt_in, width + 1) for b in batches]),
-            torch.cat([padded(b.tgt_out, width + 1) for b in batches]),
+            torch.cat([padded(b.tgt_in, t_dec) for b in batches]),
+            torch.cat([padded(b.tgt_out, t_dec) for b in batches]),
         )
 
     def select(self, index: Tensor | slice) -> Batch:
-        """A sub-batch (rows `index`), trimmed to its own longest source."""
-        lengths = self.src_lengths[index]
-        t_enc = int(lengths.max())
-        return Batch(
-            self.src[index, :t_enc], lengths, self.tgt_in[index, : t_enc + 1], self.tgt_out[index, : t_enc + 1]
-        )
+        """A sub-batch (rows `index`), trimmed to its own longest source and longest target."""
+        lengths, tgt_out = self.src_lengths[index], self.tgt_out[index]
+        t_enc, t_dec = int(lengths.max()), int((tgt_out != PAD).sum(1).max())
+        return Batch(self.src[index, :t_enc], lengths, self.tgt_in[index, :t_dec], tgt_out[:, :t_dec])
 
 
 def make_batch(
@@ -93,35 +100,35 @@ def make_batch(
     vocab_size: int,
     generator: torch.Generator,
     min_length: int | None = None,
+    copied: int | None = None,
 ) -> Batch:
-    """Draw `batch_size` sequences of uniform random content symbols.
+    """Draw `batch_size` sources as `task` draws them (`tasks.Sources`; `copied`: task.copied, for a task
+    that reads it), over `vocab_size` content symbols.
 
     With `min_length`, each sequence's length is drawn uniformly from [min_length, length]
     and the batch is padded to `length`; otherwise every sequence has exactly `length` symbols.
     """
-    task_positions(task)  # an unknown task is refused before anything is drawn
+    sources = get_task(task).sources  # an unknown task is refused before anything is drawn
     device = generator.device  # the batch is drawn where its generator lives
     if min_length is None:
         lengths = torch.full((batch_size,), length, dtype=torch.long, device=device)
     else:
         lengths = torch.randint(min_length, length + 1, (batch_size,), generator=generator, device=device)
-    symbols = torch.randint(
-        NUM_SPECIAL, total_vocab(vocab_size), (batch_size, length), generator=generator, device=device
-    )
-    return task_batch(task, symbols, lengths)
+    return task_batch(task, sources.draw(lengths, length, vocab_size, copied, generator), lengths, vocab_size)
 
 
-def task_batch(task: str, symbols: Tensor, lengths: Tensor) -> Batch:
-    """The batch of the given sources: `symbols` (B, L) content ids (anything past each row's length
-    is ignored), `lengths` (B,) -> sources padded with PAD, and their `task`'s targets."""
+def task_batch(task: str, symbols: Tensor, lengths: Tensor, vocab_size: int) -> Batch:
+    """The batch of the given sources: `symbols` (B, L) token ids (anything past each row's length is
+    ignored), `lengths` (B,), over `vocab_size` content symbols -> sources padded with PAD, and their
+    `task`'s targets (`tasks.target_positions`), each as wide as the longest."""
     device = symbols.device
-    positions = torch.arange(symbols.size(1), device=device)
-    valid = positions[None, :] < lengths[:, None]  # (B, L)
+    valid = torch.arange(symbols.size(1), device=device)[None, :] < lengths[:, None]  # (B, L)
     src = symbols.masked_fill(~valid, PAD)
-    source_index = source_positions(task, positions[None, :], lengths[:, None])  # (B, L)
-    target = src.gather(1, source_index).masked_fill(~valid, PAD)
+    source_index, target_lengths = target_positions(task, src, lengths, vocab_size)  # (B, T), (B,)
+    in_target = torch.arange(source_index.size(1), device=device)[None, :] < target_lengths[:, None]  # (B, T)
+    target = src.gather(1, source_index).masked_fill(~in_target, PAD)
     pad_column = torch.full((len(src), 1), PAD, dtype=torch.long, device=device)
-    tgt_out = torch.cat([target, pad_column], dim=1).scatter(1, lengths[:, None], EOS)
+    tgt_out = torch.cat([target, pad_column], dim=1).scatter(1, target_lengths[:, None], EOS)
     tgt_in = torch.cat([torch.full((len(src), 1), BOS, dtype=torch.long, device=device), target], dim=1)
     return Batch(src, lengths, tgt_in, tgt_out)
 
@@ -130,13 +137,18 @@ def task_batch(task: str, symbols: Tensor, lengths: Tensor) -> Batch:
 # so the position it should read is the one its task copies.
 
 
-def copied_positions(task: str, lengths: Tensor, steps: int) -> Tensor:
-    """(B,) lengths -> (B, steps) the source position whose symbol output step t must produce
-    (`tasks`: t for copy, length - 1 - t for reverse); meaningful only for t < length (0 past it)."""
-    return source_positions(task, torch.arange(steps, device=lengths.device)[None, :], lengths[:, None])
+def copied_positions(task: str, batch: Batch, vocab_size: int, steps: int | None = None) -> Tensor:
+    """The source position whose symbol each output step of `batch` must produce (`tasks`: t for copy,
+    length - 1 - t for reverse, the t-th content symbol's for selective copying) -> (B, steps) (None: the
+    batch's T_dec); meaningful only for t < the target's length (0 past it)."""
+    positions, _ = target_positions(task, batch.src, batch.src_lengths, vocab_size)
+    steps = batch.tgt_out.size(1) if steps is None else steps
+    return torch.nn.functional.pad(positions, (0, max(0, steps - positions.size(1))))[:, :steps]
 
 
-def copied_source_positions(task: str, length: int) -> list[int]:
-    """The copied source position of each content output step of one sequence of `length` symbols
-    (`copied_positions`): what the heatmaps mark."""
-    return copied_positions(task, torch.tensor([length]), length)[0].tolist()
+def copied_source_positions(task: str, source: list[int], vocab_size: int) -> list[int]:
+    """The copied source position of each content output step of one `source` (its tokens, without
+    padding) (`tasks.target_positions`): what the heatmaps mark."""
+    src, lengths = torch.tensor([source], dtype=torch.long), torch.tensor([len(source)])
+    positions, target_lengths = target_positions(task, src, lengths, vocab_size)
+    return positions[0, : int(target_lengths[0])].tolist()

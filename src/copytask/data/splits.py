@@ -9,18 +9,21 @@ run's training never drew (replayed from its seed: `training_sequences`) and tha
 validation set (together: `unscorable`). Where a length has fewer such sequences than asked, the set holds each of them
 once, and says so.
 
-A sequence is identified by its symbols up to its length (`sequence_keys`), so a length-3 source
-never equals a length-4 one whatever the padding.
+A sequence is identified by its source tokens up to its length (`sequence_keys`), so a length-3 source
+never equals a length-4 one whatever the padding, and a selective-copying source is keyed by its noise
+placement too, not by its target alone.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..console import ConfigError
 from .batches import Batch, make_batch, task_batch
-from .vocab import NUM_SPECIAL
+from .tasks import get_task
 
 # A row is held out with probability at most 1/2 once `validate` passed: 100 rounds leave one with 2^-100.
 MAX_REDRAWS = 100
@@ -33,11 +36,28 @@ def sample_batch(cfg: DictConfig, batch_size: int, generator: torch.Generator) -
     """`batch_size` fresh sequences of the run's task and lengths, drawn from `generator`."""
     task = cfg.task
     min_length = task.min_length if task.variable_length else None
-    return make_batch(task.name, batch_size, task.length, task.vocab_size, generator, min_length)
+    return make_batch(task.name, batch_size, task.length, task.vocab_size, generator, min_length, copied(cfg))
+
+
+def copied(cfg: DictConfig) -> int | None:
+    """The run's task.copied (None in a run from before the key, or of a task without it)."""
+    return cfg.task.get("copied")
+
+
+def sequence_count(cfg: DictConfig, length: int) -> int | float:
+    """How many distinct sources of exactly `length` positions the run's task draws: an exact integer, or
+    inf where there are too many to hold in a float (far more than any set); 0 at a length shorter than the
+    task draws (selective copying: k + 1 and longer)."""
+    task, sources = cfg.task, get_task(cfg.task.name).sources
+    if length < sources.shortest(copied(cfg)):
+        return 0
+    if sources.log_count(length, task.vocab_size, copied(cfg)) > 700:  # e^700: near the largest float
+        return math.inf
+    return sources.count(length, task.vocab_size, copied(cfg))
 
 
 def sequence_keys(batch: Batch) -> list[bytes]:
-    """Each row's source symbols up to its length, as bytes: equal keys are equal sequences."""
+    """Each row's source tokens up to its length, as bytes: equal keys are equal sequences."""
     lengths = batch.src_lengths.tolist()
     return [row[:length].tobytes() for row, length in zip(batch.src.cpu().numpy(), lengths)]
 
@@ -53,7 +73,7 @@ def draw_excluding(cfg: DictConfig, size: int, generator: torch.Generator, exclu
         if not seen:
             return batch
         fresh = sample_batch(cfg, len(seen), generator)
-        for field in ("src", "src_lengths", "tgt_in", "tgt_out"):
+        for field in ("src", "src_lengths", "tgt_in", "tgt_out"):  # a task's targets are as wide in every batch
             getattr(batch, field)[seen] = getattr(fresh, field)
     task, train = cfg.task, cfg.train
     raise ConfigError(
@@ -149,22 +169,21 @@ def unseen_at_length(
     from `generator`, and how many there are (`size` where there are plenty). Where a length has at
     most ENUMERATED sequences they are listed and `size` of those left drawn without repeats (all of
     them, each once, where fewer are left); otherwise they are drawn at random and any excluded one
-    drawn again (`draw_excluding`, which names the set, `name`)."""
+    drawn again (`draw_excluding`, which names the set, `name`). A length the task does not draw
+    (`sequence_counts`) has none: an empty batch."""
     task = cfg.task
-    fixed = at_length(cfg, length)
-    if task.vocab_size**length > ENUMERATED:
+    fixed, count = at_length(cfg, length), sequence_count(cfg, length)
+    if count > ENUMERATED:
         return draw_excluding(fixed, size, generator, excluded, name), size
-    every = (
-        torch.arange(task.vocab_size**length)[:, None]
-        // task.vocab_size ** torch.arange(length - 1, -1, -1)
-        % task.vocab_size
-    )
-    every = every + NUM_SPECIAL  # (V^length, length) every sequence of content symbols
+    if count:
+        every = get_task(task.name).sources.every(length, task.vocab_size, copied(cfg))  # (count, length)
+    else:
+        every = torch.zeros(0, length, dtype=torch.long)  # a length the task does not draw: none
     lengths = torch.full((len(every),), length, dtype=torch.long)
     keys = sequence_keys(Batch(every, lengths, every, every))
     left = torch.tensor([i for i, key in enumerate(keys) if key not in excluded], dtype=torch.long)
     chosen = left[torch.randperm(len(left), generator=generator)[:size]]
-    return task_batch(task.name, every[chosen], lengths[chosen]), min(size, len(left))
+    return task_batch(task.name, every[chosen], lengths[chosen], task.vocab_size), min(size, len(left))
 
 
 def training_length_mix(cfg: DictConfig) -> list[dict]:
@@ -182,10 +201,11 @@ def training_length_mix(cfg: DictConfig) -> list[dict]:
         for key, length in zip(sequence_keys(batch), batch.src_lengths.tolist()):
             held.setdefault(length, set()).add(key)
     lengths = range(task.min_length, task.length + 1)
-    kept = {length: 1 - len(held.get(length, ())) / task.vocab_size**length for length in lengths}
+    counts = {length: sequence_count(cfg, length) for length in lengths}
+    kept = {length: 1 - len(held.get(length, ())) / counts[length] for length in lengths}
     total = sum(kept.values())
     return [
-        {"length": length, "held_out": len(held[length]), "sequences": task.vocab_size**length,
+        {"length": length, "held_out": len(held[length]), "sequences": counts[length],
          "train_share": kept[length] / total, "uniform_share": 1 / len(lengths)}
-        for length in lengths if length in held and len(held[length]) >= 0.01 * task.vocab_size**length
+        for length in lengths if length in held and len(held[length]) >= 0.01 * counts[length]
     ]  # fmt: skip

@@ -5,7 +5,8 @@
   positions, by its own weights permuted among the valid positions, or by all weight on one fixed
   position. The drop from its own accuracy says how much the output depends on *where* it attends.
 - Alignment: how often the attention argmax at an output step lands on the source position being
-  copied at that step, and the mean weight on that position.
+  copied at that step, and the mean weight on that position (selective copying: the position of the
+  t-th content symbol, so a hit is attention that skips the noise to it).
 - Length generalisation: a model evaluated on fixed-length held-out sets at other lengths.
 - Per-length accuracy: a model evaluated on one mixed-length set (padding and masks in place),
   its accuracy grouped by each sequence's length; the curve of a variable-length model.
@@ -20,7 +21,10 @@ length mix (`splits.training_length_mix`). Outputs are scored up to their first 
 Step convention: row t of the attention weights (B, T_dec, T_enc) is the attention used to produce
 output token t in greedy decoding. Bahdanau computes it from the state before the step, s_{t-1},
 Luong from the state after it, s_t; either way it serves output token t, so the source position
-being copied at row t is t for copy and length - 1 - t for reverse. The EOS row is not scored.
+being copied at row t is t for copy, length - 1 - t for reverse and the t-th content symbol's for
+selective copying (`batches.copied_positions`). The EOS row is not scored.
+
+A length its task does not draw (selective copying's k or fewer positions) is not scored: its row says so.
 
 `analyze(folders)` writes `analysis.json` into each complete run folder (derived data, the only
 file besides training's own that may be added to a run folder): the sweep calls it on its grid's
@@ -43,7 +47,14 @@ from tqdm.auto import tqdm
 from .. import console, store
 from ..data.batches import Batch, copied_positions
 from ..data.scoring import accuracy, output_mask, sequence_scores
-from ..data.splits import heldout_at_length, test_batch, training_length_mix, unscorable
+from ..data.splits import (
+    copied,
+    heldout_at_length,
+    sequence_count,
+    test_batch,
+    training_length_mix,
+    unscorable,
+)
 from ..models.attention import Attention, Intervention
 from ..models.build import Model
 from ..models.greedy import evaluate
@@ -123,13 +134,13 @@ def counterfactual_accuracy(model: Model, batch: Batch, seed: int = 0) -> dict[s
 # --- alignment ---------------------------------------------------------------------------------
 
 
-def alignment(weights: Tensor, tokens: Tensor, batch: Batch, task: str) -> dict[str, float]:
-    """weights (B, T_dec, T_enc) and output `tokens` (B, T_dec) from greedy decoding on `batch` -> over
-    all content output steps before the output's end (its first EOS), `hit`: the fraction whose
-    attention argmax is the copied position, `mass`: the mean weight on it, `adjacent`: the fraction
-    whose argmax is a neighbour of it. With a bidirectional encoder the state next to a symbol also
-    carries that symbol, and trained models do attend there."""
-    target = copied_positions(task, batch.src_lengths, weights.size(1))  # (B, T_dec)
+def alignment(weights: Tensor, tokens: Tensor, batch: Batch, task: str, vocab_size: int) -> dict[str, float]:
+    """weights (B, T_dec, T_enc) and output `tokens` (B, T_dec) from greedy decoding on `batch` (of `task` over
+    `vocab_size` content symbols) -> over all content output steps before the output's end (its first EOS),
+    `hit`: the fraction whose attention argmax is the copied position, `mass`: the mean weight on it,
+    `adjacent`: the fraction whose argmax is a neighbour of it. With a bidirectional encoder the state next
+    to a symbol also carries that symbol, and trained models do attend there."""
+    target = copied_positions(task, batch, vocab_size, weights.size(1))  # (B, T_dec)
     content = batch.content_mask & output_mask(tokens)  # (B, T_dec) output steps that copy a symbol
     distance = (weights.argmax(-1) - target).abs()[content]
     mass = weights.gather(-1, target[..., None]).squeeze(-1)[content]
@@ -173,10 +184,14 @@ def length_generalisation(
             note = f"not defined: the learned position table covers lengths up to {longest} (model.max_length)"
             rows.append({"test_length": length, "token_acc": None, "seq_acc": None, "scored": 0, "note": note})
             continue
+        if not sequence_count(cfg, length):
+            note = f"not defined: task {cfg.task.name} with task.copied={copied(cfg)} has no source of length {length}"
+            rows.append({"test_length": length, "token_acc": None, "seq_acc": None, "scored": 0, "note": note})
+            continue
         batch, available = heldout_at_length(cfg, length, size, seen)
         row = {"test_length": length, "token_acc": None, "seq_acc": None, "scored": available}
         if available < size:
-            row["note"] = held_out_note(length, available, size, cfg.task.vocab_size)
+            row["note"] = held_out_note(cfg, length, available, size)
         if available:
             result = evaluate(model, batch.to(device), need_weights=False)
             row |= {"token_acc": result["token_acc"], "seq_acc": result["seq_acc"]}
@@ -184,12 +199,12 @@ def length_generalisation(
     return rows
 
 
-def held_out_note(length: int, available: int, size: int, vocab_size: int) -> str:
-    """Why a length is scored on fewer than `size` sequences (or not at all)."""
+def held_out_note(cfg: DictConfig, length: int, available: int, size: int) -> str:
+    """Why a length is scored on fewer than `size` sequences (or not at all) in the run `cfg`'s task."""
     scored = f"scored on {available} sequences" if available else "not scored"
     return (
-        f"{scored}: only {available} of the {vocab_size**length:,} sequences of length {length} are neither "
-        f"trained on nor in the validation set (asked for {size})"
+        f"{scored}: only {available} of the {sequence_count(cfg, length):,} sequences of length {length} are "
+        f"neither trained on nor in the validation set (asked for {size})"
     )
 
 
@@ -218,7 +233,7 @@ def per_length_batch(cfg: DictConfig, seen: set[bytes], per_length: int = PER_LE
     for length in range(task.min_length, task.length + 1):
         batch, available = heldout_at_length(cfg, length, per_length, seen)
         if available < per_length:
-            notes.append(held_out_note(length, available, per_length, task.vocab_size))
+            notes.append(held_out_note(cfg, length, available, per_length))
         if available:
             parts.append(batch)
     whole = Batch.concat(parts, task.length)
@@ -281,9 +296,9 @@ def analyze_run(
     scores = {"own": accuracy(tokens, heldout)["token_acc"], **counterfactual_accuracy(model, heldout, seed=cfg.seed)}
     analysis["counterfactual"] = scores
     analysis["drop"] = {name: scores["own"] - scores[name] for name in COUNTERFACTUALS}
-    analysis["alignment"] = alignment(weights, tokens, heldout, task.name)
+    analysis["alignment"] = alignment(weights, tokens, heldout, task.name, task.vocab_size)
     if model.attention.heads > 1:
-        first = heldout.select(slice(0, 1))  # trimmed to its own length: weights (1, heads, L + 1, L)
+        first = heldout.select(slice(0, 1))  # trimmed to its own lengths: weights (1, heads, T_dec, L)
         analysis["head_weights"] = {
             "source": first.src[0].tolist(),
             "target": first.tgt_out[0].tolist(),

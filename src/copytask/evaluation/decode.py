@@ -1,9 +1,10 @@
 """A trained run's greedy output (or beam search's, `beam` K > 1) as values: `decode` -> `Decoded`.
 
 Loads a run folder's config and checkpoint and greedy-decodes sequences written by hand (`"g d d c"`
-or `gddc`) or drawn at random at any length (longer than trained too: length generalisation by
-hand), and returns the token ids, scores and attention weights as arrays (`Decoded`): one map per
-head for a multi-head model, else the model's one map. `copytask.decode` is this function;
+or `gddc`; for selective copying with the noise token `_`, `"_ g _ _ d"`) or drawn at random at any length
+the task draws (longer than trained too: length generalisation by hand), and returns the token ids,
+scores and attention weights as arrays (`Decoded`): one map per head for a multi-head model, else the
+model's one map. `copytask.decode` is this function;
 `python -m copytask decode` prints what it returns (`cli_decode`).
 
 The request, the run folder and the symbols are checked before torch is imported, so a refusal
@@ -23,7 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from .. import store
 from ..config.checks import check_beam_width
 from ..console import ConfigError
-from ..data.vocab import EOS, parse_symbols, symbol
+from ..data.tasks import TASKS
+from ..data.vocab import EOS, noise_token, parse_symbols, symbol
 
 
 class DecodeError(ConfigError):
@@ -49,10 +51,10 @@ class Decoded:
 
     run: str  # the run folder's name
     config: DictConfig  # the run's resolved config
-    source: np.ndarray  # (B, T_enc) content ids, PAD past each sequence's length
+    source: np.ndarray  # (B, T_enc) source tokens, PAD past each sequence's length
     lengths: np.ndarray  # (B,)
-    output: np.ndarray  # (B, T_dec) greedy output, T_dec = T_enc + 1
-    target: np.ndarray  # (B, T_dec) target + EOS
+    output: np.ndarray  # (B, T_dec) greedy output, T_dec the longest target's length + 1 (T_enc + 1 for copy)
+    target: np.ndarray  # (B, T_dec) target + EOS, PAD past it
     hits: np.ndarray  # (B,) content symbols right, up to the output's first EOS (`scoring.sequence_scores`)
     symbols: np.ndarray  # (B,) content symbols
     exact: np.ndarray  # (B,) every symbol and the EOS right
@@ -65,15 +67,15 @@ class Decoded:
         return float(self.hits.sum() / self.symbols.sum())
 
     def text(self, i: int) -> dict[str, list[str]]:
-        """Sequence `i` as symbols: its `input`, `output` (up to and with its first EOS: what
-        follows is not part of the output) and `target`."""
+        """Sequence `i` as symbols: its `input` (the noise token `_`), `output` (up to and with its first EOS:
+        what follows is not part of the output) and `target` (up to and with its EOS)."""
         vocab_size, length = self.config.task.vocab_size, int(self.lengths[i])
-        output = self.output[i].tolist()
+        output, target = self.output[i].tolist(), self.target[i].tolist()
         end = output.index(EOS) + 1 if EOS in output else len(output)
         return {
             "input": [symbol(t, vocab_size) for t in self.source[i, :length].tolist()],
             "output": [symbol(t, vocab_size) for t in output[:end]],
-            "target": [symbol(t, vocab_size) for t in self.target[i, : length + 1].tolist()],
+            "target": [symbol(t, vocab_size) for t in target[: target.index(EOS) + 1]],
         }
 
 
@@ -97,18 +99,29 @@ def decode(
     except ConfigError as error:
         raise DecodeError(str(error)) from None
     cfg = read_run(run_dir)
-    text = (symbols or "").strip()
+    task, text = cfg.task, (symbols or "").strip()
+    if task.name not in TASKS:
+        raise DecodeError(f"{run_dir.name} was trained on task {task.name!r}, which is not registered here")
+    sources = TASKS[task.name].sources
     if text and random is not None:
         raise DecodeError("give symbols or --random N, not both")
     if random is None:
         if length is not None:
             raise DecodeError("--length goes with --random; the length of given symbols is their number")
-        sequences = [parse_symbols(text, cfg.task.vocab_size)]
+        sequences = [parse_symbols(text, task.vocab_size, noise=sources.noise)]
+        if sources.noise and all(token == noise_token(task.vocab_size) for token in sequences[0]):
+            raise DecodeError(f"task {task.name} copies the content symbols among the noise (_): give at least one")
     else:
         sequences = None
         for name, value in (("--random", random), ("--length", length)):
             if value is not None and value < 1:
                 raise DecodeError(f"{name} must be at least 1, got {value}")
+        shortest = sources.shortest(task.get("copied"))
+        if length is not None and length < shortest:
+            raise DecodeError(
+                f"--length must be at least {shortest} for task {task.name} with task.copied={task.copied}, "
+                f"got {length}"
+            )
     return _decode(run_dir, cfg, sequences, random, length or cfg.task.length, seed, beam, length_normalise)
 
 
@@ -144,9 +157,10 @@ def _decode(
             f"it is not defined at length {asked}"
         )
     if sequences is None:
-        batch = make_batch(task, count, length, vocab_size, torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        batch = make_batch(task, count, length, vocab_size, generator, copied=cfg.task.get("copied"))
     else:
-        batch = task_batch(task, torch.tensor(sequences), torch.tensor([len(sequences[0])]))
+        batch = task_batch(task, torch.tensor(sequences), torch.tensor([len(sequences[0])]), vocab_size)
     steps = batch.tgt_out.size(1)
     if beam > 1:  # the best beam's tokens and weights (mean over heads)
         tokens, _, weights = beam_search(model, batch.src, batch.src_lengths, steps, beam, length_normalise)

@@ -1,10 +1,18 @@
-"""What the summary vector holds: a linear probe of it for the symbol at each source position.
+"""What the summary vector holds: a linear probe of it for each symbol the decoder must copy, in source order.
 
 The summary vector is what a model hands its decoder of the source, flattened (`model.summary_state`):
 a GRU decoder's initial state, all that the baseline's decoder sees of the source (the same vector
-in the attention models). A linear map from it to one-hot symbols, one block of outputs per source
-position, is fitted by ridge regression in closed form (deterministic, no optimiser) and scored by its
-argmax on the run's test set: accuracy by source position, chance 1 / vocab_size.
+in the attention models). A linear map from it to one-hot symbols, one block of outputs per copied
+symbol, is fitted by ridge regression in closed form (deterministic, no optimiser) and scored by its
+argmax on the run's test set: accuracy by copied symbol, chance 1 / vocab_size.
+
+Which symbols: those at the positions the task copies (`tasks`), in source order, the j-th label the
+symbol at the j-th copied position. For copy and reverse every position is copied, so label j is the
+symbol at source position j (accuracy by source position). For selective copying label j is the j-th
+content symbol, wherever it sits among the noise: what the decoder needs to write its j-th output, not
+the noise or where it lies (the vector may hold those too; this probe does not ask). The probe therefore
+asks the same question of both tasks, whether the k symbols to be written can be read out, and its
+accuracy by position reads by content symbol on selective copying.
 
 The fitting sequences are drawn as the run's training batches are (its task, its lengths), from a
 stream of their own (`analysis.probe_seed`), and none of them is a sequence the run has seen: every
@@ -44,7 +52,8 @@ from torch import Tensor
 
 from ..console import ConfigError
 from ..data.batches import Batch
-from ..data.splits import draw_excluding, heldout_keys, training_sequences, unseen_at_length
+from ..data.splits import draw_excluding, heldout_keys, sequence_count, training_sequences, unseen_at_length
+from ..data.tasks import target_positions
 from ..data.vocab import NUM_SPECIAL
 from ..models.build import Model, build_model
 from ..models.chunks import over_chunks
@@ -58,10 +67,14 @@ def summary_vectors(model: Model, batch: Batch) -> Tensor:
     return over_chunks(model, batch, CHUNK, lambda part: model.summary_state(part.src, part.src_lengths).double())
 
 
-def source_labels(batch: Batch) -> tuple[Tensor, Tensor]:
-    """The source symbols as labels 0 .. V - 1 -> labels (B, T_enc) (0 past a length) and valid (B, T_enc)."""
-    valid = torch.arange(batch.src.size(1), device=batch.src.device) < batch.src_lengths[:, None]
-    return (batch.src - NUM_SPECIAL).clamp(min=0), valid
+def source_labels(batch: Batch, task: str, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """The symbols `task` copies of each source of `batch`, in source order, as labels 0 .. V - 1 (see the
+    module) -> labels (B, T) (0 past a target's length) and valid (B, T); T = T_enc for copy and reverse."""
+    positions, target_lengths = target_positions(task, batch.src, batch.src_lengths, vocab_size)  # (B, T), (B,)
+    valid = torch.arange(positions.size(1), device=positions.device) < target_lengths[:, None]
+    in_order = positions.masked_fill(~valid, positions.size(1) + batch.src.size(1)).sort(1).values  # past: last
+    labels = batch.src.gather(1, in_order.masked_fill(~valid, 0)) - NUM_SPECIAL
+    return labels.masked_fill(~valid, 0), valid
 
 
 def one_hot(labels: Tensor, valid: Tensor, classes: int) -> Tensor:
@@ -142,8 +155,8 @@ def fitting_set(cfg: DictConfig, size: int, seed: int, steps: int) -> tuple[Batc
     if available == size:
         return batch, None
     return batch, (
-        f"fitted on {available} sequences: only {available} of the {task.vocab_size**task.length:,} sequences of "
-        f"length {task.length} are in none of the run's training batches, validation or test set "
+        f"fitted on {available} sequences: only {available} of the {sequence_count(cfg, task.length):,} sequences "
+        f"of length {task.length} are in none of the run's training batches, validation or test set "
         f"(asked for {size})"
     )
 
@@ -156,11 +169,12 @@ def untrained(cfg: DictConfig) -> Model:
         return build_model(cfg).eval()
 
 
-def control_labels(cfg: DictConfig, seed: int) -> Tensor:
-    """The control task's labels (Hewitt and Liang, 2019): (T_enc, V), entry [i, s] the label of symbol s
-    at source position i, drawn uniformly from the V symbols (so symbols share labels: see the module)."""
+def control_labels(cfg: DictConfig, seed: int, slots: int) -> Tensor:
+    """The control task's labels (Hewitt and Liang, 2019): (slots, V), entry [i, s] the label of symbol s
+    as the i-th copied symbol (the symbol at source position i for copy and reverse, whose `slots` are
+    task.length), drawn uniformly from the V symbols (so symbols share labels: see the module)."""
     vocab_size = cfg.task.vocab_size
-    return torch.randint(vocab_size, (cfg.task.length, vocab_size), generator=probe_stream(seed, "control task"))
+    return torch.randint(vocab_size, (slots, vocab_size), generator=probe_stream(seed, "control task"))
 
 
 def probe_summary(
@@ -177,8 +191,10 @@ def probe_summary(
     device, vocab_size = test.src.device, cfg.task.vocab_size
     fitting, note = fitting_set(cfg, size, seed, steps)
     fitting = fitting.to(device)
-    (fit_labels, fit_valid), (test_labels, test_valid) = source_labels(fitting), source_labels(test)
-    control = control_labels(cfg, seed).to(device)
+    (fit_labels, fit_valid), (test_labels, test_valid) = (
+        source_labels(batch, cfg.task.name, vocab_size) for batch in (fitting, test)
+    )
+    control = control_labels(cfg, seed, fit_labels.size(1)).to(device)
 
     def relabelled(labels: Tensor) -> Tensor:  # (B, T_enc): each position's symbol -> its control label
         return control[torch.arange(labels.size(1), device=device), labels]

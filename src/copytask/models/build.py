@@ -10,7 +10,7 @@ from ..config.checks import check_memory
 from ..config.model_keys import attention_option, is_transformer, model_name, position_rows
 from ..config.schema import config_dir
 from ..console import ConfigError
-from ..data.vocab import total_vocab
+from ..data.tasks import vocabulary
 from .attention import ATTENTION_TYPES, attention_type
 from .mamba import MambaSeq2Seq
 from .recurrent import Seq2Seq, count_parameters
@@ -29,7 +29,7 @@ def build_model(
     if is_transformer(cfg):
         model = cfg.model
         return transformer_class(
-            total_vocab(cfg.task.vocab_size),
+            vocabulary(cfg.task.name, cfg.task.vocab_size),
             model.d_model,
             model.heads,
             model.layers,
@@ -42,16 +42,17 @@ def build_model(
     if model_name(cfg) == "mamba":
         model = cfg.model
         return MambaSeq2Seq(
-            total_vocab(cfg.task.vocab_size),
+            vocabulary(cfg.task.name, cfg.task.vocab_size),
             model.d_model,
             model.layers,
             model.d_state,
             model.d_conv,
             model.expand,
             fused=cfg.train.get("fused", True),
+            selective=model.get("selective") is not False,  # absent from older runs: Mamba's own, selective
         )
     return model_class(
-        vocab=total_vocab(cfg.task.vocab_size),
+        vocab=vocabulary(cfg.task.name, cfg.task.vocab_size),
         decoder=cfg.attention.decoder,
         score=cfg.attention.score,
         embedding_size=cfg.model.embedding_size,

@@ -19,6 +19,17 @@ projection, whose output nothing would read (their parameters would count and ne
 Padding: a padded source position has Δ = 0, so exp(Δ A) = 1 and Δ B x = 0 leave the SSM state as it
 was; the window is read at each sequence's own length; the convolution is causal, so a real position never
 sees padding. A mixed-length batch gives each sequence what it gets alone (tests/test_mamba.py).
+
+The selection ablated (`selective=False`, `model.selective=false`): Δ, B and C are learned parameters, not
+computed from the input, and everything else stays: the Mamba architecture with an LTI SSM in place of the
+selective one, the "S4" row of Gu and Dao's Table 1 in the Mamba architecture. Δ is per channel (E), as the
+selective Δ's bias is; B and C (N) are shared by the channels, as Mamba's own B_t and C_t are, rather than per
+channel and state as S4D has them (Gu et al., 2022). So the LTI layer is exactly the selective layer whose
+selection returns constants: the one thing ablated is that Δ, B and C depend on the input, not also how many
+of them there are (per-channel B and C would add 2 E N parameters the selective layer does not have, and the
+comparison would mix two changes). Each channel e is then the convolution of its input with the kernel
+K_j = C exp(Δ_e A_e)^j Δ_e B (tests/test_mamba.py checks it against an explicit convolution); A keeps its
+S4D-real initialisation, Δ its range, B starts at 1 and C normal, as S4D's.
 """
 
 from __future__ import annotations
@@ -73,15 +84,31 @@ class MambaBlock(nn.Module):
     """The Mamba block (section 3.4, figure 3): project the input to x and z, a causal depthwise
     convolution of x, SiLU, the selective SSM with input-dependent Δ, B and C (section 3.2, Algorithm 2),
     the D skip, the output gated by SiLU(z), and the output projection. Without `readout` (the encoder's
-    last layer) only x and the SSM are computed: the block's state and nothing else."""
+    last layer) only x and the SSM are computed: the block's state and nothing else. Without `selective`,
+    Δ (E), B and C (N) are parameters: an LTI SSM (the module's docstring says why these shapes)."""
 
-    def __init__(self, d_model: int, d_inner: int, d_state: int, d_conv: int, dt_rank: int, readout: bool = True):
+    def __init__(
+        self,
+        d_model: int,
+        d_inner: int,
+        d_state: int,
+        d_conv: int,
+        dt_rank: int,
+        readout: bool = True,
+        selective: bool = True,
+    ):
         super().__init__()
         self.d_inner, self.d_state, self.d_conv, self.dt_rank, self.readout = d_inner, d_state, d_conv, dt_rank, readout
+        self.selective = selective
         self.in_proj = nn.Linear(d_model, (2 if readout else 1) * d_inner, bias=False)  # x | z
         self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner)  # depthwise: weight (E, 1, K), bias (E)
-        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)  # Δ (rank R) | B | C
-        self.dt_proj = nn.Linear(dt_rank, d_inner)
+        if selective:
+            self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)  # Δ (rank R) | B | C
+            self.dt_proj = nn.Linear(dt_rank, d_inner)
+        else:  # the LTI SSM's own: Δ before its softplus (E), B and C (N); S4D's B = 1 and C ~ N(0, 1)
+            self.dt_bias = nn.Parameter(torch.empty(d_inner))
+            self.B = nn.Parameter(torch.ones(d_state))
+            self.C = nn.Parameter(torch.randn(d_state))
         # S4D-real (section 3.6, Gu et al. 2022): A = -(n + 1) for state n of every channel, kept as log(-A)
         self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(d_inner, 1))
         if readout:
@@ -91,12 +118,14 @@ class MambaBlock(nn.Module):
 
     def _init_dt(self) -> None:
         """Δ = softplus(dt_proj(·) + bias) starts in [DT_MIN, DT_MAX], log-uniformly (section 3.6 and the paper's
-        code): the bias is softplus's inverse of such a draw, the weight uniform in +-R^-1/2."""
-        nn.init.uniform_(self.dt_proj.weight, -(self.dt_rank**-0.5), self.dt_rank**-0.5)
+        code): the bias is softplus's inverse of such a draw, the weight uniform in +-R^-1/2. The LTI SSM's Δ
+        starts in the same range: its bias alone."""
+        if self.selective:
+            nn.init.uniform_(self.dt_proj.weight, -(self.dt_rank**-0.5), self.dt_rank**-0.5)
         dt = torch.exp(torch.rand(self.d_inner) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
         dt = dt.clamp(min=DT_FLOOR)
         with torch.no_grad():
-            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+            (self.dt_proj.bias if self.selective else self.dt_bias).copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def initial_state(self, batch: int, like: Tensor) -> LayerState:
         """Zero state and window: a sequence's start."""
@@ -106,7 +135,11 @@ class MambaBlock(nn.Module):
 
     def _selection(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The selection mechanism (section 3.2, Algorithm 2; Δ's low-rank projection, section 3.6): x (..., E)
-        -> Δ before its softplus (..., E), B and C (..., N)."""
+        -> Δ before its softplus (..., E), B and C (..., N). Without `selective`, the same parameters at every
+        position, whatever x holds (broadcast views: the scan reads them as it reads the selective ones)."""
+        if not self.selective:
+            leading = x.shape[:-1]
+            return self.dt_bias.expand(*leading, -1), self.B.expand(*leading, -1), self.C.expand(*leading, -1)
         low_rank, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         return self.dt_proj(low_rank), B, C
 
@@ -192,7 +225,8 @@ class MambaLayer(nn.Module):
 
 class MambaSeq2Seq(nn.Module):
     """Source and target embeddings (each its own, as the other models'), `layers` Mamba layers on each side,
-    the decoder's layers starting from the encoder's final states, a final RMSNorm and a linear readout."""
+    the decoder's layers starting from the encoder's final states, a final RMSNorm and a linear readout;
+    every layer's SSM selective (Mamba's) or, without `selective`, LTI (the selection ablated)."""
 
     def __init__(
         self,
@@ -203,6 +237,7 @@ class MambaSeq2Seq(nn.Module):
         d_conv: int = 4,
         expand: int = 2,
         fused: bool = True,  # on CPU the convolution and the scan of a training step in kernels.mamba_ops
+        selective: bool = True,  # False: Δ, B and C learned, not computed from the input (the selection ablated)
     ):
         super().__init__()
         d_inner, dt_rank = expand * d_model, math.ceil(d_model / 16)
@@ -211,7 +246,7 @@ class MambaSeq2Seq(nn.Module):
         self.tgt_embedding = nn.Embedding(vocab, d_model, padding_idx=PAD)
 
         def layer(readout: bool = True) -> MambaLayer:
-            return MambaLayer(d_model, MambaBlock(d_model, d_inner, d_state, d_conv, dt_rank, readout))
+            return MambaLayer(d_model, MambaBlock(d_model, d_inner, d_state, d_conv, dt_rank, readout, selective))
 
         self.encoder_layers = nn.ModuleList([*(layer() for _ in range(layers - 1)), layer(readout=False)])
         self.decoder_layers = nn.ModuleList(layer() for _ in range(layers))

@@ -27,6 +27,7 @@ from ..figures import (
     save,
 )
 from .analysis_tables import COUNTERFACTUALS
+from .tables import setting_value
 
 REPLACED_STYLES = [("dimgray", ":"), ("darkgray", "-."), ("silver", "-")]  # not the chance line's dashes
 GROUP = ["attention", "task"]  # one panel per attention type and task (and setting, where a grid has settings)
@@ -44,7 +45,7 @@ def _title(keys: list[str], values: tuple, width: float) -> str:
     panel `width` inches wide."""
     attention, task, *setting = values
     title = f"{attention} ({task})"
-    setting_line = ", ".join(f"{key}={value}" for key, value in zip(keys[len(GROUP) :], setting))
+    setting_line = ", ".join(f"{key}={setting_value(value)}" for key, value in zip(keys[len(GROUP) :], setting))
     return fitted(f"{title}\n{setting_line}" if setting else title, 0.75 * width)  # the axes: the panel less its labels
 
 

@@ -250,7 +250,9 @@ def attention_section(
     if heatmaps or head_heatmaps:
         lines += [
             "In each map a red outline marks the source position the output step copies (the diagonal for copy, the "
-            "anti-diagonal for reverse), so attention that lands next to it shows; red output symbols are wrong.",
+            "anti-diagonal for reverse, the t-th content symbol for selective copying, whose noise tokens `_` are "
+            "grey: a row that jumps over the noise to its symbol has its weight in the outline), so attention that "
+            "lands next to it shows; red output symbols are wrong.",
             "",
         ]
     for heading, path in heatmaps:

@@ -70,7 +70,8 @@ def plot_by_position(table: pd.DataFrame, path: Path, settings: list[str] = ()) 
 
 
 def plot_probe(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Path:
-    """`probe_table`'s accuracy (%) against source position: the trained model's summary vector solid,
+    """`probe_table`'s accuracy (%) against source position (the j-th copied symbol: `evaluation.probe`), the
+    trained model's summary vector solid,
     the untrained one's dotted, and chance."""
     groups = _panels(table, list(settings))
     colour, order = colours(table["attention"].unique()), model_order(table["attention"])
@@ -81,7 +82,12 @@ def plot_probe(table: pd.DataFrame, path: Path, settings: list[str] = ()) -> Pat
             style = "-" if summary == "trained" else ":"
             _band(ax, runs, "position", "accuracy", color=colour[attention], ls=style, label=f"{attention}, {summary}")
         draw_chance(ax, rows["chance"].iloc[0])
-        ax.set(title=title, xlabel="source position", ylabel="probe accuracy %", ylim=(-2, 102))
+        ax.set(
+            title=title,
+            xlabel="source position (selective copying: content symbol)",
+            ylabel="probe accuracy %",
+            ylim=(-2, 102),
+        )
     legend_outside(figure, axes)
     return save(figure, path)
 
@@ -221,8 +227,10 @@ def breakdown_section(analyses: list[dict], settings: pd.DataFrame | None, out: 
         lines += [
             "### What the summary vector holds: a linear probe",
             "",
-            f"A linear map from the summary vector (what the model hands its decoder of the source: {handed}) to the "
-            "symbol at each source position, fitted by ridge regression (its penalty chosen "
+            f"A linear map from the summary vector (what the model hands its decoder of the source: {handed}) to "
+            "each symbol the decoder must copy, in source order (for copy and reverse the symbol at each source "
+            "position; for selective copying the k content symbols, not the noise), fitted by ridge regression (its "
+            "penalty chosen "
             "on a quarter of the fitting sequences held out of the fit) on sequences the run never saw (none of "
             "its training batches, validation or test set) and scored on the test set. Two controls: the same probe "
             "on the run's untrained model (its initial weights from its seed; dotted), as Conneau et al. (2018) read "

@@ -39,6 +39,7 @@ from .result_figures import (
     setting_suffix,
     setting_title,
 )
+from .selective_section import selective_section
 from .setup_section import setup_section
 from .state_section import state_section
 from .tables import markdown_table
@@ -126,6 +127,7 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
 
     accuracy = accuracy_section(summary, settings, x, per_length, out, loaded.mixed)
     setting_grid = setting_grid_section(summary, settings, x, out)
+    selective = selective_section(summary, settings, out)
     state = state_section(loaded, summary, out)
     evidence = evidence_section(loaded, out)
     analysis = analysis_section(loaded, variable_analyses, runs_dir, out)
@@ -139,6 +141,7 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
         "",
         *accuracy.lines,
         *setting_grid.lines,
+        *selective.lines,
         *state.lines,
         *variable_length_notes(per_length, variable, runs_dir),
         *missing_runs_section(loaded),
@@ -148,7 +151,7 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
         *attention_section(evidence.lines, heatmaps, head_heatmaps),
     ]
     store.atomic_write(out / "report.md", "\n".join(lines))
-    sections = (accuracy, setting_grid, state, evidence, analysis, breakdown, curves)
+    sections = (accuracy, setting_grid, selective, state, evidence, analysis, breakdown, curves)
     figures = [figure for section in sections for figure in section.figures]
     return [out / "report.md", *figures, *(path for _, path in heatmaps + head_heatmaps)]
 

@@ -94,8 +94,13 @@ def plot_accuracy(
     others = [key for key in [*settings, "length"] if key != x and summary[key].nunique(dropna=False) > 1]
     style_key = others[-1] if len(others) >= 2 else None
     facet_keys = [key for key in others if key != style_key]
-    style_values = sorted(summary[style_key].unique()) if style_key else [None]
-    style = {value: LINE_STYLES[i % len(LINE_STYLES)] for i, value in enumerate(style_values)}
+    # keyed by how a value reads: a setting some runs lack (NaN: `task.copied` of copy beside selective copying)
+    # is a style of its own, not a line dropped
+    style_values = [None]
+    if style_key:
+        values = summary[style_key]
+        style_values = sorted(values.dropna().unique()) + ([math.nan] if values.isna().any() else [])
+    style = {setting_value(value): LINE_STYLES[i % len(LINE_STYLES)] for i, value in enumerate(style_values)}
     facets = groups(summary, facet_keys)
     figure = Figure(figsize=(12, 0.8 + 3.6 * len(facets)), layout="constrained")
     axes = figure.subplots(len(facets), 2, sharex=True, squeeze=False)
@@ -106,9 +111,9 @@ def plot_accuracy(
         for axis, metric, title in zip(
             row_axes, ("token_acc", "seq_acc"), ("greedy token accuracy", "exact-sequence accuracy")
         ):
-            lines = rows.groupby(["attention", *([style_key] if style_key else [])], sort=False)
+            lines = rows.groupby(["attention", *([style_key] if style_key else [])], sort=False, dropna=False)
             for (attention, *style_value), series in sorted(lines, key=lambda line: order.index(line[0][0])):
-                line = (style[style_value[0] if style_key else None][0], model_style(attention)[1])
+                line = (style[setting_value(style_value[0] if style_key else None)][0], model_style(attention)[1])
                 name = f"{attention}, {style_key}={setting_value(style_value[0])}" if style_key else attention
                 draw_mean(axis, series.sort_values(x), x, metric, colour[attention], line, name)
             if x == "length" and not others:

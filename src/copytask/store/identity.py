@@ -34,7 +34,14 @@ NOT_IDENTITY = (
 # Keys whose value here is what the code computed before the key existed: at that value a key is left
 # out of the identity, so that adding a key (with such a default) renames no existing run, and giving
 # it explicitly (`attention.heads=1`) is the same run.
-NEUTRAL = {"attention.heads": 1, "attention.local": None, "attention.variant": None, "model.name": "gru"}
+NEUTRAL = {
+    "attention.heads": 1,
+    "attention.local": None,
+    "attention.variant": None,
+    "model.name": "gru",
+    "model.selective": True,  # Mamba's own selective SSM
+    "task.copied": None,  # a task that does not read it (checks refuse any other value there)
+}
 
 
 # Keys that change nothing unless another key has a value: (key, condition on the config). Each model
@@ -111,12 +118,13 @@ def attention_label(name: str, heads: int = 1) -> str:
 
 def architecture(cfg: DictConfig) -> str:
     """What a run's model is, in a word: a GRU model's attention type (`attention.name`), or
-    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer, or `mamba`. Run names
+    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer, or `mamba`, or
+    `mamba_lti` for Mamba with the selection ablated (`model.selective=false`: an LTI SSM). Run names
     start with it; metrics.json records it as `attention`."""
     if is_transformer(cfg):
         return "transformer" if cfg.model.positions == "sinusoidal" else f"transformer_{cfg.model.positions}"
     if model_name(cfg) == "mamba":
-        return "mamba"
+        return "mamba" if cfg.model.get("selective") in (True, None) else "mamba_lti"  # None: runs from before it
     return cfg.attention.name
 
 
@@ -129,10 +137,13 @@ def model_label(cfg: DictConfig) -> str:
 
 
 def run_name(cfg: DictConfig) -> str:
-    """Readable and unique: `<architecture>-<task><length>-seed<seed>-<hash of the identity>`."""
+    """Readable and unique: `<architecture>-<task><length>-seed<seed>-<hash of the identity>`, the length
+    followed by `k<task.copied>` for a task that reads it (`mamba-selective_copy64k8-seed0-...`)."""
     digest = hashlib.sha1(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:8]
     task = cfg.task
     lengths = f"{task.min_length}-{task.length}" if task.variable_length else f"{task.length}"
+    if task.get("copied") is not None:
+        lengths += f"k{task.copied}"
     return f"{architecture(cfg)}-{task.name}{lengths}-seed{cfg.seed}-{digest}"
 
 

@@ -353,17 +353,17 @@ def log_heatmap(tracker: trackers.RunLogger, sample: dict, cfg: DictConfig, metr
 
 def attention_samples(cfg: DictConfig, heldout: Batch, result: dict) -> dict:
     """The first few test examples: source, target, greedy output and attention weights
-    (output step x source position), trimmed to each example's real length."""
+    (output step x source position), trimmed to each example's real source and target lengths."""
     samples = []
     for i in range(min(cfg.train.attention_samples, len(heldout))):
-        length = int(heldout.src_lengths[i])
+        length, steps = int(heldout.src_lengths[i]), int(heldout.tgt_lengths[i]) + 1  # steps: the target and EOS
         weights = result["weights"]
         samples.append(
             {
                 "source": heldout.src[i, :length].tolist(),
-                "target": heldout.tgt_out[i, : length + 1].tolist(),
-                "output": result["tokens"][i, : length + 1].tolist(),
-                "weights": None if weights is None else store.rounded(weights[i, : length + 1, :length]),
+                "target": heldout.tgt_out[i, :steps].tolist(),
+                "output": result["tokens"][i, :steps].tolist(),
+                "weights": None if weights is None else store.rounded(weights[i, :steps, :length]),
             }
         )
     return {"attention": store.architecture(cfg), "task": cfg.task.name, "samples": samples}

@@ -346,7 +346,8 @@ def test_counterfactual_figure_is_in_percent_with_a_chance_line(monkeypatch, tmp
     assert ax.get_ylim()[1] > 100 and "%" in ax.get_ylabel()
     chance = lines["chance (25.0%)"]
     assert chance.get_linestyle() == "--" and list(chance.get_ydata()) == [25, 25]
-    assert "chance (25.0%)" in [text.get_text() for text in ax.get_legend().get_texts()]
+    [legend] = drawn[0].legends  # one legend for the figure, under the panels (none over the data)
+    assert ax.get_legend() is None and "chance (25.0%)" in [text.get_text() for text in legend.get_texts()]
 
 
 def test_analyze_writes_the_breakdown_and_the_report_draws_it(analysed_runs, tmp_path):

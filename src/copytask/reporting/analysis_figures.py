@@ -61,7 +61,7 @@ def plot_counterfactual(table: pd.DataFrame, path: Path, settings: list[str] = (
     for ax, (values, runs) in zip(axes, groups):
         means = runs.groupby("length")[["own", *COUNTERFACTUALS]].mean()
         colour, marker = model_style(values[0])
-        ax.plot(means.index, 100 * means["own"], color=colour, marker=marker, label="own (the model's colour)")
+        ax.plot(means.index, 100 * means["own"], color=colour, marker=marker, label="own")
         for name, (shade, line) in zip(COUNTERFACTUALS, REPLACED_STYLES):  # greys: no model's colour
             ax.plot(means.index, 100 * means[name], color=shade, linestyle=line, marker="o", markersize=3, label=name)
         for chance in runs["chance"].unique():
@@ -93,8 +93,8 @@ def plot_length_generalisation(table: pd.DataFrame, path: Path, settings: list[s
     figure.colorbar(image, ax=axes, shrink=0.8, label="greedy token accuracy % (mean over seeds)")
     figure.suptitle(
         fitted(
-            "Each model trained at the length of its row (5-80: at every length from 5 to 80 at once), "
-            "tested at the length of its column",
+            "Each model trained at the length of its row (a range such as 5-80: at every length in it at "
+            "once), tested at the length of its column",
             figure.get_figwidth(),
             11,
         )

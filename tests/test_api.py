@@ -224,7 +224,9 @@ def test_a_sweep_prints_nothing_and_logs_its_lines_for_a_caller_who_asks(tmp_pat
     assert "sweep (2/2 runs, 1 job at a time)" in err  # the sweep's bar
     lines = [record.getMessage() for record in caplog.records if record.name == "copytask"]
     assert sum("greedy token acc" in line for line in lines) == 2
-    assert [line.split(":")[0] for line in lines[2:]] == ["analysis", "report", "sweep"]
+    assert [line.split(":")[0] for line in lines[2:4]] == ["analysis", "report"] and lines[-1].startswith("sweep:")
+    # between them the result as compare prints it (its note, its table) and the report's finding
+    assert lines[4].startswith("copy task: greedy accuracy") and " none " in lines[5] and lines[6].startswith("At ")
 
 
 def test_a_sweep_with_a_failed_job_raises_naming_it_with_the_other_runs_results(tmp_path, fails_at_length_4):

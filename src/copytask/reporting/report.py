@@ -179,16 +179,16 @@ def headline(summary: pd.DataFrame, x: str) -> list[str]:
             models.append(f"{model} {low}-{high} (over its {len(rows)} settings)")
     chance = ", ".join(f"{tables.percent(value)}%" for value in sorted(at["chance"].unique()))
     counts = sorted(at["seeds"].unique())
-    seeds = "one seed (no interval)" if counts == [1] else f"{'/'.join(map(str, counts))} seeds [95% interval]"
+    seeds = "one seed, no interval" if counts == [1] else f"mean of {'/'.join(map(str, counts))} seeds [95% interval]"
     where = f"length {at[x].iloc[0]}, the longest" if x == "length" else f"{x}={tables.setting_value(at[x].iloc[0])}"
     lines = [
-        f"At {where} of the grid, mean greedy token accuracy in % on the held-out test set over {seeds}: "
-        f"{'; '.join(models)}; chance {chance}.",
+        f"At {where} of the grid, the share of symbols copied right in % (greedy decoding, held-out test set, "
+        f"{seeds}): {'; '.join(models)}; chance {chance}.",
     ]
     if x == "length" and summary["length"].nunique() > 1:
         reached = summary[summary["token_acc"] >= 0.99].groupby("attention")["length"].max()
-        longest = [f"{model} {reached.get(model, '-')}" for model in model_order(summary["attention"])]
-        lines[0] += f" The longest length at which the mean reaches 99%: {', '.join(longest)} (-: none)."
+        longest = [f"{model} {reached.get(model, 'no length')}" for model in model_order(summary["attention"])]
+        lines[0] += f" The longest length with a mean of at least 99%: {', '.join(longest)}."
     return [*lines, ""]
 
 

@@ -32,14 +32,6 @@ def least_state(length: int, vocab_size: int) -> float:
     return length * math.log2(vocab_size) / FLOAT_BITS
 
 
-def varies_state(summary: pd.DataFrame) -> bool:
-    """Whether some model's state takes two values or more at one length: the grid sweeps a size that sets it."""
-    if STATE_FLOATS not in summary or summary[STATE_FLOATS].isna().all():
-        return False
-    known = summary.dropna(subset=[STATE_FLOATS])
-    return bool((known.groupby(["attention", "length"])[STATE_FLOATS].nunique() > 1).any())
-
-
 def facet_keys(summary: pd.DataFrame, settings: list[str]) -> list[str]:
     """The settings that vary between rows of one model, length and state: they would pool, so they facet."""
     keyed = summary.dropna(subset=[STATE_FLOATS])
@@ -92,8 +84,9 @@ def plot_state(
                 )
             for attention in order:
                 for floats, what in sorted((fixed or {}).get(attention, ())):
-                    colour = colours([attention])[attention]
-                    axis.axvline(floats, color=colour, linestyle=":", linewidth=1.5, label=f"{attention}: {what}")
+                    axis.axvline(
+                        floats, color=colour[attention], linestyle=":", linewidth=1.5, label=f"{attention}: {what}"
+                    )
             if metric == "token_acc":
                 for chance in rows["chance"].unique():
                     draw_chance(axis, chance)
@@ -173,8 +166,8 @@ def rank_table(loaded: tables.Loaded) -> pd.DataFrame:
 
 
 def state_section(loaded: tables.Loaded, summary: pd.DataFrame, out: Path) -> Section:
-    """The figure and its words where the grid varies the state (`varies_state`); nothing otherwise."""
-    if not varies_state(summary):
+    """The figure and its words where the grid varies the state (`tables.state_varies`); nothing otherwise."""
+    if not tables.state_varies(summary):
         return Section([], [])
     read, fixed = {}, {}
     for run, label in zip(loaded.table["run"], loaded.table["attention"]):

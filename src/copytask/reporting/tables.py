@@ -295,7 +295,17 @@ def comparison_table(summary: pd.DataFrame, settings: list[str] = (), wide: bool
     keep = [*(key for key in settings if key in table), *NARROW]
     if table["chance %"].nunique() > 1:
         keep.insert(keep.index("token acc % [95% CI]"), "chance %")
-    return table[keep].rename(columns={f"token gap vs {BASELINE}": f"gap vs {BASELINE}"})
+    if state_varies(summary):  # a grid of state sizes: the size is what a reader compares
+        keep.insert(keep.index("token acc % [95% CI]"), "state floats per sequence")
+    renamed = {f"token gap vs {BASELINE}": f"gap vs {BASELINE}", "state floats per sequence": "state floats"}
+    return table[keep].rename(columns=renamed)
+
+
+def state_varies(summary: pd.DataFrame) -> bool:
+    """Whether some model's state floats take two values or more at one length (a grid that sizes the state)."""
+    if STATE_FLOATS not in summary or summary[STATE_FLOATS].isna().all():
+        return False
+    return bool((summary.groupby(["attention", "length"])[STATE_FLOATS].nunique() > 1).any())
 
 
 # compare's columns by default (`comparison_table`); `compare --wide` prints every column

@@ -238,6 +238,20 @@ def test_the_help_lists_decode(capsys):
     assert "--random" in capsys.readouterr().out
 
 
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback():
+    """`python -m copytask decode ... | head`: the pipe closes before the command has printed."""
+    command = subprocess.Popen(
+        [sys.executable, "-m", "copytask", "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": pythonpath()},
+    )
+    command.stdout.close()  # before the interpreter has started: its first print finds no reader
+    stderr = command.stderr.read().decode()
+    assert command.wait(timeout=60) == 1
+    assert stderr == ""
+
+
 def no_checkpoint(runs: dict[str, Path], tmp_path: Path) -> Path:
     folder = tmp_path / "unfinished"
     folder.mkdir()

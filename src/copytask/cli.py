@@ -82,7 +82,15 @@ def entry() -> int:
     # cuBLAS reads it once, at its first call: set before anything runs, inherited by the jobs a sweep
     # launches (training.devices)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
-    return main()
+    try:
+        status = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (`... | head`): Python's recipe (the signal module's "Note on SIGPIPE"),
+        # stdout pointed at devnull so that the flush at exit finds no pipe either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return status
 
 
 @contextmanager

@@ -542,3 +542,25 @@ def test_the_selective_copying_preset_is_the_union_of_its_settings():
     assert families == {"none", "luong_general", "transformer", "linear", "mamba", "mamba_lti"}
     assert len(grid) == len({run.folder for run in grid}) == 7 * 6 * 3
     assert {run.config.train.steps for run in grid} == {1200}  # the default budget
+
+
+def headline_of(rows: list[tuple[str, int, int, float]]) -> str:
+    """report.headline's first line for a summary of (model, length, task.copied, mean token accuracy)."""
+    from copytask.reporting.report import headline
+
+    summary = pd.DataFrame(
+        [
+            {"attention": model, "length": length, "task.copied": copied, "token_acc": acc, "seeds": 3}
+            | {"token_acc_lo": acc - 0.01, "token_acc_hi": min(acc + 0.01, 1.0), "chance": 1 / 9}
+            for model, length, copied, acc in rows
+        ]
+    )
+    return headline(summary, "length")[0]
+
+
+def test_the_headline_says_where_a_length_reached_99_percent_in_only_some_of_its_settings():
+    """Selective copying's union grid: at L = 64 the baseline copies k = 4 at 99.9% and k = 16 at 37.8%."""
+    union = headline_of([("none", 16, 8, 0.966), ("none", 64, 4, 0.999), ("none", 64, 16, 0.378)])
+    assert "The longest length with a mean of at least 99% in some setting: none 64." in union
+    plain = headline_of([("none", 16, 8, 0.995), ("none", 64, 8, 0.931)])
+    assert "The longest length with a mean of at least 99%: none 16." in plain

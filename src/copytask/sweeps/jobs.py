@@ -249,7 +249,9 @@ class SweepSummary(Callback):
             + (f"; results in {results}" if results else "")
         )
         if config.report.note:
-            console.log.info(textwrap.fill(config.report.note, TERMINAL_WIDTH))
+            # a path or run name in it stays whole, to be copied (breaking at its hyphens would split it)
+            note = textwrap.fill(config.report.note, TERMINAL_WIDTH, break_long_words=False, break_on_hyphens=False)
+            console.log.info(note)
         if unfinished:
             raise SweepFailed()
 

@@ -31,8 +31,8 @@ def test_a_sweep_expands_like_the_basic_sweeper_with_the_command_line_replacing_
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
             master = compose(["experiment=quick", "seed=3,4"], multirun=True)  # quick sweeps attention x length x seed
-            jobs, swept = sweep_jobs(master)
-            jobs = list(jobs)  # composed as read: while Hydra is initialised
+            batches, swept = sweep_jobs(master)
+            jobs = [(overrides, compose_job(master, overrides)) for overrides in batches]  # while Hydra is initialised
             single = compose(["seed=7"], multirun=False)
     finally:
         GlobalHydra.instance().clear()

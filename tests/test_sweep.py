@@ -125,6 +125,16 @@ def test_a_grid_not_recorded_is_composed_once_and_gives_what_the_record_gives(ru
     assert compositions["configs"] - compositions["jobs"] - (before["configs"] - before["jobs"]) == 2  # and 2 masters
 
 
+def test_a_bad_value_is_refused_before_the_jobs_launched_ahead_of_it_are_composed(tmp_path, compositions, capsys):
+    # the default grid launches its 9 jobs of length 5 before length 'oops': every swept value is composed first,
+    # the command line's before the preset's
+    assert cli.main(["sweep", f"runs_dir={tmp_path}", "task.length=5,oops"]) == 2
+
+    assert "got 'oops' (in the grid: task.length=5,oops)" in capsys.readouterr().err
+    assert compositions["jobs"] == 2  # the grid's first job, then its first with length 'oops'
+    assert not any(tmp_path.iterdir())
+
+
 def test_resume_retrains_exactly_the_removed_run(runs_copy):
     table = pd.read_csv(runs_copy / "results.csv")
     removed = table["run"].iloc[3]

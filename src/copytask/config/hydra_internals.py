@@ -5,7 +5,7 @@
 - `compose(overrides, multirun)`: a config composed as Hydra composes it for `train` or `sweep`,
   hydra node included (the Compose API leaves the sweeper's params and the run mode out);
 - `sweep_jobs(master)`: the jobs Hydra's basic sweeper launches for a multirun config, each as its
-  overrides and its composed config (a search space it cannot expand is a ConfigError);
+  overrides (a search space it cannot expand is a ConfigError);
 - `compose_job(master, overrides)`: one job's config, as the sweeper's launcher composes it;
 - `proposes_jobs(master.hydra)`, `search_space(master)` and `search_samples(master)`: whether the
   sweeper chooses its jobs as it goes (Optuna), and for such a sweeper its search space as
@@ -121,11 +121,10 @@ def compose_job(master: DictConfig, overrides: list[str]) -> DictConfig:
     return GlobalHydra.instance().config_loader().load_sweep_config(master, list(overrides))
 
 
-def sweep_jobs(master: DictConfig) -> tuple[Iterator[tuple[list[str], DictConfig]], set[str]]:
-    """The jobs the basic sweeper launches for `master`, in launch order, each as (overrides, config
-    with its hydra node), composed one by one as the iterator is read, and the keys swept over more
-    than one value. The sweeper's params come first, then the command line's overrides, which
-    replace a swept key's list."""
+def sweep_jobs(master: DictConfig) -> tuple[list[list[str]], set[str]]:
+    """The jobs the basic sweeper launches for `master`, in launch order, each as its overrides
+    (`compose_job` composes one), and the keys swept over more than one value. The sweeper's params
+    come first, then the command line's overrides, which replace a swept key's list."""
     parsed = sweep_overrides(master)
     for override in parsed:
         if (
@@ -138,7 +137,7 @@ def sweep_jobs(master: DictConfig) -> tuple[Iterator[tuple[list[str], DictConfig
             )
     [batches] = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     swept = {override.get_key_element() for override in parsed if override.is_sweep_override()}
-    return ((list(overrides), compose_job(master, list(overrides))) for overrides in batches), swept
+    return [list(overrides) for overrides in batches], swept
 
 
 @contextmanager

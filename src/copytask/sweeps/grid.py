@@ -43,18 +43,41 @@ QUIET_HYDRA = ("hydra/hydra_logging=none", "hydra/job_logging=none")
 
 def expand(master: DictConfig, check: Callable[[DictConfig], None] | None = None) -> list[GridRun]:
     """The jobs Hydra's basic sweeper launches for `master` (a multirun config with its hydra
-    node), in launch order; `check` is called on each job's config as it is composed, so that a bad
-    one stops the expansion at once. Needs an initialised GlobalHydra (inside a sweep, or `compose_grid`)."""
-    jobs, swept = sweep_jobs(master)
+    node), in launch order; `check` is called on each job's config as it is composed. Every value
+    of a swept key is composed first (`first_composed`), so that a bad one stops the expansion
+    after a few compositions, not after every job launched before it. Needs an initialised
+    GlobalHydra (inside a sweep, or `compose_grid`)."""
+    batches, swept = sweep_jobs(master)
+    configs: dict[tuple[str, ...], DictConfig] = {}
+    given = {override.lstrip("+~").split("=", 1)[0] for override in master.hydra.overrides.task}
+    for overrides in [*first_composed(batches, given), *batches]:
+        if tuple(overrides) not in configs:
+            config = compose_job(master, overrides)
+            with open_dict(config):
+                del config["hydra"]  # as Hydra does before calling the task function
+            if check is not None:
+                check(config)
+            configs[tuple(overrides)] = config
     runs = []
-    for overrides, config in jobs:
-        with open_dict(config):
-            del config["hydra"]  # as Hydra does before calling the task function
-        if check is not None:
-            check(config)
+    for overrides in batches:
+        config = configs[tuple(overrides)]
         label = " ".join(o for o in overrides if o.split("=", 1)[0] in swept)
         runs.append(GridRun(tuple(overrides), label, config, store.run_dir(config)))
     return runs
+
+
+def first_composed(batches: list[list[str]], given: set[str]) -> list[list[str]]:
+    """The first job of a grid, then each job that differs from it in one override: together they
+    hold every value of every swept key. Those that vary a key `given` on the command line come
+    first, where a mistyped value most likely is."""
+    if not batches:
+        return []
+    first, one_off = batches[0], []
+    for job in batches[1:]:
+        changed = [override for override, was in zip(job, first, strict=True) if override != was]
+        if len(changed) == 1:
+            one_off.append((changed[0].lstrip("+~").split("=", 1)[0] not in given, job))
+    return [first, *(job for _, job in sorted(one_off, key=lambda entry: entry[0]))]
 
 
 def check_search(master: DictConfig, check: Callable[[DictConfig], None]) -> None:

@@ -199,3 +199,14 @@ def test_a_key_added_at_its_neutral_value_renames_no_existing_run(make_config, m
     monkeypatch.setitem(store.NEUTRAL, "train.label_smoothing", 0.0)
     assert store.run_name(with_label_smoothing(0.0)) == before
     assert store.run_name(with_label_smoothing(0.1)) != before
+
+
+def test_a_runs_config_reads_as_omegaconf_load_reads_it(swept, tmp_path):
+    runs_dir, _ = swept
+    folders = store.complete_runs(runs_dir)
+    assert folders and all(store.read_config(f) == OmegaConf.load(f / store.CONFIG) for f in folders)
+    # what a config.yaml edited by hand may hold: OmegaConf's floats without a dot, dates kept as strings
+    text = "a: 1e-3\nb: '1e-3'\nc: 2001-12-14\nd: yes\ne: null\nf: .5\ng: 1_000\nh: [1, 2.0, x]\nk: 1.0e-05\n"
+    (tmp_path / store.CONFIG).write_text(text)
+    read, loaded = store.read_config(tmp_path), OmegaConf.load(tmp_path / store.CONFIG)
+    assert read == loaded and [type(v) for v in read.values()] == [type(v) for v in loaded.values()]

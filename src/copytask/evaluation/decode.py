@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from .. import store
 from ..config.checks import check_beam_width
@@ -42,7 +42,7 @@ def read_run(folder: Path) -> DictConfig:
         )
     if not (folder / store.CHECKPOINT).is_file():
         raise DecodeError(f"{str(folder)!r} has no {store.CHECKPOINT}: its training has not finished, or it failed")
-    return OmegaConf.load(folder / store.CONFIG)
+    return store.read_config(folder)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from .. import store
 from ..models.build import Model, build_model
@@ -19,7 +19,7 @@ def load_run(folder: Path, device: str = "cpu", fused: bool | None = None) -> tu
     (None: as the run was trained, `train.fused`); False runs torch's ops, the kernels' definition,
     which spares a caller that decodes a few sequences the kernels' loading (and torch's compiler stack,
     which their first call imports)."""
-    cfg = OmegaConf.load(Path(folder) / store.CONFIG)
+    cfg = store.read_config(Path(folder))
     built = cfg
     if fused is not None:
         built = cfg.copy()

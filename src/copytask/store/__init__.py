@@ -26,6 +26,7 @@ from .folders import (
     is_locked,
     lock_path,
     lock_run,
+    read_config,
     read_json,
     read_progress,
     rounded,

@@ -11,7 +11,10 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
 from filelock import AcquireReturnProxy, FileLock, Timeout
+from omegaconf import DictConfig, OmegaConf
+from omegaconf._utils import get_yaml_loader
 
 if TYPE_CHECKING:  # the store imports no torch: the command line reads run folders without it
     import torch
@@ -113,6 +116,20 @@ def write_json(path: Path, obj: Any) -> None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+class _ConfigLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """OmegaConf.load's reading of YAML (its float and no-timestamp resolvers: OmegaConf 2.3 has no
+    public name for them) on PyYAML's C parser where it has one."""
+
+    yaml_implicit_resolvers = get_yaml_loader().yaml_implicit_resolvers
+
+
+def read_config(folder: Path) -> DictConfig:
+    """The config a run in `folder` was trained with (its config.yaml), as OmegaConf.load reads it,
+    faster (compare and report read one per run: docs/bench.md)."""
+    with open(folder / CONFIG, encoding="utf-8") as file:
+        return OmegaConf.create(yaml.load(file, Loader=_ConfigLoader))
 
 
 def rounded(weights: torch.Tensor) -> list:

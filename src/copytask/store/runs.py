@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from .. import console
 from . import folders, replacement
@@ -43,7 +43,7 @@ class GridRun:
     @classmethod
     def from_folder(cls, folder: Path) -> GridRun:
         """A run found in a folder rather than in a grid (`--all`), with the config it was trained with."""
-        return cls((), "", OmegaConf.load(folder / folders.CONFIG), folder)
+        return cls((), "", folders.read_config(folder), folder)
 
     def status(self) -> str:
         """complete | running (another process holds its lock) | failed | incomplete (folder
@@ -109,7 +109,7 @@ class RecordedRun(GridRun):
     @functools.cached_property
     def config(self) -> DictConfig | None:
         try:
-            return OmegaConf.load(self.folder / folders.CONFIG)
+            return folders.read_config(self.folder)
         except Exception:  # noqa: BLE001 - none yet, or damaged: its reader names it (OmegaConf raises many types)
             return None
 
@@ -158,7 +158,7 @@ def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
         if not (folder / folders.CONFIG).is_file():
             continue
         try:
-            cfg = OmegaConf.load(folder / folders.CONFIG)
+            cfg = folders.read_config(folder)
             if cfg.task.variable_length and _without_lengths(cfg) in settings:
                 found.append(folder)
         except Exception as error:  # noqa: BLE001 - a damaged folder must not stop the report (OmegaConf raises many types)

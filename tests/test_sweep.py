@@ -135,6 +135,13 @@ def test_a_bad_value_is_refused_before_the_jobs_launched_ahead_of_it_are_compose
     assert not any(tmp_path.iterdir())
 
 
+def test_an_x_axis_the_sweep_does_not_vary_is_refused_before_any_job_is_composed(tmp_path, compositions, capsys):
+    assert cli.main(["sweep", f"runs_dir={tmp_path}", "report.x=bogus"]) == 2
+
+    assert "report.x must be task.length or a numeric key this sweep varies" in capsys.readouterr().err
+    assert compositions["jobs"] == 0  # the default grid's 45 were composed, and their models built, first
+
+
 def test_resume_retrains_exactly_the_removed_run(runs_copy):
     table = pd.read_csv(runs_copy / "results.csv")
     removed = table["run"].iloc[3]

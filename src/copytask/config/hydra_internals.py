@@ -5,7 +5,8 @@
 - `compose(overrides, multirun)`: a config composed as Hydra composes it for `train` or `sweep`,
   hydra node included (the Compose API leaves the sweeper's params and the run mode out);
 - `sweep_jobs(master)`: the jobs Hydra's basic sweeper launches for a multirun config, each as its
-  overrides (a search space it cannot expand is a ConfigError);
+  overrides (a search space it cannot expand is a ConfigError), and `swept_keys(master)` the keys
+  it varies;
 - `compose_job(master, overrides)`: one job's config, as the sweeper's launcher composes it;
 - `proposes_jobs(master.hydra)`, `search_space(master)` and `search_samples(master)`: whether the
   sweeper chooses its jobs as it goes (Optuna), and for such a sweeper its search space as
@@ -59,12 +60,18 @@ BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
 
 
-def sweep_overrides(master: DictConfig) -> list[Override]:
+def sweep_overrides(master: DictConfig, with_loader: bool = True) -> list[Override]:
     """The sweeper's params, then the command line's overrides, parsed (OverrideParseException for
-    one Hydra's grammar cannot read)."""
+    one Hydra's grammar cannot read). `with_loader=False`: without GlobalHydra's config loader, which
+    only a glob over a group's options needs to list its values."""
     params = [f"{key}={value}" for key, value in (master.hydra.sweeper.get("params") or {}).items()]
-    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader() if with_loader else None)
     return parser.parse_overrides(params + list(master.hydra.overrides.task))
+
+
+def swept_keys(master: DictConfig) -> set[str]:
+    """The keys a multirun config sweeps (`sweep_jobs`' second value), read without composing a job."""
+    return {override.get_key_element() for override in sweep_overrides(master, False) if override.is_sweep_override()}
 
 
 def proposes_jobs(hydra: DictConfig) -> bool:
@@ -136,8 +143,7 @@ def sweep_jobs(master: DictConfig) -> tuple[list[list[str]], set[str]]:
                 "optimising sweeper"
             )
     [batches] = BasicSweeper.split_arguments(parsed, max_batch_size=None)
-    swept = {override.get_key_element() for override in parsed if override.is_sweep_override()}
-    return [list(overrides) for overrides in batches], swept
+    return [list(overrides) for overrides in batches], swept_keys(master)
 
 
 @contextmanager

@@ -54,7 +54,7 @@ def model_name(cfg: DictConfig | dict) -> str:
     return cfg["model"].get("name") or "gru"
 
 
-def is_transformer(cfg: DictConfig) -> bool:
+def is_transformer(cfg: DictConfig | dict) -> bool:
     return model_name(cfg) == "transformer"
 
 

@@ -109,7 +109,8 @@ def load(grid: list[GridRun]) -> Loaded:
     for run in grid:
         status = run.status()
         if status == "complete":
-            reason = f"unreadable {store.CONFIG}" if run.config is None else None  # named by a sweep's record
+            config = run.resolved  # plain values: making each run's DictConfig would take most of compare's time
+            reason = f"unreadable {store.CONFIG}" if config is None else None  # named by a sweep's record
             try:
                 metrics = store.read_json(run.folder / store.METRICS)
                 missing_keys = [key for key in COLUMNS if key not in metrics]
@@ -121,16 +122,16 @@ def load(grid: list[GridRun]) -> Loaded:
                 console.warn(f"skipping {run.folder}: {reason}")
                 missing.append((run, reason))
                 continue
-            metrics["attention"] = store.model_label(run.config)
-            metrics[TARGET_STEP] = target_step(run.folder, run.config.train.target_acc)
-            metrics["eval_size"] = run.config.train.eval_size  # the sequences each accuracy is a share of (`scored`)
+            metrics["attention"] = store.model_label(config)
+            metrics[TARGET_STEP] = target_step(run.folder, config["train"]["target_acc"])
+            metrics["eval_size"] = config["train"]["eval_size"]  # the sequences each accuracy is a share of (`scored`)
             analysis = read_analysis(run.folder)
             if analysis is not None:
                 analyses[metrics["run"]] = analysis
                 metrics |= {f"align_{key}": value for key, value in analysis.get("alignment", {}).items()}
                 metrics |= breakdown_columns(analysis)
             rows.append(metrics)
-            configs.append(store.flat_identity(run.config))
+            configs.append(store.flat_identity(config))
             runs[metrics["run"]] = run
         else:
             if status == "incomplete":  # a half-written folder; failed runs are named by their sweep

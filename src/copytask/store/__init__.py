@@ -29,6 +29,7 @@ from .folders import (
     read_config,
     read_json,
     read_progress,
+    read_resolved,
     rounded,
     write_json,
     write_progress,

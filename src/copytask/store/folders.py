@@ -125,11 +125,20 @@ class _ConfigLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     yaml_implicit_resolvers = get_yaml_loader().yaml_implicit_resolvers
 
 
-def read_config(folder: Path) -> DictConfig:
-    """The config a run in `folder` was trained with (its config.yaml), as OmegaConf.load reads it,
-    faster (compare and report read one per run: docs/bench.md)."""
+def read_resolved(folder: Path) -> dict[str, Any]:
+    """The config a run in `folder` was trained with (its config.yaml, resolved as it was written) as
+    plain values, read as OmegaConf.load reads it but faster, and without making a DictConfig, which
+    takes longer than the reading: compare reads one per run (docs/bench.md)."""
     with open(folder / CONFIG, encoding="utf-8") as file:
-        return OmegaConf.create(yaml.load(file, Loader=_ConfigLoader))
+        values = yaml.load(file, Loader=_ConfigLoader)
+    if not isinstance(values, dict):
+        raise ValueError(f"{folder / CONFIG} holds no mapping")
+    return values
+
+
+def read_config(folder: Path) -> DictConfig:
+    """The config a run in `folder` was trained with, as OmegaConf.load reads its config.yaml."""
+    return OmegaConf.create(read_resolved(folder))
 
 
 def rounded(weights: torch.Tensor) -> list:

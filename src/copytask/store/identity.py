@@ -4,6 +4,7 @@ one value). The name is readable (attention, task, length, seed) and ends in a h
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -87,10 +88,11 @@ def _normalised(value: Any) -> Any:
     return value
 
 
-def identity(cfg: DictConfig) -> dict[str, Any]:
-    """What a run computes: its resolved config without the keys in NOT_IDENTITY, those at their
-    NEUTRAL value and those UNUSED_UNLESS another key says so, with numbers in one spelling."""
-    config = OmegaConf.to_container(cfg, resolve=True)
+def identity(cfg: DictConfig | dict) -> dict[str, Any]:
+    """What a run computes: its resolved config (or its plain values, `GridRun.resolved`) without the
+    keys in NOT_IDENTITY, those at their NEUTRAL value and those UNUSED_UNLESS another key says so,
+    with numbers in one spelling."""
+    config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else copy.deepcopy(cfg)
     for dotted in [
         dotted for dotted, condition in UNUSED_UNLESS.items() if not condition(config)
     ]:  # all read before any goes
@@ -103,7 +105,7 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
     return _normalised(config)
 
 
-def flat_identity(cfg: DictConfig) -> dict[str, Any]:
+def flat_identity(cfg: DictConfig | dict) -> dict[str, Any]:
     """`identity` with dotted keys (`model.hidden_size`) and lists as text, so that every value
     compares: the results table's setting columns and the trackers' hyperparameters."""
     return {key: str(value) if isinstance(value, list) else value for key, value in flatten(identity(cfg)).items()}
@@ -116,24 +118,25 @@ def attention_label(name: str, heads: int = 1) -> str:
     return name if heads == 1 else f"{name}-{heads}heads"
 
 
-def architecture(cfg: DictConfig) -> str:
+def architecture(cfg: DictConfig | dict) -> str:
     """What a run's model is, in a word: a GRU model's attention type (`attention.name`), or
     `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer, or `mamba`, or
     `mamba_lti` for Mamba with the selection ablated (`model.selective=false`: an LTI SSM). Run names
-    start with it; metrics.json records it as `attention`."""
+    start with it; metrics.json records it as `attention`. (Read by item: a config or its plain values.)"""
+    model = cfg["model"]
     if is_transformer(cfg):
-        return "transformer" if cfg.model.positions == "sinusoidal" else f"transformer_{cfg.model.positions}"
+        return "transformer" if model["positions"] == "sinusoidal" else f"transformer_{model['positions']}"
     if model_name(cfg) == "mamba":
-        return "mamba" if cfg.model.get("selective") in (True, None) else "mamba_lti"  # None: runs from before it
-    return cfg.attention.name
+        return "mamba" if model.get("selective") in (True, None) else "mamba_lti"  # None: runs from before it
+    return cfg["attention"]["name"]
 
 
-def model_label(cfg: DictConfig) -> str:
+def model_label(cfg: DictConfig | dict) -> str:
     """How tables, figures and files name a run's model: `architecture`, with a GRU model's head
     count where it has several (`attention_label`)."""
     if model_name(cfg) != "gru":
         return architecture(cfg)
-    return attention_label(cfg.attention.name, cfg.attention.get("heads", 1))
+    return attention_label(cfg["attention"]["name"], cfg["attention"].get("heads", 1))
 
 
 def run_name(cfg: DictConfig) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from .. import console
 from . import folders, replacement
@@ -44,6 +44,11 @@ class GridRun:
     def from_folder(cls, folder: Path) -> GridRun:
         """A run found in a folder rather than in a grid (`--all`), with the config it was trained with."""
         return cls((), "", folders.read_config(folder), folder)
+
+    @property
+    def resolved(self) -> dict[str, Any] | None:
+        """Its config as plain values (what its config.yaml holds); None where it has no config."""
+        return None if self.config is None else OmegaConf.to_container(self.config, resolve=True)
 
     def status(self) -> str:
         """complete | running (another process holds its lock) | failed | incomplete (folder
@@ -107,10 +112,17 @@ class RecordedRun(GridRun):
             object.__setattr__(self, name, value)
 
     @functools.cached_property
+    def resolved(self) -> dict[str, Any] | None:  # what a table of runs reads: no DictConfig made
+        try:
+            return folders.read_resolved(self.folder)
+        except Exception:  # noqa: BLE001 - none yet, or damaged: its reader names it (PyYAML raises many types)
+            return None
+
+    @functools.cached_property
     def config(self) -> DictConfig | None:
         try:
-            return folders.read_config(self.folder)
-        except Exception:  # noqa: BLE001 - none yet, or damaged: its reader names it (OmegaConf raises many types)
+            return None if self.resolved is None else OmegaConf.create(self.resolved)
+        except Exception:  # noqa: BLE001 - values OmegaConf cannot hold: its reader names it (it raises many types)
             return None
 
 

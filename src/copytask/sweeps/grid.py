@@ -30,6 +30,7 @@ from ..config.hydra_internals import (
     search_samples,
     search_space,
     sweep_jobs,
+    swept_keys,
 )
 from ..config.parallel import check_n_jobs
 from ..config.schema import config_dir, dotted_keys, hydra_errors
@@ -186,6 +187,8 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
         check_n_jobs(master.hydra.launcher)
         torch_free_check = remote_job_check if remote_launcher(launcher) else validate
         searching = proposes_jobs(master.hydra)
+        if not searching:  # before any job is composed
+            check_report_x(master.report.x, swept_keys(master))
     checked: list[DictConfig] = []  # each job's config (a search's: what its trials share), torch-free checks passed
 
     def check(job: DictConfig) -> None:
@@ -207,13 +210,14 @@ def check_grid(overrides: list[str], multirun: bool = True) -> list[GridRun]:
         key = str(error).split()[0]
         given = [entry for entry in entries if entry.lstrip("+~").split("=", 1)[0] == key]
         raise ConfigError(f"{error} (in the grid: {given[-1]})" if given else str(error)) from None
-    swept = {override.split("=", 1)[0] for run in grid for override in run.label.split()}
-    if multirun and not searching and master.report.x != "task.length" and master.report.x not in swept:
-        choices = ", ".join(["task.length", *sorted(swept - {"attention", "seed", "task.length"})])
-        raise ConfigError(
-            f"report.x must be task.length or a numeric key this sweep varies ({choices}), got {master.report.x!r}"
-        )
     return grid
+
+
+def check_report_x(x: str, swept: set[str]) -> None:
+    """ConfigError unless the report's x axis, `x`, is the length or a key the sweep varies (`swept`)."""
+    if x != "task.length" and x not in swept:
+        choices = ", ".join(["task.length", *sorted(swept - {"attention", "seed", "task.length"})])
+        raise ConfigError(f"report.x must be task.length or a numeric key this sweep varies ({choices}), got {x!r}")
 
 
 # Overrides that say where runs live and how they are analysed or drawn, not which runs a grid has.

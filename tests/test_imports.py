@@ -142,6 +142,8 @@ def test_a_module_without_a_row_is_named():
         ["train", "attention=bogus"],
         ["train", "task.lenght=40"],
         ["sweep", "task.length=5,oops"],
+        ["sweep", "report.x=bogus"],
+        ["train", "attention.score=no_such_module.Cosine", "attention.name=cosine"],
         ["compare", "runs_dir=/nonexistent"],
         ["report", "runs_dir=/nonexistent"],
         ["decode", "/nonexistent", "abc"],

@@ -113,6 +113,20 @@ def test_a_value_of_the_wrong_type_is_refused_by_the_schema_in_one_line(override
     assert str(refused.value) == message
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("analysis.eval_size=0", "analysis.eval_size must be an integer >= 1, got 0"),
+        ("analysis.probe_size=1", "analysis.probe_size must be an integer >= 2, got 1"),
+        ("analysis.threads=2000", "analysis.threads must be an integer from 1 to 1024, got 2000"),
+    ],
+)
+def test_analyze_refuses_an_analysis_key_out_of_its_bounds_before_it_reads_a_run(tmp_path, capsys, override, message):
+    (tmp_path / "a-run").mkdir()  # a runs_dir, so that only the value is wrong (eval_size=0 analysed every run)
+    assert cli.main(["analyze", f"runs_dir={tmp_path}", override]) == 2
+    assert capsys.readouterr().err.strip() == f"copytask: error: {message}"
+
+
 def test_a_key_added_with_plus_that_nothing_reads_is_refused(make_config):
     """Hydra adds `+model.depth=2` to the config; nothing reads it, yet it would rename the run."""
     with pytest.raises(ConfigError, match=r"^unknown key 'model.depth'"):

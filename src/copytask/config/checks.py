@@ -63,8 +63,14 @@ def check_keys(cfg: DictConfig) -> None:
     unset = sorted(OmegaConf.missing_keys(cfg))
     if unset:  # an option of the user's own (hydra.searchpath) that leaves a key of its group out
         raise ConfigError(f"{unset[0]} has no value: set it in its option's yaml or with {unset[0]}=VALUE")
+    check_bounds(cfg)
+
+
+def check_bounds(node: DictConfig, prefix: str = "") -> None:
+    """Every bounded integer (MINIMUM, MAXIMUM) under `prefix` (`analysis.`: `node` is the config's
+    analysis node; empty: the whole config) within its bounds."""
     for key, low in MINIMUM.items():
-        value = OmegaConf.select(cfg, key)
+        value = OmegaConf.select(node, key.removeprefix(prefix)) if key.startswith(prefix) else None
         if value is not None and value < low:
             raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
         if value is not None and value > MAXIMUM.get(key, value):
@@ -384,7 +390,8 @@ def check_beam_width(width: object, name: str) -> None:
 def check_analysis(analysis: DictConfig) -> None:
     """The analysis' keys that the schema's types and MINIMUM leave: the test lengths null or a non-empty list
     of lengths >= 1, each beam width from 1 to MAX_BEAM, and at least one ridge penalty, each finite and > 0
-    (nan refused)."""
+    (nan refused); and its bounded integers' bounds, for `analyze`, which reads no other key."""
+    check_bounds(analysis, "analysis.")
     lengths = analysis.get("lengths")
     if lengths is not None and (len(lengths) == 0 or min(lengths) < 1):
         raise ConfigError(

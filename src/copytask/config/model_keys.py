@@ -14,6 +14,7 @@ decoder (`check_gru`), each refusal one ConfigError line.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -97,10 +98,29 @@ def check_model(cfg: DictConfig, default_attention: DictConfig) -> None:
         check_transformer(cfg)
 
 
+def cannot_import(score: str, why: str) -> str:
+    """The refusal of `attention.score=module.Class` whose module does not import, and `why`."""
+    return (
+        f"attention.score={score}: cannot import {score.rpartition('.')[0]!r} ({why}); a module of your own must be "
+        "on the Python path: run python -m copytask from its folder, or add the folder to PYTHONPATH"
+    )
+
+
 def check_gru(cfg: DictConfig) -> None:
     """The GRU model's decoder and attention: a known decoder with its equations, an even hidden size
-    for a bidirectional encoder, heads and Luong's local window where they apply."""
+    for a bidirectional encoder, heads and Luong's local window where they apply, and a class of the
+    user's own (`attention.score=module.Class`) in a module that is there to import (the class itself is
+    checked where the model is built, with torch)."""
     model, attention = cfg.model, cfg.attention
+    module = str(attention.score).rpartition(".")[0] if attention.score is not None else ""
+    if module:
+        try:
+            found = importlib.util.find_spec(module) is not None
+            why = f"No module named {module!r}"
+        except (ImportError, ValueError) as error:  # a package on its path is not there, or is no package
+            found, why = False, str(error)
+        if not found:
+            raise ConfigError(cannot_import(attention.score, why))
     if attention.decoder not in DECODERS:
         raise ConfigError(f"attention.decoder must be one of {', '.join(DECODERS)}, got {attention.decoder!r}")
     if attention.variant != VARIANTS.get(attention.decoder):  # the one set of equations each decoder computes

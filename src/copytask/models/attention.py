@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config.model_keys import LOCAL
+from ..config.model_keys import LOCAL, cannot_import
 from ..kernels import ops
 
 ADDITIVE_CHUNK = 2**19  # elements of the additive score's tanh tensor computed at once on CPU (2 MB)
@@ -247,10 +247,7 @@ def attention_type(score: str) -> type[Attention]:
     try:
         kind = getattr(importlib.import_module(module), name)
     except ImportError as error:
-        raise ValueError(
-            f"attention.score={score}: cannot import {module!r} ({error}); a module of your own must be on "
-            "the Python path: run python -m copytask from its folder, or add the folder to PYTHONPATH"
-        ) from None
+        raise ValueError(cannot_import(score, str(error))) from None
     except AttributeError:
         raise ValueError(f"attention.score={score}: module {module!r} has no {name!r}") from None
     if not (isinstance(kind, type) and issubclass(kind, Attention)):

@@ -36,6 +36,7 @@ COMMANDS = [
     ["train", "--cfg", "job"],
     ["train", "task.lenght=40"],
     ["train", "attention=bogus"],
+    ["train", "train.device=cuda"],  # refused at once where no CUDA driver loads; elsewhere torch is asked
     ["sweep", "task.length=5,oops"],
     ["sweep", "report.x=bogus"],
     ["report", "runs_dir=/nonexistent"],

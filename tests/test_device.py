@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import socket
 import zipfile
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from copytask import store
 from copytask.bench import measures
+from copytask.config import checks
 from copytask.config.checks import analysis_device, validate
 from copytask.console import ConfigError
 from copytask.data.batches import task_batch
@@ -274,6 +276,15 @@ def test_the_job_on_a_node_without_a_gpu_fails_naming_the_node(fake_slurm, make_
 def test_a_local_sweep_on_cuda_is_still_checked_here(fake_slurm):
     with pytest.raises(ConfigError, match=f"{socket.gethostname()} has no CUDA device"):
         check_grid([*TINY, "train.device=cuda"])
+
+
+def test_where_a_cuda_driver_loads_torch_is_asked_and_its_build_named(monkeypatch):
+    monkeypatch.setattr(checks, "has_cuda_driver", lambda: True)  # as on a GPU node whose device is gone or busy
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=rf"has no CUDA device \(torch {re.escape(torch.__version__)}, "):
+        checks.check_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    checks.check_device("cuda")
 
 
 @pytest.mark.slow

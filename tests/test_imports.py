@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import copytask
+from copytask.config.checks import has_cuda_driver
 
 from .conftest import pythonpath
 
@@ -144,6 +145,10 @@ def test_a_module_without_a_row_is_named():
         ["sweep", "task.length=5,oops"],
         ["sweep", "report.x=bogus"],
         ["train", "attention.score=no_such_module.Cosine", "attention.name=cosine"],
+        pytest.param(
+            ["train", "train.device=cuda"],
+            marks=pytest.mark.skipif(has_cuda_driver(), reason="a CUDA driver loads here: torch is asked"),
+        ),
         ["compare", "runs_dir=/nonexistent"],
         ["report", "runs_dir=/nonexistent"],
         ["decode", "/nonexistent", "abc"],

@@ -9,12 +9,14 @@ parameters and memory) is checked where the model is built: `models.build.check_
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import math
 import os
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -360,9 +362,15 @@ def check_logger(logger: DictConfig | None) -> None:
 
 def check_device(name: str, here: bool = True) -> None:
     """ConfigError unless `name` is a device name and, with `here`, one this machine has (torch is
-    imported only to look for CUDA). The message names the machine: in a SLURM sweep it is a node."""
+    imported only to look for CUDA where a CUDA driver is there to find it). The message names the
+    machine: in a SLURM sweep it is a node."""
     if name not in DEVICES:
         raise ConfigError(f"train.device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name == "cuda" and here and not has_cuda_driver():
+        raise ConfigError(
+            f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device (no CUDA driver: "
+            "libcuda.so.1 does not load); use auto or cpu"
+        )
     if name == "cuda" and here:
         import torch
 
@@ -374,6 +382,19 @@ def check_device(name: str, here: bool = True) -> None:
                 f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device "
                 f"({build}); use auto or cpu"
             )
+
+
+def has_cuda_driver() -> bool:
+    """Whether this machine may have a CUDA device: False on Linux where the CUDA driver's library,
+    libcuda.so.1, does not load (torch's CUDA runtime loads it by that name: no torch build finds a
+    device without it), so that a refusal need not import torch; True elsewhere (torch then looks)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def remote_launcher(target: str | None) -> bool:

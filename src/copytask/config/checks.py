@@ -385,22 +385,22 @@ def check_device(name: str, here: bool = True) -> None:
     machine: in a SLURM sweep it is a node."""
     if name not in DEVICES:
         raise ConfigError(f"train.device must be one of {', '.join(DEVICES)}, got {name!r}")
-    if name == "cuda" and here and not has_cuda_driver():
+    if name != "cuda" or not here:
+        return
+    if not has_cuda_driver():
         raise ConfigError(
             f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device (no CUDA driver: "
             "libcuda.so.1 does not load); use auto or cpu"
         )
-    if name == "cuda" and here:
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            build = f"torch {torch.__version__}, " + (
-                "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-            )
-            raise ConfigError(
-                f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device "
-                f"({build}); use auto or cpu"
-            )
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}, " + (
+            "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        )
+        raise ConfigError(
+            f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device ({build}); use auto or cpu"
+        )
 
 
 def has_cuda_driver() -> bool:

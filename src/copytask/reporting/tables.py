@@ -109,7 +109,7 @@ def load(grid: list[GridRun]) -> Loaded:
     for run in grid:
         status = run.status()
         if status == "complete":
-            config = run.resolved  # plain values: making each run's DictConfig would take most of compare's time
+            config = run.resolved  # plain values: no DictConfig made per run (docs/bench.md, the answers)
             reason = f"unreadable {store.CONFIG}" if config is None else None  # named by a sweep's record
             try:
                 metrics = store.read_json(run.folder / store.METRICS)

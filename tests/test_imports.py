@@ -145,7 +145,6 @@ def test_a_module_without_a_row_is_named():
         ["sweep", "task.length=5,oops"],
         ["sweep", "report.x=bogus"],
         ["train", "attention.score=no_such_module.Cosine", "attention.name=cosine"],
-        ["train", "attention.score=dot"],  # Luong's dot score under the default option's name
         pytest.param(
             ["train", "train.device=cuda"],
             marks=pytest.mark.skipif(has_cuda_driver(), reason="a CUDA driver loads here: torch is asked"),

@@ -49,30 +49,11 @@ def validate(cfg: DictConfig) -> None:
     check_keys(cfg)
     check_task(cfg.task, cfg.train)
     model_keys.check_model(cfg, default_attention())
-    if model_keys.model_name(cfg) == "gru":
-        check_attention_name(cfg.attention)
     check_analysis(cfg.analysis)
     check_training(cfg.train)
     check_memory(cfg)
     check_device(cfg.train.device)
     check_logger(cfg.get("logger"))
-
-
-def check_attention_name(attention: DictConfig) -> None:
-    """ConfigError where `attention.name`, which names the run and its rows in every table, is an option of
-    configs/attention/ whose type (its decoder, score and local window) is not this config's: a score or
-    decoder given on the command line without a name of its own (`attention.score=my_scores.Cosine` on the
-    default option would be labelled luong_general)."""
-    option = model_keys.attention_option(config_dir(), attention.name)
-    if option is None:
-        return
-    differs = [key for key in ("decoder", "score", "local") if option.get(key) != attention.get(key)]
-    if differs:
-        given = " ".join(f"attention.{key}={attention.get(key)}" for key in differs)
-        raise ConfigError(
-            f"{given} is not attention={attention.name}'s type, yet the run would be named {attention.name}: "
-            "give it a name of its own, attention.name=NAME"
-        )
 
 
 def check_keys(cfg: DictConfig) -> None:

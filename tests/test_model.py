@@ -1,4 +1,7 @@
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from copytask.data.batches import make_batch
 from copytask.data.vocab import total_vocab
 from copytask.models.recurrent import Seq2Seq, count_parameters
 
-from .conftest import ATTENTION_OPTIONS, NO_ATTENTION
+from .conftest import ATTENTION_OPTIONS, NO_ATTENTION, pythonpath
 
 
 def tiny_arguments(option) -> dict:
@@ -224,3 +227,19 @@ def test_rnnencdec_runs_are_named_apart_from_those_of_its_earlier_equations(make
 def test_a_variant_no_decoder_computes_is_refused(make_config, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(make_config(*overrides))
+
+
+@pytest.mark.parametrize("model", ["model=gru", "model=transformer", "model=mamba", "model=mamba_lti"])
+def test_checking_a_model_draws_no_random_number_and_loads_no_compiler(model):
+    """check_buildable builds the model once before a run: the run's random numbers stay untouched, and torch's
+    compiler stack (which the meta device's initialisers import, about two seconds) stays unloaded."""
+    code = (
+        "import sys, torch; from copytask import compose; from copytask.models.build import check_buildable; "
+        f"cfg = compose([{model!r}]); torch.manual_seed(0); state = torch.random.get_rng_state(); "
+        "check_buildable(cfg); "
+        "print(torch.equal(state, torch.random.get_rng_state()), 'torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ | {"PYTHONPATH": pythonpath()}
+    )
+    assert done.stdout.split() == ["True", "False"], done.stderr

@@ -72,8 +72,10 @@ def check_buildable(cfg: DictConfig) -> None:
     user's own, a setting the class refuses (heads, Luong's local window, sizes), a model whose exact
     memory estimate (its parameter count and its attention's `training_floats`) exceeds the machine's,
     and an attention type under another option's name (`check_attention_name`). Run after `validate`,
-    before anything is written; the model is built on torch's meta device, which takes no memory and
-    draws no random number."""
+    before anything is written. The model is built on the CPU, with torch's random state restored after
+    it (`fork_rng`: the check draws nothing a run would), and at most a quarter of the memory `validate`'s
+    estimate has let through; not on the meta device, whose random initialisers and `arange` import
+    torch's compiler stack, two seconds of every `train` and `sweep` (docs/bench.md)."""
     score = cfg.attention.score
     if score is not None and score not in ATTENTION_TYPES:
         try:
@@ -86,7 +88,7 @@ def check_buildable(cfg: DictConfig) -> None:
                 f"as module.Class, got {score!r}"
             ) from None
     try:
-        with torch.device("meta"):
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
             model = build_model(cfg)
     except ValueError as error:  # validate has checked the rest: this is the attention class's refusal
         raise ConfigError(f"attention={cfg.attention.name}: {error}") from None

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from copytask.config import checks
+from copytask.config import memory
 from copytask.config.checks import heldout_share, validate
 from copytask.console import ConfigError
 from copytask.data import splits
@@ -153,7 +153,7 @@ def test_sizes_no_machine_holds_are_refused_in_one_line_naming_the_estimate_and_
     assert main(["train", *ISSUE_SIZES, f"runs_dir={tmp_path}"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("copytask: error: this configuration needs about ") and " PiB of memory" in line
-    assert f"more than this machine's {checks.human_bytes(checks.machine_memory())}" in line
+    assert f"more than this machine's {memory.human_bytes(memory.machine_memory())}" in line
     assert "task.length=1000000" in line
     assert not any(tmp_path.iterdir())
 
@@ -167,22 +167,22 @@ def test_the_memory_check_compares_the_estimate_with_the_machines_memory(make_co
 
     cfg = make_config(*TINY, "task.length=40", "attention=bahdanau")
     model = build_model(cfg)
-    needed = sum(checks.memory_estimate(cfg, count_parameters(model), model.attention.training_floats()).values())
-    without_attention = sum(checks.memory_estimate(cfg).values())
+    needed = sum(memory.memory_estimate(cfg, count_parameters(model), model.attention.training_floats()).values())
+    without_attention = sum(memory.memory_estimate(cfg).values())
     assert without_attention < needed
-    monkeypatch.setattr(checks, "machine_memory", lambda: needed)
+    monkeypatch.setattr(memory, "machine_memory", lambda: needed)
     validate(cfg)
     random_state = torch.random.get_rng_state()
     check_buildable(cfg)
     assert torch.equal(torch.random.get_rng_state(), random_state)  # built on the meta device: nothing drawn
-    monkeypatch.setattr(checks, "machine_memory", lambda: needed - 1)
+    monkeypatch.setattr(memory, "machine_memory", lambda: needed - 1)
     validate(cfg)
     with pytest.raises(ConfigError, match=r"needs about .* more than this machine's"):
         check_buildable(cfg)
-    monkeypatch.setattr(checks, "machine_memory", lambda: without_attention - 1)
+    monkeypatch.setattr(memory, "machine_memory", lambda: without_attention - 1)
     with pytest.raises(ConfigError, match=r"needs about .* more than this machine's"):
         validate(cfg)
-    monkeypatch.setattr(checks, "machine_memory", lambda: None)  # an OS that does not say: nothing refused
+    monkeypatch.setattr(memory, "machine_memory", lambda: None)  # an OS that does not say: nothing refused
     validate(make_config(*ISSUE_SIZES))
     check_buildable(make_config(*ISSUE_SIZES))
 
@@ -205,7 +205,7 @@ def test_every_preset_fits_a_small_machine(preset, monkeypatch):
     """No preset's run is refused on a machine with 2 GiB (capacity's bigger grid included)."""
     from copytask.sweeps.grid import check_grid
 
-    monkeypatch.setattr(checks, "machine_memory", lambda: 2 * 1024**3)
+    monkeypatch.setattr(memory, "machine_memory", lambda: 2 * 1024**3)
     grid = check_grid(preset)
     assert len(grid) >= 36
 
@@ -228,4 +228,4 @@ def test_the_estimates_parameter_count_is_the_models_but_its_attentions(make_con
     )
     model = build_model(cfg)
     attention = 0 if model.attention is None else count_parameters(model.attention)
-    assert checks.parameter_count(cfg) == count_parameters(model) - attention
+    assert memory.parameter_count(cfg) == count_parameters(model) - attention

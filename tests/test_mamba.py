@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 import copytask
 from copytask import store
-from copytask.config.checks import parameter_count, validate
+from copytask.config.checks import validate
+from copytask.config.memory import parameter_count
 from copytask.console import ConfigError
 from copytask.data.batches import make_batch
 from copytask.data.splits import sample_batch

@@ -11,7 +11,8 @@ from torch import nn
 
 from copytask import store
 from copytask.bench.reference import ReferenceTransformer, reference_transformer_state
-from copytask.config.checks import parameter_count, validate
+from copytask.config.checks import validate
+from copytask.config.memory import parameter_count
 from copytask.console import ConfigError
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import BOS, PAD

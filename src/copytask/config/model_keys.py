@@ -215,7 +215,7 @@ FLOAT, LONG = 4, 8  # bytes of a float32 number and of a token id
 
 def transformer_activations(cfg: DictConfig) -> dict[str, int]:
     """Roughly the bytes of a Transformer training step's activations, by what needs them (the
-    entries of `checks.memory_estimate` that are the Transformer's own)."""
+    entries of `memory.memory_estimate` that are the Transformer's own)."""
     task, model = cfg.task, cfg.model
     batch, t_enc, t_dec, d = cfg.train.batch_size, task.length, task.length + 1, model.d_model
     positions = (t_enc + t_dec) * model.layers
@@ -231,7 +231,7 @@ def transformer_activations(cfg: DictConfig) -> dict[str, int]:
 
 def mamba_activations(cfg: DictConfig) -> dict[str, int]:
     """Roughly the bytes of a Mamba training step's activations, by what needs them (the entries of
-    `checks.memory_estimate` that are Mamba's own): the SSM states, B x T x layers x E x N floats where the scan
+    `memory.memory_estimate` that are Mamba's own): the SSM states, B x T x layers x E x N floats where the scan
     runs in torch's ops (discretised A and B x, the states and their gradients; the CPU kernel keeps far less),
     and a few dozen E-wide activations per position and layer."""
     task, model = cfg.task, cfg.model

@@ -6,7 +6,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ..config.checks import check_memory
+from ..config.memory import check_memory
 from ..config.model_keys import attention_option, is_transformer, model_name, position_rows
 from ..config.schema import config_dir
 from ..console import ConfigError

@@ -114,7 +114,7 @@ VALID = {
     "attention.variant": st.sampled_from(["null", "cho2014"]),  # cho2014 with attention=rnnencdec only
     # a registered score, or a class named by its import path as a user's own is (docs/models.md); under an
     # option's name only where the type is that option's
-    "attention.score": st.sampled_from([*ATTENTION_TYPES, "copytask.models.attention.DotAttention"]),
+    "attention.score": st.sampled_from([*ATTENTION_TYPES, "copytask.models.dot_attention.DotAttention"]),
     "attention.name": st.sampled_from(["mine", *ATTENTIONS]),
     "model.hidden_size": st.sampled_from([1, 2, 4, 6, 8, 12]),
     "model.embedding_size": st.integers(1, 8),

@@ -18,7 +18,7 @@ does not give:
   autograd nodes' dispatch a layer);
 - cross-attention weights, per head: when weights are wanted (outside autograd, or with a
   counterfactual set), each decoder layer's cross-attention runs through
-  `attention.MultiHeadAttention` on that layer's nn.MultiheadAttention itself: the last layer's
+  `dot_attention.MultiHeadAttention` on that layer's nn.MultiheadAttention itself: the last layer's
   weights are the model's attention maps, and a counterfactual (`intervention`) replaces the weights
   of every layer, since cross-attention is the decoder's only way to the source;
 - an incremental cache for greedy decoding and beam search (`decoding`).
@@ -47,8 +47,9 @@ from torch import Tensor, nn
 from ..data.batches import length_mask
 from ..data.vocab import PAD
 from ..kernels import ops, transformer_ops
-from .attention import MultiHeadAttention, masked_softmax
+from .attention import masked_softmax
 from .decoding import greedy_search
+from .dot_attention import MultiHeadAttention
 from .positions import LearnedPositions, SinusoidalPositions
 
 

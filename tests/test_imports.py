@@ -86,7 +86,7 @@ def test_the_layer_check_sees_imports_inside_functions():
 
 
 def test_the_map_lists_each_layer_once_and_is_read_as_written():
-    assert len(LAYERS) == len(set(LAYERS)) and LAYERS[0] == "console" and LAYERS[-1] == "__main__"
+    assert len(LAYERS) == len(set(LAYERS)) and LAYERS[0] == "cpu_dispatch" and LAYERS[-1] == "__main__"
     assert map_layers("1. **`data`**: the data\n- **`x`** not a layer\n2. **`config`**: configs") == ["data", "config"]
 
 

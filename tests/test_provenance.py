@@ -32,7 +32,7 @@ def record_computation(folder: Path, computation: int | None) -> None:
     (a run from before copytask recorded it)."""
     metrics = store.read_json(folder / store.METRICS)
     if computation is None:
-        for key in (*provenance.PROVENANCE_KEYS, provenance.PYTHON_KEY):
+        for key in (*provenance.PROVENANCE_KEYS, *provenance.RECORDED_KEYS):
             del metrics[key]
     else:
         metrics["computation"] = computation

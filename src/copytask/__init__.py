@@ -18,7 +18,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import cpu_dispatch
+
 __version__ = "0.1.0"
+
+# torch's CPU kernels pinned before torch starts, so that every x86 machine computes the same digits
+cpu_dispatch.pin()
 
 # name -> the module that defines it
 _PUBLIC = {

@@ -12,9 +12,10 @@ import pandas as pd
 import torch
 
 from .. import store
+from ..cpu_dispatch import cpu_model
 from ..kernels import build, ops
 from ..models.build import build_model
-from ..training.devices import cpu_model, resolve_device, run_settings, torch_threads
+from ..training.devices import resolve_device, run_settings, torch_threads
 from . import __doc__ as DESCRIPTION
 from .measures import (
     ATTENTIONS,

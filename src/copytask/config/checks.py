@@ -21,6 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from .. import cpu_dispatch
 from ..data.tasks import TASKS, UNIFORM, Sources
 from . import model_keys
 from .memory import check_memory
@@ -52,6 +53,7 @@ def validate(cfg: DictConfig) -> None:
     check_training(cfg.train)
     check_memory(cfg)
     check_device(cfg.train.device)
+    check_cpu_dispatch()
     check_logger(cfg.get("logger"))
 
 
@@ -246,6 +248,13 @@ def check_device(name: str, here: bool = True) -> None:
         raise ConfigError(
             f"train.device=cuda was requested but {socket.gethostname()} has no CUDA device ({build}); use auto or cpu"
         )
+
+
+def check_cpu_dispatch() -> None:
+    """ConfigError where COPYTASK_CPU_CAPABILITY names no level copytask pins (`cpu_dispatch`): it was read
+    when copytask was imported, and pinned nothing."""
+    if reason := cpu_dispatch.check_setting():
+        raise ConfigError(reason)
 
 
 def has_cuda_driver() -> bool:

@@ -9,6 +9,7 @@ run that records another one, or none (made before copytask recorded it), is tra
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import platform
@@ -16,6 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from .. import console, cpu_dispatch
 from .folders import METRICS, is_complete, read_json
 from .replacement import pending
 
@@ -29,10 +31,21 @@ COMPUTATION = 1
 # analysis.json holds; tests/test_analysis_computation.py records a tiny analysis' numbers and fails when
 # they change without it.
 ANALYSIS_COMPUTATION = 2
-# metrics.json's keys that say what made the run, in the order a mixed table names them; beside them
-# PYTHON_KEY, recorded but not compared (the Python version changes no number a run computes).
-PROVENANCE_KEYS = ("computation", "copytask_version", "commit", "uncommitted_changes", "torch_version", "torch_build")
+# metrics.json's keys that say what made the run, in the order a mixed table names them (`cpu_capability`:
+# torch's CPU dispatch in force, cpu_dispatch); beside them RECORDED_KEYS, recorded but not compared: the
+# Python version changes no number a run computes, nor does the CPU's model where the dispatch is the same,
+# and MKL's and oneDNN's settings follow the dispatch's pin.
+PROVENANCE_KEYS = (
+    "computation",
+    "copytask_version",
+    "commit",
+    "uncommitted_changes",
+    "torch_version",
+    "torch_build",
+    "cpu_capability",
+)
 PYTHON_KEY = "python_version"
+RECORDED_KEYS = (PYTHON_KEY, "cpu", "mkl_cbwr", "onednn_max_cpu_isa")
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # src/copytask in a checkout
 
 
@@ -40,10 +53,15 @@ def provenance(computation: int = COMPUTATION) -> dict[str, Any]:
     """What makes a run trained now (an analysis made now, with `computation` ANALYSIS_COMPUTATION): this
     code's `computation`, the copytask version, the git commit
     and whether tracked files had uncommitted changes (both None where copytask is not run from a
-    checkout, as from a wheel), torch's version and build, and the Python version."""
+    checkout, as from a wheel), torch's version and build, the Python version, the CPU's model and its
+    dispatch in force: torch's CPU capability and MKL's and oneDNN's settings (cpu_dispatch). Where the
+    dispatch is not the one copytask pins, says so once (`dispatch_note`)."""
     import torch  # here: reading a run's provenance needs no torch
 
     commit, dirty = checkout_state(PACKAGE_DIR)
+    capability = torch.backends.cpu.get_cpu_capability()
+    if note := cpu_dispatch.not_pinned(capability):
+        say_once(note)
     return {
         "computation": computation,
         "copytask_version": installed_version(),
@@ -51,8 +69,18 @@ def provenance(computation: int = COMPUTATION) -> dict[str, Any]:
         "uncommitted_changes": dirty,
         "torch_version": torch.__version__,
         "torch_build": torch_build(torch.version),
+        "cpu_capability": capability,
         PYTHON_KEY: platform.python_version(),
+        "cpu": cpu_dispatch.cpu_model(),
+        "mkl_cbwr": os.environ.get("MKL_CBWR"),
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
     }
+
+
+@functools.cache
+def say_once(note: str) -> None:
+    """`note` as a CopytaskWarning, the first time this process has it to say."""
+    console.warn(note)
 
 
 def installed_version() -> str | None:
@@ -137,7 +165,7 @@ def retrained_line(folders: list[Path]) -> str | None:
 
 def mixed_line(runs: dict[str, dict]) -> str | None:
     """run name -> its metrics.json: where the runs were made by different computations, copytask
-    versions, commits or torch versions and builds, one line that says so and names the runs made by
+    versions, commits, torch versions and builds or torch CPU dispatch, one line that says so and names the runs made by
     each; None where they agree. A run from before provenance was recorded has none of it."""
     differ = [key for key in PROVENANCE_KEYS if len({metrics.get(key) for metrics in runs.values()}) > 1]
     if not differ:
@@ -149,7 +177,8 @@ def mixed_line(runs: dict[str, dict]) -> str | None:
         ", ".join(f"{key} {shown(key, value)}" for key, value in zip(differ, values)) + f": {named(sorted(names))}"
         for values, names in groups.items()
     )
-    return f"note: these runs were made by different code ({made_by})"
+    made = "under different CPU dispatch" if differ == ["cpu_capability"] else "by different code"
+    return f"note: these runs were made {made} ({made_by})"
 
 
 def named(names: list[str], most: int = 3) -> str:

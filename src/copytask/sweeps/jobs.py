@@ -305,7 +305,8 @@ def analyse(runs: list[GridRun], config: DictConfig) -> float:
 def ended(config: DictConfig, outcome: dict[str, Any], trials: list[dict] | None) -> dict[str, Any]:
     """What sweep.json adds at the end: the sweep's `outcome` (counts and seconds), when and where it
     ran, and a search's trials."""
-    from ..training.devices import cpu_model, gpu_name  # torch: not for a refusal, which comes before any job
+    from ..cpu_dispatch import cpu_model
+    from ..training.devices import gpu_name  # torch: not for a refusal, which comes before any job
 
     return (
         outcome

@@ -17,12 +17,10 @@ own process, and the jobs it launches inherit it; a program that imports copytas
 from __future__ import annotations
 
 import os
-import platform
 import socket
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
@@ -148,16 +146,6 @@ def torch_state(threads: int | None, device: torch.device) -> Iterator[None]:
     them, also for a CPU run on a GPU machine."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch_threads(thread_count(threads)):
         yield
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux), else what `platform` knows."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def gpu_name() -> str | None:

@@ -14,6 +14,7 @@ decoder (`check_gru`), each refusal one ConfigError line.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -47,6 +48,7 @@ DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
 # issue 26; its earlier runs (the encoder's raw final state fed into the GRU's input) have no variant.
 VARIANTS = {"rnnencdec": "cho2014"}
 LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
+ATTENTION_TYPE = ("decoder", "score", "local")  # what an attention option computes (the other keys size it)
 
 
 def model_name(cfg: DictConfig | dict) -> str:
@@ -57,6 +59,19 @@ def model_name(cfg: DictConfig | dict) -> str:
 
 def is_transformer(cfg: DictConfig | dict) -> bool:
     return model_name(cfg) == "transformer"
+
+
+def architecture(cfg: DictConfig | dict) -> str:
+    """What a run's model is, in a word: a GRU model's attention type (`attention.name`), or
+    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer, or `mamba`, or
+    `mamba_lti` for Mamba with the selection ablated (`model.selective=false`: an LTI SSM). Run names
+    start with it; metrics.json records it as `attention`. (Read by item: a config or its plain values.)"""
+    model = cfg["model"]
+    if is_transformer(cfg):
+        return "transformer" if model["positions"] == "sinusoidal" else f"transformer_{model['positions']}"
+    if model_name(cfg) == "mamba":
+        return "mamba" if model.get("selective") in (True, None) else "mamba_lti"  # None: runs from before it
+    return cfg["attention"]["name"]
 
 
 def position_rows(cfg: DictConfig) -> int:
@@ -154,6 +169,33 @@ def check_gru(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})"
         )
+
+
+def check_attention_name(attention: DictConfig, config_dir: str) -> None:
+    """ConfigError where `attention.name`, which names the run and its rows in every table, is an option of
+    configs/attention/ whose type (ATTENTION_TYPE: its decoder, score and local window) is not this config's:
+    a score or decoder given on the command line without a name of its own (`attention.score=my_scores.Cosine`
+    on the default option would be labelled luong_general), or another option's name."""
+    option = attention_types(config_dir).get(attention.name)
+    if option is None:
+        return
+    differs = [key for key, value in zip(ATTENTION_TYPE, option) if value != attention.get(key)]
+    if differs:
+        given = " ".join(f"attention.{key}={attention.get(key)}" for key in differs)
+        raise ConfigError(
+            f"{given} is not attention={attention.name}'s type, yet the run would be named {attention.name}: "
+            "give it a name of its own, attention.name=NAME"
+        )
+
+
+@functools.cache  # read once a process
+def attention_types(config_dir: str) -> dict[str, tuple]:
+    """Each option of configs/attention/, by name, and its type (ATTENTION_TYPE's values)."""
+    types = {}
+    for path in sorted((Path(config_dir) / "attention").glob("*.yaml")):
+        option = attention_option(config_dir, path.stem)
+        types[path.stem] = tuple(option.get(key) for key in ATTENTION_TYPE)
+    return types
 
 
 def check_transformer(cfg: DictConfig) -> None:

@@ -71,11 +71,12 @@ def check_buildable(cfg: DictConfig) -> None:
     ConfigError line: an `attention.score` no class is registered for and that imports no class of the
     user's own, a setting the class refuses (heads, Luong's local window, sizes), a model whose exact
     memory estimate (its parameter count and its attention's `training_floats`) exceeds the machine's,
-    and an attention type under another option's name (`config.model_keys.check_attention_name`). Run after
-    `validate`, before anything is written. The model is built on the CPU, with torch's random state restored
-    after it (`fork_rng`: the check draws nothing a run would), and at most a quarter of the memory `validate`'s
-    estimate has let through; not on the meta device, whose random initialisers and `arange` import
-    torch's compiler stack, two seconds of every `train` and `sweep` (docs/bench.md)."""
+    and a type of the user's own under an option's name (`config.model_keys.check_attention_name`, which
+    `validate` makes where the type is another option's: no class refuses more specifically there). Run
+    after `validate`, before anything is written. The model is built on the CPU, with torch's random
+    state restored after it (`fork_rng`: the check draws nothing a run would), and at most a quarter of
+    the memory `validate`'s estimate has let through; not on the meta device, whose random initialisers
+    and `arange` import torch's compiler stack, two seconds of every `train` and `sweep` (docs/bench.md)."""
     score = cfg.attention.score
     if score is not None and score not in ATTENTION_TYPES:
         try:

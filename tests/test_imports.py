@@ -145,6 +145,8 @@ def test_a_module_without_a_row_is_named():
         ["sweep", "task.length=5,oops"],
         ["sweep", "report.x=bogus"],
         ["train", "attention.score=no_such_module.Cosine", "attention.name=cosine"],
+        ["train", "attention.name=../x"],  # a label that is not a plain name
+        ["train", "attention=luong_general", "attention.name=bahdanau"],  # another option's name on a built-in type
         pytest.param(
             ["train", "train.device=cuda"],
             marks=pytest.mark.skipif(has_cuda_driver(), reason="a CUDA driver loads here: torch is asked"),

@@ -1,7 +1,8 @@
 """Property-based tests (hypothesis) of three contracts, over drawn inputs rather than chosen ones:
 
 - every input has an answer: an override list drawn from the whole space the command line takes,
-  junk included, either trains a 2-step run that writes a complete folder with finite metrics,
+  junk included, either trains a 2-step run that writes a complete folder with finite metrics in
+  runs_dir and nothing outside it, named for what it is (a built-in's name only on that built-in),
   or is refused with one ConfigError line before anything is written (in process, and a sample
   through the real CLI: exit 0, or exit 2 with one line on stderr);
 - attention: weights sum to 1 over the real source positions and are exactly 0 on padding (and
@@ -32,6 +33,7 @@ from hypothesis import strategies as st
 
 import copytask
 from copytask import store
+from copytask.config.model_keys import model_name
 from copytask.config.schema import config_dir
 from copytask.console import ConfigError
 from copytask.data.batches import task_batch
@@ -42,6 +44,9 @@ from .conftest import ATTENTION_OPTIONS, NO_ATTENTION, TASK_OPTIONS, pythonpath
 
 ATTENTIONS = list(ATTENTION_OPTIONS)
 ARCHITECTURES = sorted(path.stem for path in (Path(config_dir()) / "architecture").glob("*.yaml"))
+# What built-in runs of another model than the GRU are named (model=mamba_lti: mamba_lti-copy20-...)
+MODELS = [path.stem for path in (Path(config_dir()) / "model").glob("*.yaml")]
+MODEL_RUN_NAMES = {*MODELS, *ARCHITECTURES} - set(ATTENTIONS)
 RUN_FILES = {store.CONFIG, store.METRICS, store.HISTORY, store.CHECKPOINT, store.ATTENTION}
 # Small, fast and quiet defaults; a drawn override of the same key comes later and wins.
 # Each model reads its own sizes and leaves the other's unused, so both are here.
@@ -199,6 +204,15 @@ JUNK_OVERRIDES = st.sampled_from(
         "attention.score=no_such_module.Score",  # a class of one's own that does not import
         "attention.score=copytask.models.attention.Nothing",
         "attention.score=copytask.console.ConfigError",  # not an attention class
+        # labels (attention.name) that are no plain name, or a built-in's
+        "attention.name=../x",
+        "attention.name=a/b",
+        "attention.name=",
+        "attention.name=Mine",
+        "attention.name=luong_general-4heads",
+        "attention.name=mamba",
+        "attention.name=transformer_learned",
+        "attention.name=gru",
     ]
 )
 
@@ -237,6 +251,18 @@ def assert_complete(folder: Path, metrics: dict) -> None:
     assert 0 <= metrics["token_acc"] <= 1 and 0 <= metrics["seq_acc"] <= 1
 
 
+def assert_named_for_what_it_is(cfg, folder: Path, metrics: dict) -> None:
+    """A run's label (its folder's first word, its rows') is a built-in's only where the run is that built-in:
+    an attention option's where the GRU's attention has the option's type, a model's where it is that model."""
+    label, parts = metrics["attention"], folder.name.split("-")  # label, task and lengths, seed, hash
+    assert len(parts) == 4 and parts[0] == label != "" and parts[1].startswith(cfg.task.name), folder.name
+    if model_name(cfg) == "gru":
+        assert label not in MODEL_RUN_NAMES, label
+        if label in ATTENTION_OPTIONS:
+            option, type_keys = ATTENTION_OPTIONS[label], ("decoder", "score", "local")
+            assert all(cfg.attention.get(key) == option.get(key) for key in type_keys), (label, cfg.attention)
+
+
 def assert_one_line(error: ConfigError) -> None:
     message = str(error)
     assert message.strip() and "\n" not in message, repr(message)
@@ -266,6 +292,11 @@ PROPERTY = settings(max_examples=80, deadline=None, derandomize=True, suppress_h
 @example(["analysis.beam_widths=[4,65]"])  # past the widest beam
 @example(["analysis.probe_ridges=[nan]"])
 @example(["analysis.probe_ridges=[]"])
+# Labels that trained before issue 87 (part 8): outside runs_dir, '-copy4-...', a GRU named as Mamba
+@example(["attention.name=../x"])
+@example(["attention.name="])
+@example(["attention.name=mamba"])
+@example(["attention=luong_general", "attention.name=bahdanau"])
 def test_every_override_list_trains_or_is_refused_in_one_line_before_anything_is_written(overrides):
     with tempfile.TemporaryDirectory() as scratch, time_limit(60):
         runs_dir = Path(scratch) / "runs"
@@ -276,7 +307,10 @@ def test_every_override_list_trains_or_is_refused_in_one_line_before_anything_is
             assert not runs_dir.exists()
             return
         metrics = train_run(cfg)
-        assert_complete(store.run_dir(cfg), metrics)
+        folder = store.run_dir(cfg)
+        assert folder.parent == runs_dir and sorted(Path(scratch).iterdir()) == [runs_dir], folder
+        assert_complete(folder, metrics)
+        assert_named_for_what_it_is(cfg, folder, metrics)
 
 
 CLI_SETTINGS = settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -297,6 +331,7 @@ def test_the_command_line_trains_or_answers_in_one_line_with_exit_status_2(overr
             assert not runs_dir.exists()
         else:
             assert process.returncode == 0, process.stderr
+            assert sorted(Path(scratch).iterdir()) == [runs_dir]  # nothing beside runs_dir
             [folder] = [path for path in runs_dir.iterdir() if path.name != store.LOCKS]
             assert_complete(folder, store.read_json(folder / store.METRICS))
 

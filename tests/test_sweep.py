@@ -17,7 +17,7 @@ import pytest
 import copytask
 from copytask import cli, store
 from copytask.config import parallel
-from copytask.console import Lines
+from copytask.console import TERMINAL_WIDTH, Lines
 from copytask.sweeps.grid import compose_grid
 
 from .conftest import ATTENTION_OPTIONS, TINY, overrides, pythonpath, run_cli
@@ -101,10 +101,15 @@ def compositions(monkeypatch) -> dict[str, int]:
     return counts
 
 
-def test_compare_and_results_name_a_recorded_sweeps_runs_without_composing_them(runs_copy, compositions, capsys):
+def test_compare_and_results_name_a_recorded_sweeps_runs_without_composing_them(swept, runs_copy, compositions, capsys):
     assert "runs" in store.read_json(runs_copy / "sweep.json")  # the sweep recorded its grid's runs as it started
     assert cli.main(["compare", f"runs_dir={runs_copy}"]) == 0
-    assert "the grid of the last sweep in" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("compare: the grid of the last sweep in")
+    # the command and the folder wrapped at 100 columns, as the table is, each path whole
+    assert all(len(line) <= TERMINAL_WIDTH for line in lines), max(lines, key=len)
+    words = [word for line in lines for word in line.split()]
+    assert f"{runs_copy}:" in words and f"runs_dir={swept[0]}" in words
     # the config of `compare runs_dir=...`, then of the sweep's recorded overrides (which name another runs_dir)
     assert compositions == {"configs": 2, "jobs": 0}
     assert cli.main(["compare", *overrides(runs_copy)]) == 0  # the sweep's own overrides: its recorded grid

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import sys
+import textwrap
 import time
 import warnings
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from pathlib import Path
 from . import api, console, store
 from .config.checks import check_analysis
 from .config.schema import DETERMINISTIC_CUBLAS, config_help
-from .console import ConfigError, refuse
+from .console import TERMINAL_WIDTH, ConfigError, refuse
 from .store.runs import describe_missing, folder_runs
 from .sweeps.grid import Selection, compose_grid, nothing_done, select_runs
 
@@ -232,7 +233,7 @@ def analyze(overrides: list[str]) -> int:
 
 def selection_for(command: str, overrides: list[str], flags: set[str]) -> Selection:
     """The runs `compare` or `report` look at, as the API's functions select them (`api.select`),
-    said in one line; for listing or training the missing runs, a grid's (the default one where
+    said in a paragraph; for listing or training the missing runs, a grid's (the default one where
     runs_dir has no recorded sweep). ConfigError where none of them is complete, unless the missing
     runs are to be listed or trained: answered before pandas, matplotlib and torch are imported."""
     listing = bool({"--missing", "--train-missing"} & flags)
@@ -240,7 +241,8 @@ def selection_for(command: str, overrides: list[str], flags: set[str]) -> Select
     if not listing and not Path(master.runs_dir).is_dir():  # before any grid is composed
         raise ConfigError(f"nothing to {command}: {master.runs_dir} does not exist")
     selection = select_runs(overrides, every_run="--all" in flags, every_run_unless_recorded=not listing, master=master)
-    print(f"{command}: {selection.source}")
+    said = f"{command}: {selection.source}"  # at 100 columns, as the table; a path or an override stays whole
+    print(textwrap.fill(said, TERMINAL_WIDTH, break_long_words=False, break_on_hyphens=False))
     if not listing and not any(run.status() == "complete" for run in selection.runs):
         raise ConfigError(nothing_done(command, selection))
     return selection

@@ -1,8 +1,9 @@
 """What a runnable config is: `validate` refuses, before anything is trained or written, every
-value that cannot run (ranges, combinations, a held-out set that would cover the sequences
-training draws from, a configuration whose memory no machine here holds (`memory`), a device or a
-tracker this machine lacks), each in one ConfigError line that names it. Torch-free, like `schema`,
-so the command line answers at once. Types are the schema's (`schema`, checked by Hydra as it composes).
+value that cannot run (ranges, combinations, a label that is not a plain name of the user's own
+(`model_keys.check_label`), a held-out set that would cover the sequences training draws from, a
+configuration whose memory no machine here holds (`memory`), a device or a tracker this machine
+lacks), each in one ConfigError line that names it. Torch-free, like `schema`, so the command line
+answers at once. Types are the schema's (`schema`, checked by Hydra as it composes).
 What only an attention type's class knows (which `attention.score`s exist, what each takes, its own
 parameters and memory) is checked where the model is built: `models.build.check_buildable`.
 """
@@ -49,6 +50,8 @@ def validate(cfg: DictConfig) -> None:
     check_keys(cfg)
     check_task(cfg.task, cfg.train)
     model_keys.check_model(cfg, default_attention())
+    if model_keys.model_name(cfg) == "gru":  # another model's runs are named by the model (`architecture`)
+        model_keys.check_label(cfg.attention, config_dir())
     check_analysis(cfg.analysis)
     check_training(cfg.train)
     check_memory(cfg)

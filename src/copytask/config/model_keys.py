@@ -9,12 +9,15 @@ that a preset sizing the GRU (`experiment=quick`) also composes with `model=tran
 refused, since nothing would read it.
 
 `check_model` is `checks.validate`'s check of the model group, and of the attention group that is model=gru's
-decoder (`check_gru`), each refusal one ConfigError line.
+decoder (`check_gru`), each refusal one ConfigError line; `check_label` its check of the label a GRU run is
+named by (`attention.name`), against the names every built-in model gives its runs (`architecture`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -47,6 +50,12 @@ DECODERS = ("plain", "bahdanau", "luong", "rnnencdec")
 # issue 26; its earlier runs (the encoder's raw final state fed into the GRU's input) have no variant.
 VARIANTS = {"rnnencdec": "cho2014"}
 LOCAL = (None, "predictive", "monotonic")  # Luong's global, local-p and local-m attention
+ATTENTION_TYPE = ("decoder", "score", "local")  # what an attention option computes (the other keys size it)
+# A label (attention.name) is one word of a run's name, whose parts '-' joins, and the name of its folder in
+# runs_dir and of its rows: lower case, as every built-in's name is, so that no two fold into one folder where
+# a file system ignores case; short enough for a file name and a table's column.
+LABEL = re.compile(r"[a-z][a-z0-9_]{0,31}")
+LABEL_RULE = "a lowercase letter, then up to 31 lowercase letters, digits or underscores"
 
 
 def model_name(cfg: DictConfig | dict) -> str:
@@ -57,6 +66,19 @@ def model_name(cfg: DictConfig | dict) -> str:
 
 def is_transformer(cfg: DictConfig | dict) -> bool:
     return model_name(cfg) == "transformer"
+
+
+def architecture(cfg: DictConfig | dict) -> str:
+    """What a run's model is, in a word: a GRU model's attention type (`attention.name`), or
+    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer, or `mamba`, or
+    `mamba_lti` for Mamba with the selection ablated (`model.selective=false`: an LTI SSM). Run names
+    start with it; metrics.json records it as `attention`. (Read by item: a config or its plain values.)"""
+    model = cfg["model"]
+    if is_transformer(cfg):
+        return "transformer" if model["positions"] == "sinusoidal" else f"transformer_{model['positions']}"
+    if model_name(cfg) == "mamba":
+        return "mamba" if model.get("selective") in (True, None) else "mamba_lti"  # None: runs from before it
+    return cfg["attention"]["name"]
 
 
 def position_rows(cfg: DictConfig) -> int:
@@ -154,6 +176,73 @@ def check_gru(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model.hidden_size ({model.hidden_size}) must be divisible by attention.heads ({attention.heads})"
         )
+
+
+def check_label(attention: DictConfig, config_dir: str) -> None:
+    """ConfigError unless a GRU run's label, `attention.name`, is a plain name (LABEL: a path would put the run
+    folder elsewhere, '' name it '-copy20-...') that no built-in has: not the name of a model or of another
+    model's runs (`reserved_labels`), and an attention option's only with that option's type
+    (`check_attention_name`; here only where the config has some option's type, so that where it has none
+    an attention class's more specific refusal comes first: `models.build.check_buildable` checks it then)."""
+    name = attention.name
+    if not LABEL.fullmatch(name):
+        raise ConfigError(
+            f"attention.name must be a plain name ({LABEL_RULE}: it names the run's folder and its rows), got {name!r}"
+        )
+    reserved = reserved_labels(config_dir)
+    if name in reserved:
+        raise ConfigError(
+            f"attention.name must not name one of copytask's own models or their runs ({', '.join(reserved)}), "
+            f"got {name!r}: give your attention type a name of its own"
+        )
+    if tuple(attention.get(key) for key in ATTENTION_TYPE) in attention_types(config_dir).values():
+        check_attention_name(attention, config_dir)
+
+
+def check_attention_name(attention: DictConfig, config_dir: str) -> None:
+    """ConfigError where `attention.name`, which names the run and its rows in every table, is an option of
+    configs/attention/ whose type (ATTENTION_TYPE: its decoder, score and local window) is not this config's:
+    a score or decoder given on the command line without a name of its own (`attention.score=my_scores.Cosine`
+    on the default option would be labelled luong_general), or another option's name."""
+    option = attention_types(config_dir).get(attention.name)
+    if option is None:
+        return
+    differs = [key for key, value in zip(ATTENTION_TYPE, option) if value != attention.get(key)]
+    if differs:
+        given = " ".join(f"attention.{key}={attention.get(key)}" for key in differs)
+        raise ConfigError(
+            f"{given} is not attention={attention.name}'s type, yet the run would be named {attention.name}: "
+            "give it a name of its own, attention.name=NAME"
+        )
+
+
+@functools.cache  # read once a process: a sweep checks every job's label
+def attention_types(config_dir: str) -> dict[str, tuple]:
+    """Each option of configs/attention/, by name, and its type (ATTENTION_TYPE's values)."""
+    types = {}
+    for path in sorted((Path(config_dir) / "attention").glob("*.yaml")):
+        option = attention_option(config_dir, path.stem)
+        types[path.stem] = tuple(option.get(key) for key in ATTENTION_TYPE)
+    return types
+
+
+@functools.cache
+def reserved_labels(config_dir: str) -> tuple[str, ...]:
+    """The names a GRU run may not take since a built-in that is no attention option has them: the options of
+    configs/model/ and configs/architecture/ and the models' names, and what each model's runs are named
+    (`architecture`, for every setting of the keys it reads) other than model=gru's, whose runs take their
+    attention option's."""
+    root = Path(config_dir)
+    names = {path.stem for group in ("model", "architecture") for path in (root / group).glob("*.yaml")}
+    names.update(MODELS)
+    names.update(
+        architecture({"model": {"name": name, "positions": positions, "selective": selective}})
+        for name in MODELS
+        if name != "gru"
+        for positions in POSITIONS
+        for selective in (True, False)
+    )
+    return tuple(sorted(names - set(attention_types(config_dir))))
 
 
 def check_transformer(cfg: DictConfig) -> None:

@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ..config.memory import check_memory
-from ..config.model_keys import attention_option, is_transformer, model_name, position_rows
+from ..config.model_keys import check_attention_name, is_transformer, model_name, position_rows
 from ..config.schema import config_dir
 from ..console import ConfigError
 from ..data.tasks import vocabulary
@@ -71,11 +71,12 @@ def check_buildable(cfg: DictConfig) -> None:
     ConfigError line: an `attention.score` no class is registered for and that imports no class of the
     user's own, a setting the class refuses (heads, Luong's local window, sizes), a model whose exact
     memory estimate (its parameter count and its attention's `training_floats`) exceeds the machine's,
-    and an attention type under another option's name (`check_attention_name`). Run after `validate`,
-    before anything is written. The model is built on the CPU, with torch's random state restored after
-    it (`fork_rng`: the check draws nothing a run would), and at most a quarter of the memory `validate`'s
-    estimate has let through; not on the meta device, whose random initialisers and `arange` import
-    torch's compiler stack, two seconds of every `train` and `sweep` (docs/bench.md)."""
+    and a type of the user's own under an option's name (`config.model_keys.check_attention_name`, which
+    `validate` makes where the type is another option's: no class refuses more specifically there). Run
+    after `validate`, before anything is written. The model is built on the CPU, with torch's random
+    state restored after it (`fork_rng`: the check draws nothing a run would), and at most a quarter of
+    the memory `validate`'s estimate has let through; not on the meta device, whose random initialisers
+    and `arange` import torch's compiler stack, two seconds of every `train` and `sweep` (docs/bench.md)."""
     score = cfg.attention.score
     if score is not None and score not in ATTENTION_TYPES:
         try:
@@ -94,21 +95,4 @@ def check_buildable(cfg: DictConfig) -> None:
         raise ConfigError(f"attention={cfg.attention.name}: {error}") from None
     check_memory(cfg, count_parameters(model), {} if model.attention is None else model.attention.training_floats())
     if model_name(cfg) == "gru":
-        check_attention_name(cfg.attention)
-
-
-def check_attention_name(attention: DictConfig) -> None:
-    """ConfigError where `attention.name`, which names the run and its rows in every table, is an option of
-    configs/attention/ whose type (its decoder, score and local window) is not this config's: a score or
-    decoder given on the command line without a name of its own (`attention.score=my_scores.Cosine` on the
-    default option would be labelled luong_general)."""
-    option = attention_option(config_dir(), attention.name)
-    if option is None:
-        return
-    differs = [key for key in ("decoder", "score", "local") if option.get(key) != attention.get(key)]
-    if differs:
-        given = " ".join(f"attention.{key}={attention.get(key)}" for key in differs)
-        raise ConfigError(
-            f"{given} is not attention={attention.name}'s type, yet the run would be named {attention.name}: "
-            "give it a name of its own, attention.name=NAME"
-        )
+        check_attention_name(cfg.attention, config_dir())

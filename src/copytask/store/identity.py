@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config.model_keys import MODEL_KEYS, is_transformer, model_name
+from ..config.model_keys import MODEL_KEYS, architecture, model_name
 from ..config.schema import flatten
 
 # Keys that change where or how fast a run computes, or what it saves, not what it computes (results
@@ -116,19 +116,6 @@ def attention_label(name: str, heads: int = 1) -> str:
     when there is more than one head (`luong_general-4heads`), so multi-head runs never mix with
     single-head ones."""
     return name if heads == 1 else f"{name}-{heads}heads"
-
-
-def architecture(cfg: DictConfig | dict) -> str:
-    """What a run's model is, in a word: a GRU model's attention type (`attention.name`), or
-    `transformer` (sinusoidal positions) or `transformer_learned` for a Transformer, or `mamba`, or
-    `mamba_lti` for Mamba with the selection ablated (`model.selective=false`: an LTI SSM). Run names
-    start with it; metrics.json records it as `attention`. (Read by item: a config or its plain values.)"""
-    model = cfg["model"]
-    if is_transformer(cfg):
-        return "transformer" if model["positions"] == "sinusoidal" else f"transformer_{model['positions']}"
-    if model_name(cfg) == "mamba":
-        return "mamba" if model.get("selective") in (True, None) else "mamba_lti"  # None: runs from before it
-    return cfg["attention"]["name"]
 
 
 def model_label(cfg: DictConfig | dict) -> str:

@@ -17,7 +17,7 @@ from copytask import store
 from copytask.cli import main
 from copytask.console import CopytaskWarning
 from copytask.evaluation import analysis
-from copytask.reporting.tables import TARGET_STEP, comparison_table, interval, summarise, target_step
+from copytask.reporting.tables import TARGET_STEP, comparison_table, interval, ordered, summarise, target_step
 from copytask.store.runs import variable_length_runs
 from copytask.sweeps.grid import compose_grid
 
@@ -203,6 +203,14 @@ def test_interval_uses_the_t_quantile_of_the_tables(df, expected):
     mean, low, high = interval(values)
     half = expected * values.std(ddof=1) / (df + 1) ** 0.5
     assert (low, high) == (pytest.approx(mean - half, abs=1e-3), pytest.approx(mean + half, abs=1e-3))
+
+
+def test_a_settings_values_are_ordered_where_other_models_lack_the_key_or_give_another_type():
+    """A table mixing models has settings some runs lack (None) or hold as another type: report's setup line
+    ordered them with sorted() and failed with a TypeError (`report --all` beside a Mamba run)."""
+    assert ordered([16, None, 8]) == [8, 16, None]
+    assert ordered([None, True, False]) == [False, True, None]
+    assert ordered(["b", 3, None, "a"]) == [3, "a", "b", None]
 
 
 def test_interval_of_equal_values_is_that_value():

@@ -23,7 +23,7 @@ def setup_section(loaded: tables.Loaded, runs_dir: Path) -> list[str]:
     seeds = ", ".join(map(str, sorted(table["seed"].unique())))
     varying = [key for key in ("attention", "length", "seed") if table[key].nunique() > 1] + loaded.settings
     swept = ", ".join(
-        f"`{key}` ({', '.join(map(tables.setting_value, sorted(table[key].unique())))})" for key in varying
+        f"`{key}` ({', '.join(map(tables.setting_value, tables.ordered(table[key].unique())))})" for key in varying
     )
     chance = ", ".join(f"{100 * value:.1f}%" for value in sorted(table["chance"].unique(), reverse=True))
     return [
@@ -45,9 +45,7 @@ def setup_section(loaded: tables.Loaded, runs_dir: Path) -> list[str]:
 
 def values(configs: list[DictConfig], key: str, show=tables.setting_value) -> str:
     """`64`, or `16, 32, 64 (per setting)` where the runs (their `configs`) differ."""
-    found = sorted(
-        {OmegaConf.select(cfg, key) for cfg in configs}, key=lambda value: (value is None, str(type(value)), value)
-    )
+    found = tables.ordered({OmegaConf.select(cfg, key) for cfg in configs})
     return show(found[0]) if len(found) == 1 else f"{', '.join(map(show, found))} (per setting)"
 
 

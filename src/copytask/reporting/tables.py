@@ -16,6 +16,7 @@ nothing is ever averaged but seeds.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -261,6 +262,12 @@ def x_column(x: str, loaded: Loaded) -> str:
         choices = ", ".join(["task.length", *numbers])
         raise ConfigError(f"report.x must be task.length or a numeric key swept in this grid ({choices}), got {x!r}")
     return column
+
+
+def ordered(values: Iterable[object]) -> list:
+    """A setting's values in order, where runs of other models mix them with None (a key their model lacks) or
+    values of another type: each type's values in order, None last."""
+    return sorted(values, key=lambda value: (value is None, type(value).__name__, value))
 
 
 def setting_value(value: object) -> str:

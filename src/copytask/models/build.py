@@ -13,11 +13,12 @@ from ..console import ConfigError
 from ..data.tasks import vocabulary
 from .attention import ATTENTION_TYPES, attention_type
 from .mamba import MambaSeq2Seq
+from .protocol import Seq2SeqModel
 from .recurrent import Seq2Seq, count_parameters
 from .transformer import TransformerSeq2Seq
 
-# what `build_model` makes, and what training, the analysis and decode take
-Model = Seq2Seq | TransformerSeq2Seq | MambaSeq2Seq
+# what `build_model` makes, and what training, the analysis and decode take (`models.protocol`)
+Model = Seq2SeqModel
 
 
 def build_model(

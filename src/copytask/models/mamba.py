@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from ..data.batches import length_mask
 from ..data.vocab import PAD
 from ..kernels import mamba_ops, ops
-from .decoding import greedy_search
+from .protocol import Seq2SeqModel
 
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # Δ's initial range (the paper's code, `mamba_simple.Mamba`)
 NORM_EPS = 1e-5  # RMSNorm's, as the paper's models
@@ -223,7 +223,7 @@ class MambaLayer(nn.Module):
         return hidden + output, state
 
 
-class MambaSeq2Seq(nn.Module):
+class MambaSeq2Seq(Seq2SeqModel):
     """Source and target embeddings (each its own, as the other models'), `layers` Mamba layers on each side,
     the decoder's layers starting from the encoder's final states, a final RMSNorm and a linear readout;
     every layer's SSM selective (Mamba's) or, without `selective`, LTI (the selection ablated)."""
@@ -252,20 +252,6 @@ class MambaSeq2Seq(nn.Module):
         self.decoder_layers = nn.ModuleList(layer() for _ in range(layers))
         self.norm = nn.RMSNorm(d_model, eps=NORM_EPS)
         self.out = nn.Linear(d_model, vocab)
-
-    @property
-    def attention(self) -> None:
-        """No attention: the decoder reads the source only through the states handed over."""
-        return None
-
-    @property
-    def attentions(self) -> list:
-        return []
-
-    @property
-    def longest_source(self) -> None:
-        """Defined at any length: no positions."""
-        return None
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> list[LayerState]:
         """src (B, T_enc), lengths (B,) -> each encoder layer's state after the last real symbol."""
@@ -299,11 +285,6 @@ class MambaSeq2Seq(nn.Module):
         """The encoder run on `src` (B, T_enc): a decoding fed one token a step (`models.decoding`); no
         attention, so no weights, whatever `need_weights` asks."""
         return MambaDecoding(self, self.encode(src, src_lengths))
-
-    @torch.no_grad()
-    def greedy(self, src: Tensor, src_lengths: Tensor, steps: int, need_weights: bool = True) -> tuple[Tensor, None]:
-        """Greedy decoding, each step fed its own previous prediction: -> tokens (B, steps), None."""
-        return greedy_search(self.decoding(src, src_lengths, steps), src.size(0), steps, src.device)
 
 
 class MambaDecoding:

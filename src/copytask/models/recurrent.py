@@ -17,7 +17,7 @@ from ..data.batches import length_mask
 from ..data.vocab import PAD
 from ..kernels import ops
 from .attention import AdditiveAttention, Attention, make_attention
-from .decoding import greedy_search
+from .protocol import Seq2SeqModel
 
 # What the attention reads at every step: (keys, values), and Luong's (keys, values, summary), the summary
 # being what its score computes of the whole source once per sequence (`Attention.summarise`; None: none)
@@ -260,7 +260,7 @@ class LuongDecoder(Decoder):
         return logits[:, 0], None if weights is None else weights[:, 0], state[:, 0]
 
 
-class Seq2Seq(nn.Module):
+class Seq2Seq(Seq2SeqModel):
     def __init__(
         self,
         vocab: int,
@@ -295,16 +295,6 @@ class Seq2Seq(nn.Module):
     def attention(self) -> Attention | None:
         return getattr(self.decoder, "attention", None)
 
-    @property
-    def attentions(self) -> list[Attention]:
-        """Every attention a counterfactual replaces: the decoder's one, if it has attention."""
-        return [] if self.attention is None else [self.attention]
-
-    @property
-    def longest_source(self) -> int | None:
-        """The longest source the model is defined at: any (as for the Transformer's sinusoids)."""
-        return None
-
     def state_floats(self, length: int) -> int:
         """Floats per sequence the decoder can read of a source of `length` symbols: the encoder's final
         state handed over (H), and what its attention reads (`Attention.state_floats`: every encoder state,
@@ -330,14 +320,6 @@ class Seq2Seq(nn.Module):
         src_mask = length_mask(src_lengths, src.size(1))
         memory = self.decoder.memory(encoder_states, src_mask)
         return RecurrentDecoding(self.decoder, self.decoder.initial_state(final), memory, src_mask, steps, need_weights)
-
-    @torch.no_grad()
-    def greedy(
-        self, src: Tensor, src_lengths: Tensor, steps: int, need_weights: bool = True
-    ) -> tuple[Tensor, Tensor | None]:
-        """Greedy decoding, each step fed its own previous prediction:
-        -> tokens (B, steps), weights (B, steps, T_enc) or None (no attention, or no `need_weights`)."""
-        return greedy_search(self.decoding(src, src_lengths, steps, need_weights), src.size(0), steps, src.device)
 
 
 class RecurrentDecoding:

@@ -48,9 +48,9 @@ from ..data.batches import length_mask
 from ..data.vocab import PAD
 from ..kernels import ops, transformer_ops
 from .attention import masked_softmax
-from .decoding import greedy_search
 from .dot_attention import MultiHeadAttention
 from .positions import LearnedPositions, SinusoidalPositions
+from .protocol import Seq2SeqModel
 
 
 def scaled_dot_product(
@@ -72,7 +72,7 @@ def scaled_dot_product(
     return (weights @ split(v)).transpose(1, 2).flatten(2)
 
 
-class TransformerSeq2Seq(nn.Module):
+class TransformerSeq2Seq(Seq2SeqModel):
     """Embeddings scaled by sqrt(d) plus positions -> nn.Transformer -> a linear readout to the vocabulary.
     Source and target have their own embeddings, as the GRU models' encoder and decoder do."""
 
@@ -397,15 +397,6 @@ class TransformerSeq2Seq(nn.Module):
         return TransformerDecoding(
             self, caches, list(zip(self.transformer.decoder.layers, self_attends, cross_attends)), need_weights
         )
-
-    @torch.no_grad()
-    def greedy(
-        self, src: Tensor, src_lengths: Tensor, steps: int, need_weights: bool = True
-    ) -> tuple[Tensor, Tensor | None]:
-        """Greedy decoding, each step fed its own previous prediction, on `decoding`'s caches:
-        -> tokens (B, steps), weights (B, steps, T_enc), the last layer's cross-attention (None without
-        `need_weights`)."""
-        return greedy_search(self.decoding(src, src_lengths, steps, need_weights), src.size(0), steps, src.device)
 
 
 class TransformerDecoding:

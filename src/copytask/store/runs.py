@@ -21,6 +21,8 @@ from .identity import identity
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, its grid's runs, wall time and machine
 RECORDED_RUNS = "runs"  # sweep.json's list of the grid's runs, in launch order: each its folder's name and label
+# sweep.json's record of the last sweep that trained any of the same runs, kept by a sweep that trained none of them
+TRAINED_BY = "trained_by"
 OBJECTIVE = (
     "val_token_acc"  # what a job returns to an optimising sweeper: validation greedy token accuracy, from metrics.json
 )

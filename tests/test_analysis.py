@@ -350,6 +350,27 @@ def test_counterfactual_figure_is_in_percent_with_a_chance_line(monkeypatch, tmp
     assert ax.get_legend() is None and "chance (25.0%)" in [text.get_text() for text in legend.get_texts()]
 
 
+@pytest.mark.parametrize("attentions", [["bahdanau"], ["bahdanau", "luong_general"]])
+def test_the_counterfactual_legend_lies_inside_the_figure(monkeypatch, tmp_path, attentions):
+    drawn = []
+    monkeypatch.setattr(analysis_figures, "save", lambda figure, path, dpi=120: drawn.append(figure) or path)
+    rows = [
+        {"run": f"{attention}{length}", "attention": attention, "task": "copy", "length": length,
+         "train_length": str(length), "seed": 0, "own": 0.9, "uniform": 0.3, "permuted": 0.2, "fixed": 0.15,
+         "chance": 1 / 9}
+        for attention in attentions
+        for length in (5, 10)
+    ]  # fmt: skip
+    analysis_figures.plot_counterfactual(pd.DataFrame(rows), tmp_path / "counterfactual.png")
+
+    [figure] = drawn
+    figure.draw_without_rendering()  # laid out by the figure's renderer, as savefig lays it out
+    [legend] = figure.legends
+    extent, bounds = legend.get_window_extent(), figure.bbox
+    assert bounds.x0 <= extent.x0 and extent.x1 <= bounds.x1, (extent, bounds)  # not cut at either edge
+    assert bounds.y0 <= extent.y0 and extent.y1 <= bounds.y1, (extent, bounds)
+
+
 def test_analyze_writes_the_breakdown_and_the_report_draws_it(analysed_runs, tmp_path):
     """Greedy, teacher-forced, beam and by-position accuracy for every run, the probe for GRU models;
     width 1 is greedy; other settings analyse the runs again."""

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from copytask import cli, cli_decode, store
+from copytask.console import TERMINAL_WIDTH
 from copytask.data.vocab import parse_symbols
 from copytask.evaluation.decode import Decoded
 
@@ -53,8 +54,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def decoded(capsys, *args: str) -> list[str]:
+    """The lines `decode ARGS` prints, each checked to fit the terminal's 100 columns (the sources here are short)."""
     assert cli_decode.main([str(arg) for arg in args]) == 0
-    return capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.splitlines()
+    too_long = [line for line in lines if len(line) > TERMINAL_WIDTH]
+    assert not too_long, too_long
+    return lines
 
 
 def cells(line: str, name: str) -> list[str]:
@@ -224,7 +229,7 @@ def test_beam_search_decodes_through_the_cli_and_the_api(runs, capsys, attention
 
     folder = runs[f"{attention}-copy"]
     lines = decoded(capsys, folder, "--random", "3", "--beam", "4", "--length-normalise")
-    assert "beam search of width 4" in lines[0]
+    assert "beam search of width 4" in " ".join(lines[:2])  # the heading, which a long name wraps
     beams = copytask.decode(folder, random=3, beam=4, length_normalise=True)
     assert beams.beam == 4 and (beams.weights is None) == (attention == "none")
     printed_outputs = [line.split()[1:] for line in lines if line.startswith("output")]

@@ -161,3 +161,14 @@ def test_every_link_to_a_page_or_a_section_of_one_arrives():
             elif anchor and anchor not in heading_anchors(linked):
                 broken.append(f"{page.name}: {target or page.name} has no section #{anchor}")
     assert not broken, "\n".join(broken)
+
+
+# A page of measurements grows with every one taken: it keeps the current figures, each once, within its bound,
+# and git keeps the history (`git log -p docs/<page>`).
+LINE_BOUNDS = {"bench.md": 300}
+
+
+@pytest.mark.parametrize("page, bound", LINE_BOUNDS.items())
+def test_a_page_of_measurements_stays_within_its_bound(page, bound):
+    lines = len((ROOT / "docs" / page).read_text().splitlines())
+    assert lines <= bound, f"docs/{page} has {lines} lines, over its {bound}: history out, each figure once"

@@ -197,6 +197,50 @@ def test_compare_missing_lists_and_trains_nothing(runs_copy, capsys):
     assert not (runs_copy / removed).exists()
 
 
+def edit_config(runs_dir: Path, old: str, new: str) -> Path:
+    """A run's config.yaml edited by hand (the first run of `runs_dir` at length 3, seed 0, without
+    attention): its line `old` replaced by `new`. -> the file."""
+    [folder] = [f for f in store.complete_runs(runs_dir) if f.name.startswith("none-copy3-seed0-")]
+    path = folder / store.CONFIG
+    text = path.read_text()
+    assert text.count(f"\n{old}\n") == 1
+    path.write_text(text.replace(f"\n{old}\n", f"\n{new}\n"))
+    return path
+
+
+@pytest.mark.parametrize("flags", [[], ["--all"]], ids=["recorded sweep", "all"])
+def test_compare_resolves_an_interpolation_in_a_config_edited_by_hand_as_omegaconf_does(runs_copy, flags):
+    edit_config(runs_copy, "  val_size: 16", "  val_size: ${train.eval_every}")  # TINY's eval_every: 5
+
+    process = run_cli("compare", *flags, f"runs_dir={runs_copy}")
+
+    assert process.returncode == 0 and "Traceback" not in process.stderr, process.stderr
+    assert "${" not in process.stdout and "train.val_size" in process.stdout  # 5 in one run, 16 in the others
+    values = [line.split()[0] for line in process.stdout.splitlines() if re.match(r"\s*\d+\s+3\s+none\s", line)]
+    assert sorted(values) == ["16", "5"]  # the run whose val_size is 5 apart from the other seed's 16
+
+
+@pytest.mark.parametrize("flags", [[], ["--all"]], ids=["recorded sweep", "all"])
+@pytest.mark.parametrize(
+    "old, new, says",
+    [
+        ("  val_size: 16", "  val_size: ${train.val_size}", "Recursive interpolation detected"),
+        ("  val_size: 16", "  val_size: ${train.no_such_key}", "Interpolation key 'train.no_such_key' not found"),
+        ("  val_size: 16", "  val_size: 16\n  val_size: 7", "found duplicate key val_size"),
+    ],
+    ids=["recursive", "missing key", "duplicate key"],
+)
+def test_compare_refuses_a_config_omegaconf_refuses_in_one_line_naming_it(runs_copy, flags, old, new, says):
+    path = edit_config(runs_copy, old, new)
+
+    process = run_cli("compare", *flags, f"runs_dir={runs_copy}")
+
+    assert "Traceback" not in process.stderr, process.stderr
+    [line] = [line for line in process.stderr.splitlines() if path.parent.name in line]
+    assert line.startswith("copytask: warning: skipping") and str(path) in line and says in line, line
+    assert process.returncode == 0 and "7" not in [line.split()[0] for line in process.stdout.splitlines() if line]
+
+
 @pytest.mark.parametrize("df, expected", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (1000, 1.962)])
 def test_interval_uses_the_t_quantile_of_the_tables(df, expected):
     values = pd.Series([0.0, 1.0] * ((df + 1) // 2) + [0.5] * ((df + 1) % 2))  # df + 1 seeds

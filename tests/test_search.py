@@ -147,6 +147,21 @@ def test_an_interrupted_search_resumes_without_training_a_finished_trial_again(s
 
 
 @OPTUNA
+def test_a_search_run_again_keeps_the_record_of_the_search_that_trained_its_runs(searched, tmp_path):
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(searched[0], runs_dir)
+    first = store.read_json(runs_dir / "sweep.json")
+
+    process = run_cli("sweep", *search(runs_dir, 3))  # the same proposals, replayed: every run complete
+
+    assert process.returncode == 0, process.stderr
+    assert "3/3 runs complete (0 trained now)" in process.stdout
+    [line] = [line for line in (runs_dir / "report" / "report.md").read_text().splitlines() if "wall time" in line]
+    assert "The search trained none of its 3 runs" in line
+    assert f"trained 3 of 3 runs in **{first['wall_seconds']:.0f} s wall time**, finished {first['finished']}" in line
+
+
+@OPTUNA
 def test_a_trial_that_cannot_run_is_a_failed_trial_with_its_reason(tmp_path):
     # a bidirectional encoder refuses an odd hidden size: the trials proposed 7 fail in their job, the search goes on
     tiny = [

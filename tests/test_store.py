@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from copytask import cli, store
-from copytask.console import CopytaskWarning
+from copytask.console import ConfigError, CopytaskWarning
 from copytask.store.runs import GridRun
 from copytask.training.loop import train
 
@@ -210,3 +210,19 @@ def test_a_runs_config_reads_as_omegaconf_load_reads_it(swept, tmp_path):
     (tmp_path / store.CONFIG).write_text(text)
     read, loaded = store.read_config(tmp_path), OmegaConf.load(tmp_path / store.CONFIG)
     assert read == loaded and [type(v) for v in read.values()] == [type(v) for v in loaded.values()]
+
+
+def test_a_config_edited_by_hand_reads_as_omegaconf_resolves_it_or_is_refused_in_one_line_naming_it(tmp_path):
+    path = tmp_path / store.CONFIG
+    path.write_text("train:\n  eval_size: 16\n  val_size: ${train.eval_size}\n  note: x${train.eval_size}\\${y}\n")
+    assert store.read_resolved(tmp_path) == OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    assert store.read_resolved(tmp_path)["train"] == {"eval_size": 16, "val_size": 16, "note": "x16${y}"}
+    for text, says in [
+        ("train:\n  val_size: 16\n  val_size: 7\n", "found duplicate key val_size (line 3, column 3)"),
+        ("train:\n  val_size: ${train.val_size}\n", "train.val_size: Recursive interpolation detected"),
+        ("- 16\n", "it holds no mapping"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ConfigError) as refused:
+            store.read_resolved(tmp_path)
+        assert str(refused.value) == f"unreadable {path}: {says}"

@@ -168,6 +168,21 @@ def test_resume_retrains_exactly_the_removed_run(runs_copy):
     )
 
 
+def test_a_sweep_that_trains_nothing_keeps_the_record_of_the_sweep_that_trained_its_runs(runs_copy):
+    first = store.read_json(runs_copy / "sweep.json")
+
+    process = run_cli("sweep", *overrides(runs_copy))  # every run complete: nothing to train
+
+    assert process.returncode == 0, process.stderr
+    assert "8/8 runs complete (0 trained now)" in process.stdout
+    [line] = [line for line in (runs_copy / "report" / "report.md").read_text().splitlines() if "Last sweep" in line]
+    assert "trained none of its 8 runs" in line
+    trained_them = f"trained 8 of 8 runs in **{first['wall_seconds']:.0f} s wall time**, finished {first['finished']}"
+    assert trained_them in line, line  # the first sweep's record, not the second's seconds of analysis and report
+    again = run_cli("sweep", *overrides(runs_copy))  # and the record survives a third sweep
+    assert again.returncode == 0 and trained_them in (runs_copy / "report" / "report.md").read_text()
+
+
 def test_failed_job_is_named_and_the_sweep_exits_nonzero(tmp_path, fails_at_length_4, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["sweep", *TINY, f"runs_dir={tmp_path}", "attention=none", "task.length=4,3", "seed=0"])

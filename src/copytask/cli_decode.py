@@ -13,12 +13,13 @@ is one line at once: `copytask: error: ...`, exit status 2.
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
 
 from . import api, store
 from .config.model_keys import model_name
 from .config.schema import MAX_BEAM
-from .console import refuse
+from .console import TERMINAL_WIDTH, refuse
 from .evaluation.decode import Decoded, DecodeError
 
 SHADES = " ░▒▓█"  # attention weight 0, 0.25, 0.5, 0.75, 1 (each weight rounded to the nearest)
@@ -122,15 +123,17 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
     label = store.model_label(cfg)
     trained = f"{cfg.task.min_length}-{cfg.task.length}" if cfg.task.get("variable_length") else cfg.task.length
     search = f", beam search of width {decoded.beam}" if decoded.beam > 1 else ""
-    print(f"{decoded.run}: {label}, task {task}, trained at length {trained}{search}")
+    heading = f"{decoded.run}: {label}, task {task}, trained at length {trained}{search}"
+    # the run's name whole, to be copied (breaking at its hyphens would split it)
+    print(textwrap.fill(heading, TERMINAL_WIDTH, break_long_words=False, break_on_hyphens=False))
     if weights is None:
         chosen = f"attention={cfg.attention.name}" if model_name(cfg) == "gru" else f"model={model_name(cfg)}"
         print(f"no attention ({chosen}): no heatmap")
     else:
         which = f"one map per head ({heads} heads)" if heads > 1 else "the model's attention"
+        print(f"attention: {which}; rows output steps, columns source positions;")
         print(
-            f"attention: {which}; rows output steps, columns source positions; shade = weight "
-            f"('{SHADES[0]}' 0, {SHADES[1]} 0.25, {SHADES[2]} 0.5, {SHADES[3]} 0.75, {SHADES[4]} 1); "
+            f"shade = weight ('{SHADES[0]}' 0, {SHADES[1]} 0.25, {SHADES[2]} 0.5, {SHADES[3]} 0.75, {SHADES[4]} 1); "
             f"{COPIED} the copied position"
         )
     from .data.batches import copied_source_positions

@@ -70,16 +70,19 @@ def model_order(names) -> list[str]:
 
 def legend_outside(figure: Figure, axes: list[Axes], **options) -> None:
     """One legend for the whole figure, of every label its `axes` draw (once each), under the panels where it
-    covers no data and no title (the figure's layout must be constrained)."""
+    covers no data and no title (the figure's layout must be constrained); in at most four columns, and fewer
+    where four are wider than the figure (one panel's five entries were cut off at both edges)."""
     handles = {}
     for axis in axes:
         for handle, label in zip(*axis.get_legend_handles_labels()):
             handles.setdefault(label, handle)
-    if handles:
-        columns = min(len(handles), 4)
-        figure.legend(
+    for columns in range(min(len(handles), 4), 0, -1):
+        legend = figure.legend(
             handles.values(), handles.keys(), loc="outside lower center", ncol=columns, fontsize="small", **options
         )
+        if columns == 1 or legend.get_window_extent().width <= figure.bbox.width:
+            return
+        legend.remove()
 
 
 def panels(count: int, width: float = 4.0, height: float = 3.2) -> tuple[Figure, list[Axes]]:

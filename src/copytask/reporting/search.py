@@ -23,6 +23,7 @@ from ..figures import draw_chance, panels, save
 from ..store.runs import OBJECTIVE, SWEEP_RECORD, GridRun
 from . import tables
 from .freshness import REPORT_DIR
+from .setup_section import trained_by
 from .tables import markdown_table
 
 TRIALS_CSV = "trials.csv"
@@ -202,7 +203,12 @@ def search_setup(table: pd.DataFrame, loaded: tables.Loaded, runs_dir: Path) -> 
         f"{', '.join(map(str, results['threads'].unique()))}; {results['train_seconds'].sum():.0f} s of training "
         "summed over the runs.",
     ]
-    if "wall_seconds" in record:
+    if "wall_seconds" in record and not record["trained"]:  # a search run again: its runs' own record kept
+        lines.append(
+            f"- The search trained none of its {record['jobs']} runs ({record['wall_seconds']:.0f} s wall time, "
+            f"finished {record['finished']}). {trained_by(record)}"
+        )
+    elif "wall_seconds" in record:
         lines.append(
             f"- The search trained {record['trained']} of {record['jobs']} runs in "
             f"**{record['wall_seconds']:.0f} s wall time**, "

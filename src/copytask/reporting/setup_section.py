@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .. import store
 from ..config.model_keys import is_transformer, model_name
-from ..store.runs import SWEEP_RECORD
+from ..store.runs import SWEEP_RECORD, TRAINED_BY
 from . import tables
 
 
@@ -96,15 +96,36 @@ def training_line(configs: list[DictConfig]) -> str:
 
 def last_sweep_line(runs_dir: Path) -> list[str]:
     """The last finished sweep in `runs_dir` from its record: its command, launcher, runs and wall
-    time; nothing while it runs or where there has been none."""
+    time; where it trained none of its runs, also the record of the last sweep that trained any (its
+    `TRAINED_BY`), whose wall time is the runs'; nothing while it runs or where there has been none."""
     record_path = runs_dir / SWEEP_RECORD
     record = store.read_json(record_path) if record_path.is_file() else {}
     if "wall_seconds" not in record:  # a finished sweep's record, not one still running
         return []
+    sweep = f"- Last sweep in `{runs_dir}`: `{record['command']}` ({record.get('launcher')} launcher)"
+    if record["trained"]:
+        return [f"{sweep} {training(record)}"]
     return [
-        f"- Last sweep in `{runs_dir}`: `{record['command']}` ({record.get('launcher')} launcher) trained "
-        f"{record['trained']} of {record['jobs']} runs in **{record['wall_seconds']:.0f} s wall time**, "
+        f"{sweep} trained none of its {record['jobs']} runs ({record['wall_seconds']:.0f} s wall time, finished "
+        f"{record['finished']}). {trained_by(record)}"
+    ]
+
+
+def training(record: dict) -> str:
+    """What a sweep's `record` says of its training: the runs it trained, its wall time, when and where
+    it finished, and its analysis' share of the time."""
+    return (
+        f"trained {record['trained']} of {record['jobs']} runs in **{record['wall_seconds']:.0f} s wall time**, "
         f"finished {record['finished']} on {record['machine']} with {record['cpus']} CPUs"
         + (f" and a {record['gpu']}" if record.get("gpu") else "")
         + (f"; its analysis took {record['analysis_seconds']:.0f} s of that." if "analysis_seconds" in record else ".")
-    ]
+    )
+
+
+def trained_by(record: dict) -> str:
+    """Who trained the runs of a sweep (`record`) that trained none: the last sweep that trained any, which
+    its record kept, or that no record of one is left (they were trained by `train`, or by another grid)."""
+    if not (before := record.get(TRAINED_BY)):
+        return "No record is left of the sweep that trained them: the Compute line above gives their training time."
+    command = "the same command" if before["command"] == record["command"] else f"`{before['command']}`"
+    return f"The last sweep that trained any of them, {command} ({before.get('launcher')} launcher), {training(before)}"

@@ -111,7 +111,7 @@ def load(grid: list[GridRun]) -> Loaded:
         status = run.status()
         if status == "complete":
             config = run.resolved  # plain values: no DictConfig made per run (docs/bench.md, the answers)
-            reason = f"unreadable {store.CONFIG}" if config is None else None  # named by a sweep's record
+            reason = run.config_failure() if config is None else None  # a run a sweep's record names
             try:
                 metrics = store.read_json(run.folder / store.METRICS)
                 missing_keys = [key for key in COLUMNS if key not in metrics]

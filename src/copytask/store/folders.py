@@ -15,6 +15,9 @@ import yaml
 from filelock import AcquireReturnProxy, FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 from omegaconf._utils import get_yaml_loader
+from omegaconf.errors import OmegaConfBaseException
+
+from ..console import ConfigError
 
 if TYPE_CHECKING:  # the store imports no torch: the command line reads run folders without it
     import torch
@@ -118,26 +121,49 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
-class _ConfigLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-    """OmegaConf.load's reading of YAML (its float and no-timestamp resolvers: OmegaConf 2.3 has no
-    public name for them) on PyYAML's C parser where it has one."""
+if hasattr(yaml, "CSafeLoader"):
 
-    yaml_implicit_resolvers = get_yaml_loader().yaml_implicit_resolvers
+    class _ConfigLoader(yaml.CSafeLoader, get_yaml_loader()):
+        """OmegaConf.load's reading of YAML (its float and no-timestamp resolvers, its refusal of a duplicated
+        key: OmegaConf 2.3 has no public name for its loader) on PyYAML's C parser."""
+
+else:  # a PyYAML built without libyaml
+    _ConfigLoader = get_yaml_loader()
 
 
 def read_resolved(folder: Path) -> dict[str, Any]:
-    """The config a run in `folder` was trained with (its config.yaml, resolved as it was written) as
-    plain values, read as OmegaConf.load reads it but faster, and without making a DictConfig, which
-    takes longer than the reading: compare reads one per run (docs/bench.md)."""
-    with open(folder / CONFIG, encoding="utf-8") as file:
-        values = yaml.load(file, Loader=_ConfigLoader)
+    """The config a run in `folder` was trained with (its config.yaml) as plain values, read as
+    OmegaConf.load reads it but faster, and without making a DictConfig, which takes longer than the
+    reading: compare reads one per run (docs/bench.md). An interpolation (`${train.eval_size}`, in a file
+    edited by hand: copytask writes them resolved) is resolved as OmegaConf resolves it. ConfigError, in
+    one line naming the file, where OmegaConf would refuse it (a duplicated key, an interpolation that
+    does not resolve) or it holds no mapping."""
+    path = folder / CONFIG
+    text = path.read_text(encoding="utf-8")
+    try:
+        values = yaml.load(text, Loader=_ConfigLoader)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"unreadable {path}: {yaml_problem(error)}") from None
     if not isinstance(values, dict):
-        raise ValueError(f"{folder / CONFIG} holds no mapping")
+        raise ConfigError(f"unreadable {path}: it holds no mapping")
+    if "${" in text:  # only then: a DictConfig made for every run is what the fast path spares
+        try:
+            values = OmegaConf.to_container(OmegaConf.create(values), resolve=True)
+        except OmegaConfBaseException as error:
+            raise ConfigError(f"unreadable {path}: {error.full_key}: {str(error).splitlines()[0]}") from None
     return values
 
 
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: the problem and where it is (its own message takes four)."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem:
+        mark = error.problem_mark
+        return error.problem + (f" (line {mark.line + 1}, column {mark.column + 1})" if mark else "")
+    return " ".join(str(error).split())
+
+
 def read_config(folder: Path) -> DictConfig:
-    """The config a run in `folder` was trained with, as OmegaConf.load reads its config.yaml."""
+    """The config a run in `folder` was trained with, as OmegaConf.load reads its config.yaml (resolved)."""
     return OmegaConf.create(read_resolved(folder))
 
 

@@ -16,11 +16,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from .. import console
+from ..console import ConfigError
 from . import folders, replacement
 from .identity import identity
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, its grid's runs, wall time and machine
 RECORDED_RUNS = "runs"  # sweep.json's list of the grid's runs, in launch order: each its folder's name and label
+# sweep.json's record of the last sweep that trained any of the same runs, kept by a sweep that trained none of them
+TRAINED_BY = "trained_by"
 OBJECTIVE = (
     "val_token_acc"  # what a job returns to an optimising sweeper: validation greedy token accuracy, from metrics.json
 )
@@ -49,6 +52,10 @@ class GridRun:
     def resolved(self) -> dict[str, Any] | None:
         """Its config as plain values (what its config.yaml holds); None where it has no config."""
         return None if self.config is None else OmegaConf.to_container(self.config, resolve=True)
+
+    def config_failure(self) -> str:
+        """Why it has no config (`resolved` is None), in one line."""
+        return f"unreadable {folders.CONFIG}"
 
     def status(self) -> str:
         """complete | running (another process holds its lock) | failed | incomplete (folder
@@ -112,11 +119,19 @@ class RecordedRun(GridRun):
             object.__setattr__(self, name, value)
 
     @functools.cached_property
-    def resolved(self) -> dict[str, Any] | None:  # what a table of runs reads: no DictConfig made
+    def read(self) -> tuple[dict[str, Any] | None, str | None]:
+        """(its config.yaml's values, None), or (None, why it has none, in one line)."""
         try:
-            return folders.read_resolved(self.folder)
-        except Exception:  # noqa: BLE001 - none yet, or damaged: its reader names it (PyYAML raises many types)
-            return None
+            return folders.read_resolved(self.folder), None
+        except Exception as error:  # noqa: BLE001 - none yet, or damaged (PyYAML raises many types)
+            return None, unreadable_config(error)
+
+    @property
+    def resolved(self) -> dict[str, Any] | None:  # what a table of runs reads: no DictConfig made
+        return self.read[0]
+
+    def config_failure(self) -> str:
+        return self.read[1] or super().config_failure()
 
     @functools.cached_property
     def config(self) -> DictConfig | None:
@@ -124,6 +139,14 @@ class RecordedRun(GridRun):
             return None if self.resolved is None else OmegaConf.create(self.resolved)
         except Exception:  # noqa: BLE001 - values OmegaConf cannot hold: its reader names it (it raises many types)
             return None
+
+
+def unreadable_config(error: Exception) -> str:
+    """Why a run's config.yaml could not be read (`error`), in one line: a ConfigError names the file and
+    what OmegaConf refuses in it (`folders.read_resolved`)."""
+    if isinstance(error, ConfigError):
+        return str(error)
+    return f"unreadable {folders.CONFIG} ({type(error).__name__}: {' '.join(str(error).split())})"
 
 
 def recorded_runs(runs_dir: Path, record: dict[str, Any]) -> list[GridRun] | None:
@@ -174,7 +197,7 @@ def variable_length_runs(grid: list[GridRun], runs_dir: Path) -> list[Path]:
             if cfg.task.variable_length and _without_lengths(cfg) in settings:
                 found.append(folder)
         except Exception as error:  # noqa: BLE001 - a damaged folder must not stop the report (OmegaConf raises many types)
-            console.warn(f"skipping {folder}: unreadable {folders.CONFIG} ({type(error).__name__}: {error})")
+            console.warn(f"skipping {folder}: {unreadable_config(error)}")
     return found
 
 
@@ -185,5 +208,5 @@ def folder_runs(folders: list[Path]) -> list[GridRun]:
         try:
             runs.append(GridRun.from_folder(folder))
         except Exception as error:  # noqa: BLE001 - a damaged folder must not stop the others (OmegaConf raises many types)
-            console.warn(f"skipping {folder}: unreadable {folders.CONFIG} ({type(error).__name__}: {error})")
+            console.warn(f"skipping {folder}: {unreadable_config(error)}")
     return runs

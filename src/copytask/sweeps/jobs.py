@@ -36,7 +36,16 @@ from ..config.checks import analysis_device, remote_launcher
 from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
 from ..config.schema import config_dir
 from ..console import TERMINAL_WIDTH, ConfigError
-from ..store.runs import OBJECTIVE, RECORDED_RUNS, SWEEP_RECORD, TRIAL_RECORD, GridRun, grid_record, record_failure
+from ..store.runs import (
+    OBJECTIVE,
+    RECORDED_RUNS,
+    SWEEP_RECORD,
+    TRAINED_BY,
+    TRIAL_RECORD,
+    GridRun,
+    grid_record,
+    record_failure,
+)
 from ..training import trackers
 from .grid import QUIET_HYDRA, check_grid, expand, search_trials, sweep_command, trial_runs
 from .progress import SweepProgress, TrialProgress, jobs_at_once
@@ -169,7 +178,12 @@ class SweepSummary(Callback):
         self.begun = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "started_at": self.started_at}
         if not searching:
             self.begun[RECORDED_RUNS] = grid_record(self.runs)
-        store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | self.begun)
+        record_path = Path(config.runs_dir) / SWEEP_RECORD
+        try:  # the sweep before, which may have trained this one's runs (`training_record`)
+            self.before = store.read_json(record_path) if record_path.is_file() else {}
+        except (OSError, ValueError):
+            self.before = {}
+        store.write_json(record_path, self.record(config) | self.begun)
         trackers.prepare(config)
         if builds_kernels_here(config):
             from ..kernels import build
@@ -238,6 +252,8 @@ class SweepSummary(Callback):
             "wall_seconds": round(wall_seconds, 1),
             "analysis_seconds": round(analysis_seconds, 1),
         }
+        if not trained and (before := training_record(self.before, runs)):
+            outcome[TRAINED_BY] = before  # report.md's wall time is then that of the sweep that trained them
         record = self.record(config) | self.begun | ended(config, outcome, trials)
         store.write_json(Path(config.runs_dir) / SWEEP_RECORD, record)
         results = write_results(runs, trials, config)
@@ -300,6 +316,19 @@ def analyse(runs: list[GridRun], config: DictConfig) -> float:
     seconds = time.perf_counter() - started
     console.log.info(f"analysis: {analysed} runs analysed in {seconds:.1f} s (eval_size {config.analysis.eval_size})")
     return seconds
+
+
+def training_record(before: dict[str, Any], runs: list[GridRun]) -> dict[str, Any] | None:
+    """What a sweep that trains none of `runs` keeps of the record `before` it in runs_dir: that record,
+    or the one it kept, where it was of the same runs, finished, and trained some of them; None otherwise
+    (nothing known of the sweep that trained them)."""
+    listed = before.get(RECORDED_RUNS) or before.get("trials") or []
+    if {entry["run"] for entry in listed} != {run.folder.name for run in runs} or "wall_seconds" not in before:
+        return None
+    if TRAINED_BY in before:
+        return before[TRAINED_BY]
+    kept = {key: value for key, value in before.items() if key not in (RECORDED_RUNS, "trials", "overrides")}
+    return kept if before.get("trained") else None
 
 
 def ended(config: DictConfig, outcome: dict[str, Any], trials: list[dict] | None) -> dict[str, Any]:

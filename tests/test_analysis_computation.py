@@ -146,7 +146,7 @@ RECORDED = {
         "teacher_forced_seq_acc": 0.0, "beam1_token_acc": 0.1171875, "beam3_token_acc": 0.125, "probe_trained": 1.0,
         "probe_untrained": 0.99609375, "probe_control": 1.0, "length6_token_acc": 0.041666666666666664,
         "beam3_tokens_0": [8, 11, 8, 8, 2], "beam3_score_0": -8.014002799987793, "beam3_tokens_1": [4, 11, 4, 11, 2],
-        "beam3_score_1": -7.955204010009766, "probe_input_size": 448, "probe_input_mean_abs": 0.3179498490587073,
+        "beam3_score_1": -7.955204010009766, "probe_input_size": 448, "probe_input_mean_abs": 0.3179493896005455,
     },
     "mamba_lti": {
         "greedy_token_acc": 0.14453125, "greedy_seq_acc": 0.0, "teacher_forced_token_acc": 0.140625,

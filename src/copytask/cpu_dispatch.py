@@ -2,7 +2,9 @@
 
 torch chooses its vectorised CPU kernels once, at its first operation: the level ATEN_CPU_CAPABILITY names,
 else the widest the CPU runs (AVX-512 on some x86 CPUs, AVX2 on most). MKL and oneDNN choose their own paths
-the same way (MKL_CBWR, ONEDNN_MAX_CPU_ISA). Kernels of another width round differently, and training is
+the same way, up to the instruction set MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA allow. (Not MKL_CBWR:
+its reproducible AVX2 branch is another path than MKL's own on an AVX2 CPU, and moved README's Luong general
+at length 10 on one, seed 0 from 99.61% to 99.00%.) Kernels of another width round differently, and training is
 chaotic: on an AVX-512 CPU README's table came back in 2 of its 15 rows, and in all 15 under AVX2's kernels.
 So `import copytask` pins all three to AVX2 (`pin`) where the CPU has it, each unless the user has set it,
 and leaves them all alone where the user has set ATEN_CPU_CAPABILITY. The command line, the jobs a sweep
@@ -26,8 +28,8 @@ SETTING = "COPYTASK_CPU_CAPABILITY"
 NATIVE = "native"  # no pin
 # copytask's level -> the variables that pin it, in torch's, MKL's and oneDNN's words (the last two on x86 only)
 LEVELS = {
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
 }
 CHOICES = (*LEVELS, NATIVE)
 TORCH = "ATEN_CPU_CAPABILITY"

@@ -45,7 +45,7 @@ PROVENANCE_KEYS = (
     "cpu_capability",
 )
 PYTHON_KEY = "python_version"
-RECORDED_KEYS = (PYTHON_KEY, "cpu", "mkl_cbwr", "onednn_max_cpu_isa")
+RECORDED_KEYS = (PYTHON_KEY, "cpu", "mkl_enable_instructions", "mkl_cbwr", "onednn_max_cpu_isa")
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # src/copytask in a checkout
 
 
@@ -72,6 +72,7 @@ def provenance(computation: int = COMPUTATION) -> dict[str, Any]:
         "cpu_capability": capability,
         PYTHON_KEY: platform.python_version(),
         "cpu": cpu_dispatch.cpu_model(),
+        "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS"),
         "mkl_cbwr": os.environ.get("MKL_CBWR"),
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
     }

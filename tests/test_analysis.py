@@ -3,6 +3,7 @@
 import json
 import re
 import shutil
+from collections import defaultdict
 from pathlib import Path
 
 import pandas as pd
@@ -18,12 +19,16 @@ from copytask.data.batches import make_batch, task_batch
 from copytask.data.tasks import TASKS
 from copytask.data.vocab import EOS, noise_token, total_vocab
 from copytask.evaluation import analysis
+from copytask.families import FAMILIES
 from copytask.models.greedy import evaluate
 from copytask.models.recurrent import Seq2Seq
 from copytask.reporting import analysis_figures, analysis_tables
 
 LENGTHS = torch.tensor([5, 3, 1])
 T_ENC = 5
+
+# the analysed runs' labels -> their family: the tiny sweep's GRU models
+GRU_FAMILIES = defaultdict(lambda: FAMILIES["gru"])
 
 
 def masked_random_weights(rows: int = 4, seed: int = 0):
@@ -391,7 +396,7 @@ def test_analyze_writes_the_breakdown_and_the_report_draws_it(analysed_runs, tmp
     assert len(variable["probe"]["trained"]) == 3  # sources of lengths 2 and 3: positions 1-3
 
     analyses = [store.read_json(folder / store.ANALYSIS) for folder in folders.values()]
-    lines, figures = breakdown_section(analyses, None, tmp_path)
+    lines, figures = breakdown_section(analyses, None, tmp_path, GRU_FAMILIES)
     assert [path.name for path in figures] == ["accuracy_by_position.png", PROBE_FIGURE]
     assert all(path.stat().st_size > 0 for path in figures)
     assert any("teacher-forced % [95% CI]" in line and "beam 4 %" in line for line in lines)
@@ -436,10 +441,10 @@ def test_the_reports_probe_paragraph_speaks_only_of_the_models_it_holds(analysed
     from copytask.reporting.breakdown_section import breakdown_section
 
     analyses = [store.read_json(folder / store.ANALYSIS) for folder in store.complete_runs(analysed_runs)]
-    lines, _ = breakdown_section(analyses, None, tmp_path)
+    lines, _ = breakdown_section(analyses, None, tmp_path, GRU_FAMILIES)
     assert not any("ransformer" in line for line in lines)  # a GRU-only report
     transformer = json.loads(json.dumps(analyses[0]))
     transformer |= {"run": "transformer-copy4-seed0", "attention": "transformer"}
     del transformer["breakdown"]["probe"]
-    lines, _ = breakdown_section([*analyses, transformer], None, tmp_path)
+    lines, _ = breakdown_section([*analyses, transformer], None, tmp_path, GRU_FAMILIES)
     assert any(line.endswith("No summary vector to probe: transformer.") for line in lines)

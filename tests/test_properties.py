@@ -33,10 +33,10 @@ from hypothesis import strategies as st
 
 import copytask
 from copytask import store
-from copytask.config.model_keys import model_name
 from copytask.config.schema import config_dir
 from copytask.console import ConfigError
 from copytask.data.batches import task_batch
+from copytask.families import family_of
 from copytask.models.attention import ATTENTION_TYPES
 from copytask.models.build import build_model
 
@@ -256,7 +256,7 @@ def assert_named_for_what_it_is(cfg, folder: Path, metrics: dict) -> None:
     an attention option's where the GRU's attention has the option's type, a model's where it is that model."""
     label, parts = metrics["attention"], folder.name.split("-")  # label, task and lengths, seed, hash
     assert len(parts) == 4 and parts[0] == label != "" and parts[1].startswith(cfg.task.name), folder.name
-    if model_name(cfg) == "gru":
+    if family_of(cfg).reads_attention:
         assert label not in MODEL_RUN_NAMES, label
         if label in ATTENTION_OPTIONS:
             option, type_keys = ATTENTION_OPTIONS[label], ("decoder", "score", "local")

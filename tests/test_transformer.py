@@ -580,7 +580,7 @@ def test_the_tutorials_transformer_computes_the_same_numbers(make_config, mixed,
     cfg = make_config("task.length=7", *SMALL, f"model.positions={positions}")
     torch.manual_seed(0)
     project = trained_a_little(build_model(cfg), cfg).train()
-    reference = build_model(cfg, transformer_class=ReferenceTransformer)
+    reference = build_model(cfg, ReferenceTransformer)
     reference.load_state_dict(project.state_dict())  # strict: every name translated, none left over
     batch = (
         mixed_batch(cfg) if mixed else make_batch("copy", 6, 7, cfg.task.vocab_size, torch.Generator().manual_seed(4))

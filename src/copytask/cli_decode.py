@@ -17,10 +17,10 @@ import textwrap
 from pathlib import Path
 
 from . import api, store
-from .config.model_keys import model_name
 from .config.schema import MAX_BEAM
 from .console import TERMINAL_WIDTH, refuse
 from .evaluation.decode import Decoded, DecodeError
+from .families import family_of
 
 SHADES = " ░▒▓█"  # attention weight 0, 0.25, 0.5, 0.75, 1 (each weight rounded to the nearest)
 COPIED = "◂"  # after the cell of the source position an output step copies
@@ -127,7 +127,7 @@ def print_decoded(decoded: Decoded, png: Path | None) -> None:
     # the run's name whole, to be copied (breaking at its hyphens would split it)
     print(textwrap.fill(heading, TERMINAL_WIDTH, break_long_words=False, break_on_hyphens=False))
     if weights is None:
-        chosen = f"attention={cfg.attention.name}" if model_name(cfg) == "gru" else f"model={model_name(cfg)}"
+        chosen = family_of(cfg).option(cfg)
         print(f"no attention ({chosen}): no heatmap")
     else:
         which = f"one map per head ({heads} heads)" if heads > 1 else "the model's attention"

@@ -29,10 +29,9 @@ from ..config.schema import config_dir
 from ..data.batches import Batch
 from ..data.splits import sample_batch, test_batch
 from ..evaluation.breakdown import beam_tokens
+from ..families import family_of
 from ..models.build import build_model
 from ..models.greedy import evaluate
-from ..models.recurrent import Seq2Seq
-from ..models.transformer import TransformerSeq2Seq
 from ..training.devices import fused_adam, resolve_device
 from ..training.loop import train, train_step
 from ..training.optimizer import adam
@@ -48,8 +47,8 @@ ATTENTIONS = (  # every option of configs/attention/, the classical ones first, 
 REFERENCED = (*CLASSICAL, "transformer")  # what the reference implements
 # The overrides that choose a benchmarked model: `attention=<name>` (a GRU model), except these.
 MODEL_OVERRIDES = {"transformer": ["model=transformer"], "mamba": ["model=mamba"]}
-# Each implementation's classes: (the GRU models', model=transformer's), as build_model takes them.
-IMPLEMENTATIONS = {"project": (Seq2Seq, TransformerSeq2Seq), "reference": (ReferenceSeq2Seq, ReferenceTransformer)}
+# Each implementation's classes by model family, as build_model takes them (none: the family's own class).
+IMPLEMENTATIONS = {"project": {}, "reference": {"gru": ReferenceSeq2Seq, "transformer": ReferenceTransformer}}
 
 
 def implementations(attention: str) -> list[str]:
@@ -99,7 +98,7 @@ def setups(cfg: DictConfig, device: torch.device) -> dict[str, Setup]:
     with torch.random.fork_rng(devices=[]):  # the initialisation draws from the global generator: seeded, then restored
         torch.manual_seed(cfg.seed)
         models = {
-            name: build_model(cfg, *IMPLEMENTATIONS[name]).to(device)
+            name: build_model(cfg, IMPLEMENTATIONS[name].get(family_of(cfg).name)).to(device)
             for name in implementations(store.architecture(cfg))
         }
     if "reference" in models:
@@ -262,9 +261,9 @@ def time_to_target(
     never reached within the budget) and the seconds trained in all."""
     rows = []
     for attention in attentions:
-        # training.train builds its model_class for model=gru only: the reference trains for CLASSICAL ones
+        # the reference trains for CLASSICAL ones, GRU models
         for name in implementations(attention) if attention in CLASSICAL else ["project"]:
-            (cls, _), own = IMPLEMENTATIONS[name], TARGET_SETTINGS[settings][name]
+            cls, own = IMPLEMENTATIONS[name].get("gru"), TARGET_SETTINGS[settings][name]
             cfg = bench_config(attention, length, [*own, *overrides, f"runs_dir={runs_dir / name}", "train.patience=1"])
             folder = store.run_dir(cfg)
             shutil.rmtree(folder, ignore_errors=True)  # measure afresh, never reuse a finished run

@@ -20,9 +20,9 @@ import re
 import torch
 from torch import Tensor, nn
 
-from ..config.model_keys import DECODERS
 from ..data.batches import length_mask
 from ..data.vocab import BOS, PAD
+from ..families.gru import DECODERS
 from ..models.positions import LearnedPositions, SinusoidalPositions
 from ..models.recurrent import Encoder
 

@@ -1,6 +1,6 @@
 """What a runnable config is: `validate` refuses, before anything is trained or written, every
 value that cannot run (ranges, combinations, a label that is not a plain name of the user's own
-(`model_keys.check_label`), a held-out set that would cover the sequences training draws from, a
+(`families.gru.check_label`), a held-out set that would cover the sequences training draws from, a
 configuration whose memory no machine here holds (`memory`), a device or a tracker this machine
 lacks), each in one ConfigError line that names it. Torch-free, like `schema`, so the command line
 answers at once. Types are the schema's (`schema`, checked by Hydra as it composes).
@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .. import cpu_dispatch
 from ..data.tasks import TASKS, UNIFORM, Sources
-from . import model_keys
+from ..families import FAMILIES, Family, default_attention_option, family_of
 from .memory import check_memory
 from .schema import (
     DEVICES,
@@ -49,9 +49,7 @@ def validate(cfg: DictConfig) -> None:
     the module's docstring), in this order, so that the first bad value is the one named."""
     check_keys(cfg)
     check_task(cfg.task, cfg.train)
-    model_keys.check_model(cfg, default_attention())
-    if model_keys.model_name(cfg) == "gru":  # another model's runs are named by the model (`architecture`)
-        model_keys.check_label(cfg.attention, config_dir())
+    check_model(cfg)
     check_analysis(cfg.analysis)
     check_training(cfg.train)
     check_memory(cfg)
@@ -60,10 +58,60 @@ def validate(cfg: DictConfig) -> None:
     check_logger(cfg.get("logger"))
 
 
+def check_model(cfg: DictConfig) -> None:
+    """ConfigError unless `cfg.model` is a model that can run: a family's (`families`), each key it reads set (but
+    those it may leave null), no key another family keeps to itself, the attention group at its default where the
+    family does not read it (nothing would), and the family's own checks."""
+    family, model = model_family(cfg), cfg.model
+    for key in family.own_keys(cfg):
+        if model.get(key) is None and key not in family.nullable:
+            raise ConfigError(f"model.{key} must not be null with model={family.name}")
+    for other in FAMILIES.values():
+        for key, what in other.exclusive.items():
+            if other is not family and model.get(key) is not None:
+                raise ConfigError(
+                    f"model.{key}={str(model[key]).lower()} is model={other.name}'s ({what}); model={family.name} "
+                    "has no such choice: leave it null"
+                )
+    default = default_attention()
+    if not family.reads_attention and cfg.attention != default:
+        readers = "|".join(name for name, each in FAMILIES.items() if each.reads_attention)
+        raise ConfigError(
+            f"attention={cfg.attention.name} (and every attention.* key) is model={readers}'s decoder; "
+            f"model={family.name} {family.attention_words}, so the attention group must stay at its default "
+            f"({default.name}); a sweep over architecture=... that is not a preset's drops the default grid's "
+            "attention list with '~hydra.sweeper.params.attention'"
+        )
+    family.check(cfg, config_dir())
+
+
+def model_family(cfg: DictConfig) -> Family:
+    """The family of `cfg`'s model; ConfigError where `model.name` names none."""
+    try:
+        return family_of(cfg)
+    except KeyError:
+        raise ConfigError(
+            f"model.name must be one of {', '.join(FAMILIES)}, got {cfg.model.name!r} "
+            f"(choose a model with model={'|'.join(FAMILIES)})"
+        ) from None
+
+
+def family_keys(cfg: DictConfig) -> type | None:
+    """The dataclass of the keys `cfg`'s model family reads (None: any, a model of the user's own; or no family,
+    which `check_model` refuses)."""
+    try:
+        return family_of(cfg).keys
+    except KeyError:
+        return type(None)
+
+
 def check_keys(cfg: DictConfig) -> None:
     """No key the schema lacks, none without a value, and every bounded integer within its bounds
     (MINIMUM, MAXIMUM)."""
-    unknown = sorted(set(dotted_keys(cfg)) - set(SCHEMA_KEYS))
+    known = set(SCHEMA_KEYS)
+    if family_keys(cfg) is None:  # a model of the user's own: its keys are its own option's
+        known |= {f"model.{key}" for key in cfg.model}
+    unknown = sorted(set(dotted_keys(cfg)) - known)
     if unknown:  # added with `+key=value`: nothing would read it, yet it would rename the run
         raise ConfigError(unknown_key(unknown[0], SCHEMA_KEYS))
     unset = sorted(OmegaConf.missing_keys(cfg))
@@ -354,4 +402,4 @@ def remote_job_check(cfg: DictConfig) -> None:
 
 def default_attention() -> DictConfig:
     """The attention group's default option as the schema composes it (what model=transformer leaves alone)."""
-    return OmegaConf.merge(OmegaConf.structured(AttentionConfig), model_keys.default_attention(config_dir()))
+    return OmegaConf.merge(OmegaConf.structured(AttentionConfig), default_attention_option(config_dir()))

@@ -11,54 +11,15 @@ from omegaconf import DictConfig
 
 from ..console import ConfigError
 from ..data.tasks import vocabulary
-from . import model_keys
-from .model_keys import FLOAT, LONG
+from ..families import FLOAT, LONG, family_of
 
 
-def parameter_count(cfg: DictConfig) -> int:
+def parameter_count(cfg: DictConfig) -> int | None:
     """The trainable parameters of the model `models.build.build_model` builds from `cfg`, counted without
-    torch (tests check it against `recurrent.count_parameters`), but for a GRU model's attention's own: its
-    class's (`models.build.check_buildable` counts the whole model)."""
-    if model_keys.is_transformer(cfg):
-        return model_keys.transformer_parameter_count(cfg)
-    if model_keys.model_name(cfg) == "mamba":
-        return model_keys.mamba_parameter_count(cfg)
-    vocab = vocabulary(cfg.task.name, cfg.task.vocab_size)
-    embedding, hidden = cfg.model.embedding_size, cfg.model.hidden_size
-    attention = cfg.attention
-
-    def gru(
-        inputs: int, size: int, directions: int = 1
-    ) -> int:  # nn.GRU / nn.GRUCell: W_ih, W_hh, b_ih, b_hh per direction
-        return directions * (3 * size * (inputs + size) + 6 * size)
-
-    per_direction, directions = (hidden // 2, 2) if cfg.model.bidirectional else (hidden, 1)
-    count = vocab * embedding + gru(embedding, per_direction, directions)  # the encoder
-    count += vocab * embedding  # the decoder's embedding
-    if attention.decoder == "plain":
-        return count + gru(embedding, hidden) + hidden * vocab + vocab
-    if attention.decoder == "bahdanau":
-        return (
-            count + gru(embedding + hidden, hidden) + 2 * hidden * vocab + vocab
-        )  # context into the cell; readout from [s_t; c_t]
-    if (
-        attention.decoder == "rnnencdec"
-    ):  # V and V' (c and s_0); the GRU's W, U and C (as a cell on [e; c]); readout from [s_t; e(y_{t-1}); c]
-        return (
-            count
-            + 2 * (hidden * hidden + hidden)
-            + gru(embedding + hidden, hidden)
-            + (2 * hidden + embedding) * vocab
-            + vocab
-        )
-    return (
-        count + gru(embedding, hidden) + 2 * hidden * hidden + hidden + hidden * vocab + vocab
-    )  # Luong: W_c, then the readout
-
-
-# Floats a training step keeps per (row, position, hidden unit) of the GRUs: the input's share of
-# the gates (3), the gates (3), the state, the Luong combination, and the gradients of the largest.
-GRU_FLOATS = 10
+    torch by its family (tests check it against `recurrent.count_parameters`), but for a GRU model's attention's
+    own: its class's (`models.build.check_buildable` counts the whole model); None for a family that cannot
+    count without building it (a model of the user's own)."""
+    return family_of(cfg).parameter_count(cfg)
 
 
 def memory_estimate(
@@ -70,34 +31,12 @@ def memory_estimate(
     validation sets with the attention weights of their evaluation. `parameters`: the model's count
     (None: `parameter_count`'s, without torch); `attention_floats`: what a GRU model's attention keeps
     per attention weight beyond it, by what keeps it (its class's `training_floats`; None: nothing)."""
-    task, train, model = cfg.task, cfg.train, cfg.model
+    task, train = cfg.task, cfg.train
     batch, t_enc, t_dec, heldout = train.batch_size, task.length, task.length + 1, train.eval_size + train.val_size
-    if model_keys.is_transformer(cfg):
-        attends, activations = True, model_keys.transformer_activations(cfg)
-    elif model_keys.model_name(cfg) == "mamba":
-        attends, activations = False, model_keys.mamba_activations(cfg)
-    else:
-        attention = cfg.attention
-        attends = attention.score is not None
-        # scores, masked scores, weights and a gradient per head; local attention adds its distances,
-        # window and Gaussian
-        weight_floats = 4 * attention.get("heads", 1) + (3 if attention.get("local") else 0)
-        activations = {
-            "the embeddings (B x (T_enc + T_dec) x model.embedding_size)": 2
-            * batch
-            * (t_enc + t_dec)
-            * model.embedding_size
-            * FLOAT,
-            "the GRU states (B x (T_enc + T_dec) x model.hidden_size)": GRU_FLOATS
-            * batch
-            * (t_enc + t_dec)
-            * model.hidden_size
-            * FLOAT,
-            "the attention weights (B x T_dec x T_enc)": attends * weight_floats * batch * t_dec * t_enc * FLOAT,
-            **{part: floats * batch * t_dec * t_enc * FLOAT for part, floats in (attention_floats or {}).items()},
-        }
+    attends, activations = family_of(cfg).activations(cfg)
+    activations |= {part: floats * batch * t_dec * t_enc * FLOAT for part, floats in (attention_floats or {}).items()}
     if parameters is None:
-        parameters = parameter_count(cfg)
+        parameters = parameter_count(cfg) or 0  # a family that cannot count without torch: `check_buildable` will
     return {
         "the parameters, their gradients and Adam's moments": 4 * parameters * FLOAT,
         **activations,

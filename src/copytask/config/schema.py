@@ -15,17 +15,19 @@ import os
 import re
 import textwrap
 import traceback
+import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
+from .. import families
 from ..console import ConfigError
-from . import model_keys, parallel
+from . import parallel
 
 DEVICES = ("auto", "cpu", "cuda")
 # CUBLAS_WORKSPACE_CONFIG values that make cuBLAS deterministic (PyTorch's reproducibility notes); the first
@@ -57,23 +59,21 @@ class TaskConfig:
     copied: int | None = None  # selective copying's k; null for a task that does not read it
 
 
-@dataclass
-class ModelConfig:  # each model=... option sets its own keys (model_keys.MODEL_KEYS) and leaves the other's null
-    name: str = MISSING
-    embedding_size: int | None = None
-    hidden_size: int | None = None
-    bidirectional: bool | None = None
-    layers: int | None = None
-    heads: int | None = None
-    d_model: int | None = None
-    ff_size: int | None = None
-    positions: str | None = None
-    max_length: int | None = None
-    dropout: float | None = None
-    d_state: int | None = None
-    d_conv: int | None = None
-    expand: int | None = None
-    selective: bool | None = None
+# model=...: `_target_`, the model's class (`families.family_of`), its label and the keys of every family of the
+# package (`Family.keys`), each null where its family's option leaves it out; a model of the user's own adds keys
+# of its own (the node is open: `schema_node`)
+ModelConfig = make_dataclass(
+    "ModelConfig",
+    [
+        ("name", str, MISSING),
+        ("_target_", str | None, None),
+        *{  # a key two families share once, at its first family's type
+            key: (key, kind | None, None)
+            for family in families.FAMILIES.values()
+            for key, kind in typing.get_type_hints(family.keys).items()
+        }.values(),
+    ],
+)
 
 
 @dataclass
@@ -150,8 +150,16 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+def schema_node() -> DictConfig:
+    """The schema as Hydra composes onto it: `Config`, its model node open to the keys of a model of the user's
+    own (a closed one refuses them as it merges the option's file)."""
+    node = OmegaConf.structured(Config)
+    OmegaConf.set_struct(node.model, False)
+    return node
+
+
 SCHEMA = "copytask_schema"
-ConfigStore.instance().store(name=SCHEMA, node=Config)
+ConfigStore.instance().store(name=SCHEMA, node=schema_node())
 parallel.register_resolver()  # n_jobs of configs/hydra/launcher/parallel.yaml
 
 # The smallest value of each integer key (a key left null where the schema allows it is not checked).
@@ -180,7 +188,7 @@ MINIMUM = {
     "analysis.threads": 1,
     "analysis.probe_size": 2,  # a mean and a spread
     "analysis.probe_seed": 0,
-    **model_keys.MINIMUM,
+    **families.minimum(),
 }
 # The largest value of an integer key where there is one: torch's generators take 64-bit seeds,
 # and OpenMP would start every thread asked for.

@@ -36,7 +36,8 @@ from typing import ClassVar, TypeVar
 import torch
 from torch import Tensor, nn
 
-from ..config.model_keys import LOCAL, cannot_import
+from ..families import cannot_import
+from ..families.gru import LOCAL
 from ..kernels import ops
 
 ADDITIVE_CHUNK = 2**19  # elements of the additive score's tanh tensor computed at once on CPU (2 MB)
@@ -245,7 +246,7 @@ def attention_type(score: str) -> type[Attention]:
     try:
         kind = getattr(importlib.import_module(module), name)
     except ImportError as error:
-        raise ValueError(cannot_import(score, str(error))) from None
+        raise ValueError(cannot_import("attention.score", score, str(error))) from None
     except AttributeError:
         raise ValueError(f"attention.score={score}: module {module!r} has no {name!r}") from None
     if not (isinstance(kind, type) and issubclass(kind, Attention)):

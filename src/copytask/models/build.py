@@ -1,70 +1,50 @@
-"""The model a config describes: the GRU encoder-decoder with its attention, the Transformer, or Mamba."""
+"""The model a config describes: its family's class (`families`: the GRU encoder-decoder with its attention,
+the Transformer, Mamba, or a class of the user's own named by `model._target_`), built with its family's
+arguments."""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
 from ..config.memory import check_memory
-from ..config.model_keys import check_attention_name, is_transformer, model_name, position_rows
 from ..config.schema import config_dir
 from ..console import ConfigError
 from ..data.tasks import vocabulary
+from ..families import cannot_import, family_of
+from ..families.gru import check_attention_name
 from .attention import ATTENTION_TYPES, attention_type
-from .mamba import MambaSeq2Seq
 from .protocol import Seq2SeqModel
-from .recurrent import Seq2Seq, count_parameters
-from .transformer import TransformerSeq2Seq
+from .recurrent import count_parameters
 
 # what `build_model` makes, and what training, the analysis and decode take (`models.protocol`)
 Model = Seq2SeqModel
 
 
-def build_model(
-    cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq, transformer_class: type[nn.Module] = TransformerSeq2Seq
-) -> nn.Module:
-    """The configured model: `transformer_class` for model=transformer, MambaSeq2Seq for model=mamba, else
-    `model_class`, which may be any classes with TransformerSeq2Seq's and Seq2Seq's constructor and interface
-    (the benchmark passes `reference.ReferenceTransformer` and `reference.ReferenceSeq2Seq`)."""
-    if is_transformer(cfg):
-        model = cfg.model
-        return transformer_class(
-            vocabulary(cfg.task.name, cfg.task.vocab_size),
-            model.d_model,
-            model.heads,
-            model.layers,
-            model.ff_size,
-            model.positions,
-            position_rows(cfg),
-            model.dropout,
-            fused=cfg.train.get("fused", True),
-        )
-    if model_name(cfg) == "mamba":
-        model = cfg.model
-        return MambaSeq2Seq(
-            vocabulary(cfg.task.name, cfg.task.vocab_size),
-            model.d_model,
-            model.layers,
-            model.d_state,
-            model.d_conv,
-            model.expand,
-            fused=cfg.train.get("fused", True),
-            selective=model.get("selective") is not False,  # absent from older runs: Mamba's own, selective
-        )
-    return model_class(
-        vocab=vocabulary(cfg.task.name, cfg.task.vocab_size),
-        decoder=cfg.attention.decoder,
-        score=cfg.attention.score,
-        embedding_size=cfg.model.embedding_size,
-        hidden_size=cfg.model.hidden_size,
-        attention_size=cfg.attention.size,
-        bidirectional=cfg.model.bidirectional,
-        heads=cfg.attention.get("heads", 1),  # absent from configs without multi-head and from older runs
-        local=cfg.attention.get("local"),  # Luong's local attention: absent from global ones
-        window=cfg.attention.get("window"),
-        fused=cfg.train.get("fused", True),  # absent from older runs
-    )
+def model_class(cfg: DictConfig | dict) -> type[nn.Module]:
+    """The class a config's family names (`Family.target`), imported; ConfigError, one line, where it cannot be."""
+    target = family_of(cfg).target
+    module, _, name = target.rpartition(".")
+    try:
+        kind = getattr(importlib.import_module(module), name)
+    except ImportError as error:
+        raise ConfigError(cannot_import("model._target_", target, str(error))) from None
+    except AttributeError:
+        raise ConfigError(f"model._target_={target}: module {module!r} has no {name!r}") from None
+    if not (isinstance(kind, type) and issubclass(kind, nn.Module)):
+        raise ConfigError(f"model._target_={target} is not a model class (models.protocol.Seq2SeqModel)")
+    return kind
+
+
+def build_model(cfg: DictConfig, kind: type[nn.Module] | None = None) -> nn.Module:
+    """The configured model: its family's class, or `kind`, a class with its constructor and interface (the
+    benchmark passes `reference.ReferenceSeq2Seq` and `reference.ReferenceTransformer`), given the vocabulary's
+    size and the family's arguments (`Family.arguments`)."""
+    kind = kind or model_class(cfg)
+    return kind(vocabulary(cfg.task.name, cfg.task.vocab_size), **family_of(cfg).arguments(cfg))
 
 
 def check_buildable(cfg: DictConfig) -> None:
@@ -72,7 +52,7 @@ def check_buildable(cfg: DictConfig) -> None:
     ConfigError line: an `attention.score` no class is registered for and that imports no class of the
     user's own, a setting the class refuses (heads, Luong's local window, sizes), a model whose exact
     memory estimate (its parameter count and its attention's `training_floats`) exceeds the machine's,
-    and a type of the user's own under an option's name (`config.model_keys.check_attention_name`, which
+    and a type of the user's own under an option's name (`families.gru.check_attention_name`, which
     `validate` makes where the type is another option's: no class refuses more specifically there). Run
     after `validate`, before anything is written. The model is built on the CPU, with torch's random
     state restored after it (`fork_rng`: the check draws nothing a run would), and at most a quarter of
@@ -89,11 +69,13 @@ def check_buildable(cfg: DictConfig) -> None:
                 f"attention.score must be one of null, {', '.join(ATTENTION_TYPES)} or a class of your own "
                 f"as module.Class, got {score!r}"
             ) from None
+    family = family_of(cfg)
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             model = build_model(cfg)
-    except ValueError as error:  # validate has checked the rest: this is the attention class's refusal
-        raise ConfigError(f"attention={cfg.attention.name}: {error}") from None
-    check_memory(cfg, count_parameters(model), {} if model.attention is None else model.attention.training_floats())
-    if model_name(cfg) == "gru":
+    except ValueError as error:  # validate has checked the rest: this is a class's own refusal (an attention's)
+        raise ConfigError(f"{family.option(cfg)}: {error}") from None
+    attention = model.attention if family.reads_attention else None  # the attention group's own memory
+    check_memory(cfg, count_parameters(model), {} if attention is None else attention.training_floats())
+    if family.reads_attention:
         check_attention_name(cfg.attention, config_dir())

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..config.model_keys import DECODERS
 from ..data.batches import length_mask
 from ..data.vocab import PAD
+from ..families.gru import DECODERS
 from ..kernels import ops
 from .attention import AdditiveAttention, Attention, make_attention
 from .protocol import Seq2SeqModel

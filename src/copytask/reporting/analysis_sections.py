@@ -157,7 +157,12 @@ def evidence_section(loaded: tables.Loaded, out: Path) -> Section:
         return Section([], [])
     fixed_length = bool((analysed.train_length == analysed.length.astype(str)).any())
     means = seed_means(analysed, loaded.settings)
-    lines = [*counterfactual_lines(means, loaded.settings, fixed_length), *alignment_lines(means, loaded.settings)]
+    families = loaded.families()
+    notes = "".join(dict.fromkeys(families[label].counterfactual_note for label in means["attention"]))
+    lines = [
+        *counterfactual_lines(means, loaded.settings, fixed_length, notes),
+        *alignment_lines(means, loaded.settings),
+    ]
     if not fixed_length:
         return Section(lines, [])
     with_chance = analysed.merge(loaded.table[["run", "chance"]], on="run", how="left")
@@ -179,19 +184,10 @@ def described(means: pd.DataFrame, settings: list[str]) -> dict[str, pd.Series]:
     return {**columns, "length": means["length"], "attention": means["attention"], "seeds": means["seeds"]}
 
 
-# Said only where the table has a Transformer (`store.architecture` labels them transformer...).
-TRANSFORMER_DROPS = (
-    " A Transformer's drops mean something else than a GRU model's: its counterfactual replaces the weights of every "
-    "cross-attention layer (the map shown is the last layer's), and its encoder's self-attention has already mixed the "
-    "source into every memory position, so uniform or fixed cross-attention does not cut its access to the source, "
-    "where a GRU attention model is left with its decoder's initial state. Compare drops within an architecture, not "
-    "across."
-)
-
-
-def counterfactual_lines(means: pd.DataFrame, settings: list[str], figure: bool) -> list[str]:
+def counterfactual_lines(means: pd.DataFrame, settings: list[str], figure: bool, notes: str = "") -> list[str]:
     """Markdown: accuracy with the model's own attention and with counterfactual weights, the
-    drops, and (with `figure`) the counterfactual figure."""
+    drops, what they mean for the families of the rows where unlike a GRU model's (`notes`), and (with
+    `figure`) the counterfactual figure."""
     replaced = COUNTERFACTUALS
     counterfactual = pd.DataFrame(
         {
@@ -208,8 +204,7 @@ def counterfactual_lines(means: pd.DataFrame, settings: list[str], figure: bool)
         "step, by uniform weights over the source, by the model's weights shuffled among the source positions, and by "
         "all weight on position 0; `drop` is own minus counterfactual, in points, mean over seeds. A large drop says "
         "the output depends on where the model attends. Measured on the first held-out sequences "
-        "(`analysis.eval_size`), so `own` can differ a little from the accuracy table above."
-        + (TRANSFORMER_DROPS if any(str(label).startswith("transformer") for label in means["attention"]) else ""),
+        "(`analysis.eval_size`), so `own` can differ a little from the accuracy table above." + notes,
         "",
         markdown_table(counterfactual),
         "",

@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.axes import Axes
 
+from ..families import Family
 from ..figures import colours, draw_chance, legend_outside, model_order, panels, save
 from . import tables
 from .breakdown_tables import breakdown_table, position_table, probe_table
@@ -150,8 +151,6 @@ def shown_share(share: pd.Series) -> str:
     return mean if not low else f"{mean} [{low}, {high}]"
 
 
-# what a model probed hands its decoder of the source, by family (`model.summary_state`)
-HANDED_OVER = {"gru": "a GRU decoder's initial state", "mamba": "Mamba's SSM state and convolution window per layer"}
 PROBE_COLUMNS = {"probe_acc": "trained", "probe_untrained_acc": "untrained", "probe_control_acc": "control task"}
 
 
@@ -186,9 +185,12 @@ def by_length(summary: pd.DataFrame, settings: list[str]) -> pd.DataFrame:
     return summary.assign(_length=length).sort_values([*settings, "_length"], kind="stable").drop(columns="_length")
 
 
-def breakdown_section(analyses: list[dict], settings: pd.DataFrame | None, out: Path) -> tuple[list[str], list[Path]]:
+def breakdown_section(
+    analyses: list[dict], settings: pd.DataFrame | None, out: Path, families: dict[str, Family]
+) -> tuple[list[str], list[Path]]:
     """Markdown lines and figures of the section; nothing where no run has a breakdown. `settings`:
-    the results table's `run` and setting columns (None: no settings)."""
+    the results table's `run` and setting columns (None: no settings); `families`: each model label's family
+    (`tables.Loaded.families`), which says what its summary vector is."""
     table = breakdown_table(analyses)
     if table.empty:
         return [], []
@@ -222,8 +224,7 @@ def breakdown_section(analyses: list[dict], settings: pd.DataFrame | None, out: 
     if not probes.empty:
         figures.append(plot_probe(with_settings(probes), out / PROBE_FIGURE, keys))
         without = sorted(set(table["attention"]) - set(probes["attention"]))
-        families = dict.fromkeys("mamba" if label == "mamba" else "gru" for label in probes["attention"])
-        handed = "; ".join(HANDED_OVER[family] for family in families)
+        handed = "; ".join(dict.fromkeys(families[label].handed_over for label in probes["attention"]))
         lines += [
             "### What the summary vector holds: a linear probe",
             "",

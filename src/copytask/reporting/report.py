@@ -133,7 +133,7 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
     analysis = analysis_section(loaded, variable_analyses, runs_dir, out)
     curves = curves_section(loaded, out)
     settings_table = loaded.table[["run", *settings]] if settings else None
-    breakdown = Section(*breakdown_section(list(loaded.analyses.values()), settings_table, out))
+    breakdown = Section(*breakdown_section(list(loaded.analyses.values()), settings_table, out, loaded.families()))
     heatmaps, head_heatmaps = plot_heatmaps(loaded, out), plot_head_heatmaps(loaded, out)
     lines = [
         *opening(grid, loaded, runs_dir, headline(summary, x)),

@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from .. import store
-from ..config.model_keys import is_transformer, model_name
+from ..families import family_of
 from ..store.runs import SWEEP_RECORD, TRAINED_BY
 from . import tables
 
@@ -50,31 +50,11 @@ def values(configs: list[DictConfig], key: str, show=tables.setting_value) -> st
 
 
 def model_lines(configs: list[DictConfig]) -> list[str]:
-    """The GRU encoder-decoders' sizes, the Transformers' and Mamba's, each where the runs have some."""
-    gru = [cfg for cfg in configs if model_name(cfg) == "gru"]
-    transformers = [cfg for cfg in configs if is_transformer(cfg)]
-    mambas = [cfg for cfg in configs if model_name(cfg) == "mamba"]
-    lines = []
-    if gru:
-        encoder = values(gru, "model.bidirectional", lambda both: "bidirectional" if both else "unidirectional")
-        lines.append(
-            f"- Model: GRU encoder-decoder, hidden size {values(gru, 'model.hidden_size')}, embedding size "
-            f"{values(gru, 'model.embedding_size')}, {encoder} encoder."
-        )
-    if transformers:
-        lines.append(
-            f"- Transformer: torch's nn.Transformer, {values(transformers, 'model.layers')} layers each side, "
-            f"{values(transformers, 'model.heads')} heads, d_model {values(transformers, 'model.d_model')}, "
-            f"feed-forward {values(transformers, 'model.ff_size')}, "
-            f"{values(transformers, 'model.positions')} positions, dropout {values(transformers, 'model.dropout')}."
-        )
-    if mambas:
-        lines.append(
-            f"- Mamba: {values(mambas, 'model.layers')} layers each side, d_model {values(mambas, 'model.d_model')}, "
-            f"state size {values(mambas, 'model.d_state')}, convolution width {values(mambas, 'model.d_conv')}, "
-            f"expansion {values(mambas, 'model.expand')}; each decoder layer starts from its encoder layer's state."
-        )
-    return lines
+    """A line on the models of each family the runs have (`Family.describe`), in the order the runs first have it."""
+    families = {}
+    for cfg in configs:
+        families.setdefault(family_of(cfg).name, []).append(cfg)
+    return [family_of(group[0]).describe(group, values) for group in families.values()]
 
 
 def training_line(configs: list[DictConfig]) -> str:

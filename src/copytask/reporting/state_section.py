@@ -15,7 +15,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
-from ..config.model_keys import is_transformer, model_name
+from ..families import family_of
 from ..figures import colours, draw_chance, fitted, legend_outside, model_order, model_style, save
 from . import tables
 from .analysis_sections import Section
@@ -40,17 +40,9 @@ def facet_keys(summary: pd.DataFrame, settings: list[str]) -> list[str]:
 
 
 def fixed_part(cfg: DictConfig) -> tuple[int, str] | None:
-    """The part of a run's state floats that its family's size key does not set, and what it is: Mamba's
-    convolution windows (every layer's last K - 1 inputs, whatever `model.d_state`), linear attention's hand-over
-    (the encoder's final state, whatever `attention.size`); None where the size key sets it all."""
-    if is_transformer(cfg):
-        return None
-    if model_name(cfg) == "mamba":
-        model = cfg.model
-        return model.layers * model.expand * model.d_model * (model.d_conv - 1), "convolution window"
-    if cfg.attention.score == "linear":
-        return cfg.model.hidden_size, "hand-over"
-    return None
+    """The part of a run's state floats that its family's size key does not set, and what it is (Mamba's
+    convolution windows, linear attention's hand-over: `Family.fixed_state`); None where the size key sets it all."""
+    return family_of(cfg).fixed_state(cfg)
 
 
 def plot_state(
@@ -121,23 +113,8 @@ def fixed_words(fixed: dict[str, set[tuple[int, str]]]) -> str:
 
 
 def what_is_read(cfg: DictConfig) -> str:
-    """What a run's decoder can read of the source, in the words of its config (`models`' `state_floats`)."""
-    if is_transformer(cfg):
-        return "every encoder output, length x `model.d_model`"
-    if model_name(cfg) == "mamba":
-        return (
-            "every layer's SSM state and convolution window, `model.layers` x `model.expand` x `model.d_model` x "
-            "(`model.d_state` + `model.d_conv` - 1)"
-        )
-    score = cfg.attention.score
-    if score is None:
-        return "the encoder's final state handed over, `model.hidden_size`"
-    if score == "linear":
-        return (
-            "S and z, `attention.size` x (`model.hidden_size` + 1), and the final state handed over, "
-            "`model.hidden_size`"
-        )
-    return "the final state handed over and every encoder state, (length + 1) x `model.hidden_size`"
+    """What a run's decoder can read of the source, in the words of its config (`Family.reads`)."""
+    return family_of(cfg).reads(cfg)
 
 
 def rank_table(loaded: tables.Loaded) -> pd.DataFrame:
@@ -147,7 +124,7 @@ def rank_table(loaded: tables.Loaded) -> pd.DataFrame:
     rows = []
     for row in loaded.table.to_dict("records"):
         cfg = loaded.runs[row["run"]].config
-        if not is_transformer(cfg) and model_name(cfg) == "gru" and cfg.attention.score == "linear":
+        if family_of(cfg).reads_attention and cfg.attention.score == "linear":
             mass = row.get("align_mass", math.nan)
             rows.append(
                 {"model": row["attention"], "d_k": cfg.attention.size, "length": row["length"], "acc": row["token_acc"]}

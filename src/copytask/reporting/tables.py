@@ -25,6 +25,7 @@ from scipy import special  # not scipy.stats, whose import alone took about a se
 
 from .. import console, store
 from ..console import ConfigError
+from ..families import Family, family_of
 from ..store.provenance import mixed_line
 from ..store.runs import GridRun
 from .breakdown_tables import breakdown_columns
@@ -60,6 +61,10 @@ class Loaded:
     settings: list[str]  # the config keys that vary between the rows, dotted, in config order (see `setting_keys`)
     # where the rows were made by different code, the line that says so under a table of them (`provenance.mixed_line`)
     mixed: str | None = None
+
+    def families(self) -> dict[str, Family]:
+        """Each model label of the rows -> its family (`families`): what a section says of a model's runs."""
+        return {store.model_label(run.config): family_of(run.config) for run in self.runs.values()}
 
 
 def read_analysis(folder: Path) -> dict | None:

@@ -39,7 +39,6 @@ from .identity import (
     NOT_IDENTITY,
     UNUSED_UNLESS,
     architecture,
-    attention_label,
     flat_identity,
     identity,
     model_label,

@@ -12,8 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config.model_keys import MODEL_KEYS, architecture, model_name
 from ..config.schema import flatten
+from ..families import BY_TARGET, FAMILIES, family_of
 
 # Keys that change where or how fast a run computes, or what it saves, not what it computes (results
 # agree to float rounding); `analysis` and `report` only set how finished runs are analysed and drawn,
@@ -45,20 +45,18 @@ NEUTRAL = {
 }
 
 
-# Keys that change nothing unless another key has a value: (key, condition on the config). Each model
-# reads its own keys; the attention group is the GRU's decoder.
+# Keys that change nothing unless another key has a value: (key, condition on the config). Each model family
+# reads its own keys (`Family.own_keys`); the attention group is the decoder of a family that reads it.
 UNUSED_UNLESS = {
     "task.min_length": lambda config: config["task"].get("variable_length"),
     "train.warmup": lambda config: config["train"].get("schedule") == "onecycle",
     "attention.window": lambda config: config["attention"].get("local") is not None,
-    "attention": lambda config: model_name(config) == "gru",
-    "model.max_length": lambda config: config["model"].get("positions") == "learned",
-    **{  # a key two models share (model.layers, model.d_model) is read by either
-        f"model.{key}": (
-            lambda config, key=key: model_name(config) in [name for name, keys in MODEL_KEYS.items() if key in keys]
-        )
-        for keys in MODEL_KEYS.values()
-        for key in keys
+    "attention": lambda config: family_of(config).reads_attention,
+    "model._target_": lambda config: config["model"].get("_target_") not in BY_TARGET,  # a built-in's: its name
+    **{  # a key two families share (model.layers, model.d_model) is read by either
+        f"model.{key}": lambda config, key=key: key in family_of(config).own_keys(config)
+        for family in FAMILIES.values()
+        for key in family.own_keys({"model": {"positions": "learned"}})
     },
 }
 
@@ -111,19 +109,18 @@ def flat_identity(cfg: DictConfig | dict) -> dict[str, Any]:
     return {key: str(value) if isinstance(value, list) else value for key, value in flatten(identity(cfg)).items()}
 
 
-def attention_label(name: str, heads: int = 1) -> str:
-    """How tables, figures and files name an attention type: the config name, with the head count
-    when there is more than one head (`luong_general-4heads`), so multi-head runs never mix with
-    single-head ones."""
-    return name if heads == 1 else f"{name}-{heads}heads"
+def architecture(cfg: DictConfig | dict) -> str:
+    """What a run's model is, in a word, the first of its name: its family's (`Family.run_word`: a GRU model's
+    attention type, `transformer`, `mamba_lti`, a model of the user's own's `model.name`). metrics.json records
+    it as `attention`. (Read by item: a config or its plain values.)"""
+    return family_of(cfg).run_word(cfg)
 
 
 def model_label(cfg: DictConfig | dict) -> str:
-    """How tables, figures and files name a run's model: `architecture`, with a GRU model's head
-    count where it has several (`attention_label`)."""
-    if model_name(cfg) != "gru":
-        return architecture(cfg)
-    return attention_label(cfg["attention"]["name"], cfg["attention"].get("heads", 1))
+    """How tables, figures and files name a run's model: its family's label (`Family.label`: a GRU model's
+    attention type with its head count where it has several, so multi-head runs never mix with single-head
+    ones)."""
+    return family_of(cfg).label(cfg)
 
 
 def run_name(cfg: DictConfig) -> str:

@@ -21,14 +21,14 @@ from tqdm.auto import tqdm
 
 from .. import store
 from ..config.checks import validate
-from ..config.model_keys import is_transformer
 from ..data.batches import Batch
 from ..data.splits import heldout_keys, training_batch
 from ..data.vocab import PAD
+from ..families import family_of
 from ..kernels.ops import runs_fused
 from ..models.build import build_model, check_buildable
 from ..models.greedy import evaluate
-from ..models.recurrent import Seq2Seq, count_parameters
+from ..models.recurrent import count_parameters
 from ..store import replacement
 from ..store.provenance import provenance, reused
 from . import checkpoints, trackers
@@ -59,7 +59,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     return loss.detach()
 
 
-def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
+def train(cfg: DictConfig, model_class: type[nn.Module] | None = None) -> dict:
     """Train one run and write its folder; returns metrics.json's content. A run whose complete
     results already exist is read, not trained again, unless `retrain=true`, it was computed by other
     code (it records another `computation`, or none), or a retraining of it was stopped (it goes on).
@@ -67,7 +67,7 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
     reader still finds, whole, until the new results are complete and take its place in one step.
     An interrupted run, or retraining, continues from its checkpoint. Raises RunInProgress if another
     process is training the run now, NonFiniteLoss if it diverges. Torch's thread count and random
-    state are as they were when it returns. `model_class`: see `build.build_model`."""
+    state are as they were when it returns. `model_class`: see `build.build_model` (None: the family's class)."""
     validate(cfg)
     check_buildable(cfg)
     folder = store.run_dir(cfg)
@@ -90,7 +90,7 @@ def train(cfg: DictConfig, model_class: type[nn.Module] = Seq2Seq) -> dict:
         return store.read_json(folder / store.METRICS)
 
 
-def train_into(cfg: DictConfig, folder: Path, model_class: type[nn.Module]) -> None:
+def train_into(cfg: DictConfig, folder: Path, model_class: type[nn.Module] | None) -> None:
     """Train the run of `cfg` in `folder` (its run folder, or its replacement's staging folder), from
     the checkpoint there if any, and write metrics.json last."""
     device = resolve_device(cfg.train.device)
@@ -165,7 +165,11 @@ class Run:
 
 
 def _train_locked(
-    cfg: DictConfig, folder: Path, device: torch.device, model_class: type[nn.Module], tracker: trackers.RunLogger
+    cfg: DictConfig,
+    folder: Path,
+    device: torch.device,
+    model_class: type[nn.Module] | None,
+    tracker: trackers.RunLogger,
 ) -> dict:
     """`train`'s work, in `folder` (new, or holding the checkpoint of an interrupted run, from which
     it continues), under the run's lock: every file but metrics.json, whose content it returns.
@@ -177,7 +181,11 @@ def _train_locked(
 
 
 def set_up(
-    cfg: DictConfig, folder: Path, device: torch.device, model_class: type[nn.Module], tracker: trackers.RunLogger
+    cfg: DictConfig,
+    folder: Path,
+    device: torch.device,
+    model_class: type[nn.Module] | None,
+    tracker: trackers.RunLogger,
 ) -> Run:
     """The run's folder with its config, and its objects built afresh from the seed: the model, the
     optimizer, its schedule, the training generator and the test and validation sets."""
@@ -309,7 +317,7 @@ def run_metrics(run: Run, result: dict, train_seconds: float) -> dict:
     cfg, final = run.cfg, run.history[-1]
     return {
         "attention": store.architecture(cfg),
-        "heads": cfg.model.heads if is_transformer(cfg) else cfg.attention.get("heads", 1),
+        "heads": family_of(cfg).heads(cfg),
         "task": cfg.task.name,
         "length": cfg.task.length,
         "min_length": cfg.task.min_length if cfg.task.variable_length else cfg.task.length,

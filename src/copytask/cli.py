@@ -241,11 +241,17 @@ def selection_for(command: str, overrides: list[str], flags: set[str]) -> Select
     if not listing and not Path(master.runs_dir).is_dir():  # before any grid is composed
         raise ConfigError(f"nothing to {command}: {master.runs_dir} does not exist")
     selection = select_runs(overrides, every_run="--all" in flags, every_run_unless_recorded=not listing, master=master)
-    said = f"{command}: {selection.source}"  # at 100 columns, as the table; a path or an override stays whole
-    print(textwrap.fill(said, TERMINAL_WIDTH, break_long_words=False, break_on_hyphens=False))
+    print(wrapped(f"{command}: {selection.source}"))
+    if "--missing" not in flags and (beside := selection.beside(f"{command} --all")):  # a table follows
+        print(wrapped(beside))
     if not listing and not any(run.status() == "complete" for run in selection.runs):
         raise ConfigError(nothing_done(command, selection))
     return selection
+
+
+def wrapped(line: str) -> str:
+    """A line of what compare or report say at 100 columns, as the table; a path or an override stays whole."""
+    return textwrap.fill(line, TERMINAL_WIDTH, break_long_words=False, break_on_hyphens=False)
 
 
 def compare(overrides: list[str], flags: set[str]) -> int:

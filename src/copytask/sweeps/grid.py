@@ -35,7 +35,7 @@ from ..config.hydra_internals import (
 from ..config.parallel import check_n_jobs
 from ..config.schema import config_dir, dotted_keys, hydra_errors
 from ..console import ConfigError
-from ..store.runs import SWEEP_RECORD, TRIAL_RECORD, GridRun, folder_runs, recorded_runs
+from ..store.runs import SWEEP_RECORD, TRIAL_RECORD, GridRun, beside, beside_line, folder_runs, recorded_runs
 
 # What `copytask.sweep` adds to its Hydra command line so that Hydra configures no logging (jobs.run_hydra);
 # not part of the command that starts the sweep (`sweep_command`)
@@ -261,10 +261,19 @@ class Selection:
     overrides: list[str]  # the sweep overrides that make `runs` (empty for every run in a folder)
     source: str  # one line for the user: which grid this is
     trials: list[dict] | None = None  # a search's trials (`search_trials`), in trial order; None for a grid
+    every_run: bool = False  # every complete run in runs_dir, not a grid's
 
     @property
     def is_search(self) -> bool:
         return self.trials is not None
+
+    def beside(self, include: str) -> str | None:
+        """The note on the complete runs in runs_dir that this grid or search leaves out, with what `include`s them
+        (`compare --all`); None where there are none, or where these are every complete run there."""
+        if self.every_run:
+            return None
+        names = beside(self.runs, Path(self.master.runs_dir))
+        return beside_line(names, self.master.runs_dir, "search" if self.is_search else "grid", include)
 
 
 def replaced(recorded: list[str], given: list[str]) -> list[str]:
@@ -306,7 +315,7 @@ def select_runs(
         return selection(master, runs, combined, command, recorded_in=master.runs_dir)
     if not grid_given and (every_run or every_run_unless_recorded):
         runs = folder_runs(store.complete_runs(Path(master.runs_dir)))
-        return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs")
+        return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs", every_run=True)
     runs = recorded_grid(master, record, overrides) if recorded is not None else None
     return selection(master, runs, overrides, sweep_command(master))
 

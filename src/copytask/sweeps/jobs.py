@@ -36,7 +36,17 @@ from ..config.checks import analysis_device, remote_launcher
 from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
 from ..config.schema import config_dir
 from ..console import TERMINAL_WIDTH, ConfigError
-from ..store.runs import OBJECTIVE, RECORDED_RUNS, SWEEP_RECORD, TRIAL_RECORD, GridRun, grid_record, record_failure
+from ..store.runs import (
+    OBJECTIVE,
+    RECORDED_RUNS,
+    SWEEP_RECORD,
+    TRIAL_RECORD,
+    GridRun,
+    beside,
+    beside_line,
+    grid_record,
+    record_failure,
+)
 from ..training import trackers
 from .grid import QUIET_HYDRA, check_grid, expand, search_trials, sweep_command, trial_runs
 from .progress import SweepProgress, TrialProgress, jobs_at_once
@@ -340,6 +350,7 @@ def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictCo
         if trials is not None:
             written = search.write_report(trials, loaded, runs_dir)
         else:
+            others = beside(runs, runs_dir)  # complete runs in runs_dir that are not of the grid
             drawn.forget()
             try:
                 tables.x_column(config.report.x, loaded)
@@ -347,7 +358,8 @@ def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictCo
             except ConfigError as error:
                 console.warn(f"{error}; the report puts task.length on the x axis")
                 x, drawn = "task.length", None  # not the report `report` would draw: left unrecorded
-            written = report.write_report(runs, loaded, runs_dir, x)
+            noted = beside_line(others, runs_dir, "grid", "report --all")
+            written = report.write_report(runs, loaded, runs_dir, x, noted)
             if drawn is not None:
                 drawn.record([results, *written], loaded.missing, loaded.mixed)
         console.log.info(report.written_line(written, time.perf_counter() - started))
@@ -357,6 +369,8 @@ def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictCo
             chance = sorted(set(loaded.table["chance"]))
             console.log.info(tables.narrow_note(list(dict.fromkeys(loaded.table["task"])), chance))
             console.log.info(tables.comparison_table(summary, loaded.settings).to_string(index=False))
+            if note := beside_line(others, runs_dir, "grid", "compare --all"):
+                console.log.info(textwrap.fill(note, TERMINAL_WIDTH, break_long_words=False, break_on_hyphens=False))
             finding = " ".join(report.headline(summary, tables.x_column(x, loaded))).strip()
             console.log.info(textwrap.fill(finding, TERMINAL_WIDTH))
     if trials is not None:

@@ -22,6 +22,8 @@ from .provenance import named
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, its grid's runs, wall time and machine
 RECORDED_RUNS = "runs"  # sweep.json's list of the grid's runs, in launch order: each its folder's name and label
+# sweep.json's digest of the config files its grid was composed from (config.hydra_internals.configs_digest)
+RECORDED_CONFIGS = "configs"
 OBJECTIVE = (
     "val_token_acc"  # what a job returns to an optimising sweeper: validation greedy token accuracy, from metrics.json
 )

@@ -33,11 +33,12 @@ from omegaconf import DictConfig, open_dict
 
 from .. import console, store
 from ..config.checks import analysis_device, remote_launcher
-from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
+from ..config.hydra_internals import configs_digest, override_args, own_global_hydra, proposes_jobs
 from ..config.schema import config_dir
 from ..console import TERMINAL_WIDTH, ConfigError
 from ..store.runs import (
     OBJECTIVE,
+    RECORDED_CONFIGS,
     RECORDED_RUNS,
     SWEEP_RECORD,
     TRIAL_RECORD,
@@ -173,12 +174,13 @@ class SweepSummary(Callback):
         self.started = time.perf_counter()
         self.started_at = time.time()
         searching = proposes_jobs(config.hydra)
+        configs = configs_digest(config.hydra.searchpath)  # before the grid is composed from them
         self.runs = [] if searching else expand(config)
         # Recorded now, so that `compare` and `report` find this grid (or this search's trials so far) even
         # while it runs or if it is cut off, and name its runs without composing them again.
         self.begun = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "started_at": self.started_at}
-        if not searching:
-            self.begun[RECORDED_RUNS] = grid_record(self.runs)
+        if not searching:  # with the configs they were composed from: where those change, the grid is composed anew
+            self.begun |= {RECORDED_RUNS: grid_record(self.runs), RECORDED_CONFIGS: configs}
         store.write_json(Path(config.runs_dir) / SWEEP_RECORD, self.record(config) | self.begun)
         trackers.prepare(config)
         if builds_kernels_here(config):

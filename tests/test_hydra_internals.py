@@ -10,6 +10,7 @@ from hydra.core.global_hydra import GlobalHydra
 from copytask.config.hydra_internals import (
     compose,
     compose_job,
+    configs_digest,
     override_args,
     proposes_jobs,
     search_samples,
@@ -76,3 +77,20 @@ def test_a_search_space_reads_as_the_optuna_sweeper_reads_it():
         "model.hidden_size=32",
     ]  # the command line's interval replaced the preset's
     assert (job.train.lr, job.train.clip, job.model.hidden_size, job.model.bidirectional) == (0.001, 2, 32, True)
+
+
+def test_the_configs_digest_follows_the_yaml_files_of_the_search_path_not_where_they_are(tmp_path, monkeypatch):
+    """What a sweep records of the configs its grid was composed from (issue 88, part 5): a changed YAML file of a
+    searchpath folder changes it; another file, or the same folder named by another path, does not."""
+    own = tmp_path / "my_configs" / "experiment"
+    own.mkdir(parents=True)
+    (own / "mine.yaml").write_text("seed: 0\n")
+    monkeypatch.chdir(tmp_path)  # Hydra reads a file:// path from the folder it runs in
+    digest = configs_digest(["file://my_configs"])
+
+    assert digest != configs_digest()
+    assert configs_digest([f"file://{tmp_path / 'my_configs'}"]) == configs_digest(["my_configs"]) == digest
+    (own / "notes.txt").write_text("not a config")
+    assert configs_digest(["file://my_configs"]) == digest
+    (own / "mine.yaml").write_text("seed: 1\n")
+    assert configs_digest(["file://my_configs"]) != digest

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -282,6 +283,42 @@ def test_compare_given_only_runs_dir_names_it_once_in_how_to_train_the_missing(r
 
     hint = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("train them with:"))
     assert hint.count("runs_dir=") == 1 and f"runs_dir={runs_copy}" in hint
+
+
+def test_runs_beside_a_sweeps_grid_are_named_with_how_to_include_them(runs_copy, capsys):
+    """A run trained into a sweep's runs_dir is not of its grid: the table stays the grid's, and compare, report
+    (and report.md) and the API name the run and how to include it, once: no dot folder (a replacement's staging
+    folder, complete), no report/ and no folder without results (issue 88, part 5)."""
+    assert main(["train", *TINY, f"runs_dir={runs_copy}", "attention=bahdanau", "task.length=3"]) == 0
+    [beside] = [folder.name for folder in store.complete_runs(runs_copy) if folder.name.startswith("bahdanau")]
+    grid_run = pd.read_csv(runs_copy / "results.csv")["run"].iloc[0]
+    shutil.copytree(runs_copy / grid_run, runs_copy / f".{grid_run}.new")  # a retraining, complete before its swap
+    (runs_copy / "luong_general-copy9-seed0-killed").mkdir()  # no results: not a run --all would add
+    note = f"note: 1 complete run in {runs_copy} is not of this grid: {beside}; {{}} includes it"
+    capsys.readouterr()
+
+    for given in ([f"runs_dir={runs_copy}"], overrides(runs_copy)):  # the recorded grid, and the sweep's overrides
+        assert main(["compare", *given]) == 0
+        printed = capsys.readouterr().out
+        assert note.format("compare --all") in " ".join(printed.split())  # one line, wrapped at 100 columns
+        assert max(map(len, printed.splitlines())) <= 100
+        assert len(parse_compare(printed)) == 4 and "bahdanau" not in printed.replace(beside, "")  # the grid's table
+    assert main(["report", f"runs_dir={runs_copy}"]) == 0
+    assert note.format("report --all") in " ".join(capsys.readouterr().out.split())
+    assert note.format("report --all") in (runs_copy / "report" / "report.md").read_text()
+    assert beside not in set(pd.read_csv(runs_copy / "results.csv")["run"])
+    assert main(["report", f"runs_dir={runs_copy}"]) == 0  # up to date: nothing redrawn, and still said
+    printed = capsys.readouterr().out
+    assert "nothing redrawn" in printed and note.format("report --all") in " ".join(printed.split())
+
+    with pytest.warns(CopytaskWarning, match=re.escape(note.format("all_runs=True"))):
+        assert len(copytask.results(runs_copy)) == 8
+    with pytest.warns(CopytaskWarning, match=re.escape(note.format("all_runs=True"))):
+        assert len(copytask.compare(runs_copy)) == 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(copytask.results(runs_copy, all_runs=True)) == 9  # every run of the folder: none beside them
+    assert not [warning for warning in caught if issubclass(warning.category, CopytaskWarning)]
 
 
 def test_compare_train_missing_runs_the_missing_runs_first(runs_copy, capsys):

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from copytask import cli, store
 from copytask.console import ConfigError, CopytaskWarning
-from copytask.store.runs import GridRun
+from copytask.store.runs import GridRun, beside, beside_line
 from copytask.training.loop import train
 
 from .conftest import TINY, pythonpath, run_cli
@@ -226,3 +226,24 @@ def test_a_config_edited_by_hand_reads_as_omegaconf_resolves_it_or_is_refused_in
         with pytest.raises(ConfigError) as refused:
             store.read_resolved(tmp_path)
         assert str(refused.value) == f"unreadable {path}: {says}"
+
+
+def test_the_runs_beside_a_grid_are_named_a_few_then_counted_in_one_line(tmp_path):
+    """Complete runs in runs_dir that a grid leaves out: a dot folder (a retraining's staging folder) and a folder
+    without results are none of them, and a hundred of them are a line, not a page (issue 88, part 5)."""
+    for name in ("grid-run", "b-run", "c-run", "d-run", "e-run", "f-run", ".grid-run.new"):
+        store.write_json(tmp_path / name / store.METRICS, {"run": name.strip(".")})
+    (tmp_path / "g-run").mkdir()  # killed before it wrote results
+    grid = [GridRun((), "", None, tmp_path / "grid-run")]
+
+    names = beside(grid, tmp_path)
+
+    assert names == ["b-run", "c-run", "d-run", "e-run", "f-run"]
+    assert beside_line(names, tmp_path, "grid", "compare --all") == (
+        f"note: 5 complete runs in {tmp_path} are not of this grid: b-run, c-run and 3 more; "
+        "compare --all includes them"
+    )
+    assert beside_line(names[:1], tmp_path, "search", "all_runs=True") == (
+        f"note: 1 complete run in {tmp_path} is not of this search: b-run; all_runs=True includes it"
+    )
+    assert beside_line([], tmp_path, "grid", "compare --all") is None

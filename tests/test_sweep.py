@@ -118,6 +118,54 @@ def test_compare_and_results_name_a_recorded_sweeps_runs_without_composing_them(
     assert compositions == {"configs": 5, "jobs": 0}
 
 
+def test_missing_and_train_missing_take_the_grid_the_configs_compose_now(runs_copy, tmp_path, compositions, capsys):
+    """A preset of the user's (on hydra.searchpath) widened from seeds 0,1 to 0,1,2 after its sweep ran: compare
+    --missing lists the run of seed 2 and --train-missing trains it, where both read the recorded grid ("all 2 runs
+    complete", nothing trained); plain compare keeps the sweep's runs and says the configs changed. With the configs
+    as the sweep composed them, the record is read and no job composed. And the sweep's report names the runs in
+    its runs_dir that are not of its grid (issue 88, part 5)."""
+    presets = tmp_path / "my_configs" / "experiment"
+    presets.mkdir(parents=True)
+
+    def preset(seeds: str) -> None:
+        params = f"attention: none\n      task.length: 3\n      seed: {seeds}\n"
+        (presets / "mine.yaml").write_text(f"# @package _global_\nhydra:\n  sweeper:\n    params:\n      {params}")
+
+    preset("0,1")
+    own = ["experiment=mine", f"hydra.searchpath=[file://{tmp_path / 'my_configs'}]", f"runs_dir={runs_copy}"]
+    copytask.sweep([*(override for override in TINY if override != "experiment=quick"), *own])
+    record = store.read_json(runs_copy / "sweep.json")
+    assert record["trained"] == 0 and len(record["runs"]) == 2  # the tiny sweep's none-copy3 runs, complete
+    opening = (runs_copy / "report" / "report.md").read_text().split("## Setup")[0]
+    assert f"note: 6 complete runs in {runs_copy} are not of this grid: " in opening
+    assert "and 4 more; report --all includes them" in opening
+
+    def compare(*flags: str) -> str:
+        assert cli.main(["compare", *flags, f"runs_dir={runs_copy}"]) == 0
+        return " ".join(capsys.readouterr().out.split())  # lines wrapped at 100 columns, joined
+
+    capsys.readouterr()
+    jobs = compositions["jobs"]
+    assert "all 2 runs complete" in compare("--missing")
+    assert "configs changed" not in compare() and compositions["jobs"] == jobs  # the record, read
+
+    preset("0,1,2")
+    printed = compare()
+    assert compositions["jobs"] == jobs and re.search(r" 3 none 2 ", printed)  # the runs the sweep made, and a note
+    assert (
+        "note: the configs changed since this sweep ran: these are the runs it recorded; compare --missing lists "
+        "the grid they compose now, compare --train-missing trains its missing runs" in printed
+    )
+    printed = compare("--missing")
+    assert "composed from the configs as they are now" in printed and "configs changed" not in printed
+    assert "1 of 3 runs missing: seed=2 (none-copy3-seed2-" in printed
+    printed = compare("--train-missing")
+    assert "1 of 3 runs missing: running the sweep first" in printed and re.search(r" 3 none 3 ", printed)
+    assert len(store.read_json(runs_copy / "sweep.json")["runs"]) == 3  # the sweep it ran recorded the grid
+    jobs = compositions["jobs"]
+    assert "all 3 runs complete" in compare("--missing") and compositions["jobs"] == jobs
+
+
 def test_a_grid_not_recorded_is_composed_once_and_gives_what_the_record_gives(runs_copy, compositions):
     recorded = copytask.results(runs_copy)
     record = store.read_json(runs_copy / "sweep.json")

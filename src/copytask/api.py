@@ -111,8 +111,17 @@ def load(selection: Selection, command: str = "read") -> Loaded:
 def results(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), all_runs: bool = False) -> pd.DataFrame:
     """One row per complete run of the selection (`select`): its metrics, steps to the target
     accuracy, alignment where analysed, and a column per setting that varies between the runs. Where
-    the runs were made by different code (`store.provenance`), a CopytaskWarning says so, naming them."""
-    return said_if_mixed(load(select(runs_dir, overrides, all_runs), "read")).table
+    the runs were made by different code (`store.provenance`), a CopytaskWarning says so, naming them; so
+    does one where runs_dir holds complete runs that a grid leaves out (`said_if_beside`)."""
+    return said_if_mixed(load(said_if_beside(select(runs_dir, overrides, all_runs)), "read")).table
+
+
+def said_if_beside(selection: Selection) -> Selection:
+    """`selection`, once a CopytaskWarning has named the complete runs in its runs_dir that it leaves out (runs
+    trained beside a sweep's grid: `Selection.beside`)."""
+    if beside := selection.beside("all_runs=True"):
+        warn(beside)
+    return selection
 
 
 def said_if_mixed(loaded: Loaded) -> Loaded:
@@ -134,8 +143,8 @@ def compare(runs_dir: str | Path | None = None, overrides: Sequence[str] = (), a
     """`python -m copytask compare`'s table as numbers: `summary` of the selection (`select`); for
     a search (`hparams_search=baseline`), its trials best first (`search.trial_table`: objective,
     best so far, the searched settings, the run's accuracies). Where the runs were made by different
-    code, a CopytaskWarning says so, naming them."""
-    selection = select(runs_dir, overrides, all_runs)
+    code, or runs_dir holds complete runs that the grid leaves out, a CopytaskWarning says so, naming them."""
+    selection = said_if_beside(select(runs_dir, overrides, all_runs))
     return comparison(selection, said_if_mixed(load(selection, "compare")))
 
 
@@ -156,8 +165,9 @@ def report(
     (`select`), with `x` (default: the config's report.x) on the accuracy figure's x axis (for a
     search: trials.csv too, and the search's report); -> the paths written, results.csv and
     report.md first. Never trains. Where the report there is up to date (`drawn_from`: drawn from
-    the same runs, files, x axis and code) nothing is written again, and the paths are those written then."""
-    selection = select(runs_dir, overrides, all_runs)
+    the same runs, files, x axis and code) nothing is written again, and the paths are those written then.
+    Complete runs in runs_dir that the grid leaves out are named in a CopytaskWarning and in report.md."""
+    selection = said_if_beside(select(runs_dir, overrides, all_runs))
     drawn = drawn_from(selection, x)
     if drawn is not None and (current := drawn.current()) is not None:
         return current["written"]
@@ -194,7 +204,8 @@ def write_report(
 
     if drawn is not None:
         drawn.forget()
-    written = [save(loaded, runs_dir), *report.write_report(selection.runs, loaded, runs_dir, x)]
+    beside = selection.beside("report --all")
+    written = [save(loaded, runs_dir), *report.write_report(selection.runs, loaded, runs_dir, x, beside)]
     if drawn is not None:
         drawn.record(written, loaded.missing, loaded.mixed)
     return written

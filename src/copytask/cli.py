@@ -24,7 +24,7 @@ from .config.checks import check_analysis
 from .config.schema import DETERMINISTIC_CUBLAS, config_help
 from .console import TERMINAL_WIDTH, ConfigError, refuse
 from .store.runs import describe_missing, folder_runs
-from .sweeps.grid import Selection, compose_grid, nothing_done, select_runs
+from .sweeps.grid import CONFIGS_CHANGED, Selection, compose_grid, nothing_done, select_runs
 
 USAGE = """usage: python -m copytask <command> [key=value ...]
 
@@ -233,19 +233,31 @@ def analyze(overrides: list[str]) -> int:
 
 def selection_for(command: str, overrides: list[str], flags: set[str]) -> Selection:
     """The runs `compare` or `report` look at, as the API's functions select them (`api.select`),
-    said in a paragraph; for listing or training the missing runs, a grid's (the default one where
-    runs_dir has no recorded sweep). ConfigError where none of them is complete, unless the missing
-    runs are to be listed or trained: answered before pandas, matplotlib and torch are imported."""
+    said in a paragraph with a line on the runs it leaves out (`Selection.beside`) and on configs changed
+    since the sweep it names (CONFIGS_CHANGED); for listing or training the missing runs, a grid's (the
+    default one where runs_dir has no recorded sweep) as the configs compose it now. ConfigError where
+    none of them is complete, unless the missing runs are to be listed or trained: answered before
+    pandas, matplotlib and torch are imported."""
     listing = bool({"--missing", "--train-missing"} & flags)
     master, _ = compose_grid(overrides, expand_grid=False)
     if not listing and not Path(master.runs_dir).is_dir():  # before any grid is composed
         raise ConfigError(f"nothing to {command}: {master.runs_dir} does not exist")
-    selection = select_runs(overrides, every_run="--all" in flags, every_run_unless_recorded=not listing, master=master)
-    said = f"{command}: {selection.source}"  # at 100 columns, as the table; a path or an override stays whole
-    print(textwrap.fill(said, TERMINAL_WIDTH, break_long_words=False, break_on_hyphens=False))
+    selection = select_runs(
+        overrides, every_run="--all" in flags, every_run_unless_recorded=not listing, master=master, current=listing
+    )
+    print(wrapped(f"{command}: {selection.source}"))
+    if "--missing" not in flags and (beside := selection.beside(f"{command} --all")):  # a table follows
+        print(wrapped(beside))
+    if selection.configs_changed:
+        print(wrapped(CONFIGS_CHANGED))
     if not listing and not any(run.status() == "complete" for run in selection.runs):
         raise ConfigError(nothing_done(command, selection))
     return selection
+
+
+def wrapped(line: str) -> str:
+    """A line of what compare or report say at 100 columns, as the table; a path or an override stays whole."""
+    return textwrap.fill(line, TERMINAL_WIDTH, break_long_words=False, break_on_hyphens=False)
 
 
 def compare(overrides: list[str], flags: set[str]) -> int:

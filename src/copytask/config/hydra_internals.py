@@ -11,7 +11,10 @@
 - `proposes_jobs(master.hydra)`, `search_space(master)` and `search_samples(master)`: whether the
   sweeper chooses its jobs as it goes (Optuna), and for such a sweeper its search space as
   overrides, and a value of each searched key (one the Optuna sweeper cannot take is a ConfigError);
-- `own_global_hydra()`: a block with no GlobalHydra, after which the caller's is back as it was.
+- `own_global_hydra()`: a block with no GlobalHydra, after which the caller's is back as it was;
+- `configs_digest(searchpath)`: a digest of the config files a grid is composed from, configs/ and
+  the folders of `hydra.searchpath` found as Hydra finds them (`file://` and bare paths from the
+  current folder, `pkg://` packages).
 
 `compose`, `sweep_jobs`, `compose_job`, `search_space` and `search_samples` need an initialised
 GlobalHydra (inside a Hydra app, or `initialize_config_dir`).
@@ -21,8 +24,11 @@ changes them fails there, loudly, before anything else does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+import importlib.resources
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
@@ -32,7 +38,7 @@ from hydra.core.override_parser.types import Override
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from .schema import ConfigError
+from .schema import ConfigError, config_dir
 
 
 def override_args(args: list[str]) -> list[str]:
@@ -157,3 +163,40 @@ def own_global_hydra() -> Iterator[None]:
     finally:  # Hydra's own run may have replaced the instance (its launchers restore singletons)
         GlobalHydra.instance().clear()
         GlobalHydra.instance().hydra = callers
+
+
+def configs_digest(searchpath: Iterable[str] = ()) -> str:
+    """A digest of every YAML file under configs/ and under each folder of `searchpath` (a config's
+    `hydra.searchpath`), by its path in that folder and its contents: what composing a grid reads. The
+    same digest, the same grid from the same overrides (a sweep records it: `sweeps.grid.select_runs`
+    reads the grid from the record, without composing it, while it holds). A folder's own path is left
+    out, so that a checkout or runs_dir moved elsewhere still matches; an entry of another scheme
+    (`structured://`) counts by its name."""
+    digest = hashlib.sha256()
+    for number, entry in enumerate([f"file://{config_dir()}", *searchpath]):
+        scheme, _, where = entry.rpartition("://")
+        if scheme in ("", "file"):  # a bare path is a file path to Hydra too
+            root = Path(where)
+            files = sorted(root.rglob("*.yaml")) if root.is_dir() else []
+            found = [(path.relative_to(root).as_posix(), path.read_bytes()) for path in files]
+        elif scheme == "pkg":  # as Hydra's ImportlibResourcesConfigSource reads it
+            try:
+                found = package_yaml(importlib.resources.files(where.replace("/", ".").rstrip(".")))
+            except ModuleNotFoundError:  # composing says so, where it needs the package
+                found = []
+        else:
+            found = [(entry, b"")]
+        for name, data in found:
+            digest.update(f"{number}\0{name}\0{len(data)}\0".encode() + data)
+    return digest.hexdigest()
+
+
+def package_yaml(folder: importlib.resources.abc.Traversable, prefix: str = "") -> list[tuple[str, bytes]]:
+    """Each YAML file under a package's `folder`, by its path there, with its contents, in name order."""
+    found = []
+    for item in sorted(folder.iterdir(), key=lambda item: item.name):
+        if item.is_dir():
+            found += package_yaml(item, f"{prefix}{item.name}/")
+        elif item.name.endswith(".yaml"):
+            found.append((f"{prefix}{item.name}", item.read_bytes()))
+    return found

@@ -113,9 +113,13 @@ def plot_head_heatmaps(loaded: tables.Loaded, out: Path) -> list[tuple[str, Path
     return made
 
 
-def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: str = "task.length") -> list[Path]:
+def write_report(
+    grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: str = "task.length", beside: str | None = None
+) -> list[Path]:
     """Write runs_dir/report/ (figures and report.md) from `loaded`, which must not be empty, with
-    `x` (`report.x`, checked by `tables.x_column`) on the accuracy figure's x axis. -> the figure files drawn."""
+    `x` (`report.x`, checked by `tables.x_column`) on the accuracy figure's x axis, and `beside`, the note on
+    the complete runs in runs_dir that the grid leaves out (`store.runs.beside_line`), under its opening.
+    -> the figure files drawn."""
     runs_dir = Path(runs_dir)
     out = runs_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -137,6 +141,7 @@ def write_report(grid: list[GridRun], loaded: tables.Loaded, runs_dir: Path, x: 
     heatmaps, head_heatmaps = plot_heatmaps(loaded, out), plot_head_heatmaps(loaded, out)
     lines = [
         *opening(grid, loaded, runs_dir, headline(summary, x)),
+        *([beside, ""] if beside else []),
         *setup_section(loaded, runs_dir),
         "",
         *accuracy.lines,

@@ -19,11 +19,14 @@ from .. import console
 from ..console import ConfigError
 from . import folders, replacement
 from .identity import identity
+from .provenance import named
 
 SWEEP_RECORD = "sweep.json"  # runs_dir/sweep.json: the last sweep's command, its grid's runs, wall time and machine
 RECORDED_RUNS = "runs"  # sweep.json's list of the grid's runs, in launch order: each its folder's name and label
 # sweep.json's record of the last sweep that trained any of the same runs, kept by a sweep that trained none of them
 TRAINED_BY = "trained_by"
+# sweep.json's digest of the config files its grid was composed from (config.hydra_internals.configs_digest)
+RECORDED_CONFIGS = "configs"
 OBJECTIVE = (
     "val_token_acc"  # what a job returns to an optimising sweeper: validation greedy token accuracy, from metrics.json
 )
@@ -156,6 +159,27 @@ def recorded_runs(runs_dir: Path, record: dict[str, Any]) -> list[GridRun] | Non
     if not isinstance(record.get(RECORDED_RUNS), list):
         return None
     return [RecordedRun(entry["label"], Path(runs_dir) / entry["run"]) for entry in record[RECORDED_RUNS]]
+
+
+def beside(runs: list[GridRun], runs_dir: Path) -> list[str]:
+    """The complete runs in `runs_dir` that are not among `runs` (a grid's or a search's), by folder name: what
+    `--all` adds to them. A dot folder (.locks, .sweep, a retraining's `.<run>.new`) is no run of its own, and a
+    folder without results no run that --all reads."""
+    shown = {run.folder.name for run in runs}
+    return [folder.name for folder in folders.complete_runs(runs_dir) if folder.name not in shown]
+
+
+def beside_line(names: list[str], runs_dir: Path | str, what: str, include: str) -> str | None:
+    """The note on the complete runs `names` in runs_dir that are not of the `what` shown ("grid", "search"): how
+    many, a few by name, and what `include`s them (`compare --all`); None where there are none. A table of the grid
+    stays the grid's whatever lands beside it, but not silently."""
+    if not names:
+        return None
+    runs, are, them = ("run", "is", "it") if len(names) == 1 else ("runs", "are", "them")
+    return (
+        f"note: {len(names)} complete {runs} in {runs_dir} {are} not of this {what}: {named(names)}; "
+        f"{include} includes {them}"
+    )
 
 
 def record_failure(folder: Path, error: BaseException) -> None:

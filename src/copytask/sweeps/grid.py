@@ -25,6 +25,7 @@ from ..config.checks import check_launcher, remote_job_check, remote_launcher, v
 from ..config.hydra_internals import (
     compose,
     compose_job,
+    configs_digest,
     own_global_hydra,
     proposes_jobs,
     search_samples,
@@ -35,7 +36,16 @@ from ..config.hydra_internals import (
 from ..config.parallel import check_n_jobs
 from ..config.schema import config_dir, dotted_keys, hydra_errors
 from ..console import ConfigError
-from ..store.runs import SWEEP_RECORD, TRIAL_RECORD, GridRun, folder_runs, recorded_runs
+from ..store.runs import (
+    RECORDED_CONFIGS,
+    SWEEP_RECORD,
+    TRIAL_RECORD,
+    GridRun,
+    beside,
+    beside_line,
+    folder_runs,
+    recorded_runs,
+)
 
 # What `copytask.sweep` adds to its Hydra command line so that Hydra configures no logging (jobs.run_hydra);
 # not part of the command that starts the sweep (`sweep_command`)
@@ -261,10 +271,20 @@ class Selection:
     overrides: list[str]  # the sweep overrides that make `runs` (empty for every run in a folder)
     source: str  # one line for the user: which grid this is
     trials: list[dict] | None = None  # a search's trials (`search_trials`), in trial order; None for a grid
+    every_run: bool = False  # every complete run in runs_dir, not a grid's
+    configs_changed: bool = False  # `runs` are a recorded sweep's, and the configs changed since it composed them
 
     @property
     def is_search(self) -> bool:
         return self.trials is not None
+
+    def beside(self, include: str) -> str | None:
+        """The note on the complete runs in runs_dir that this grid or search leaves out, with what `include`s them
+        (`compare --all`); None where there are none, or where these are every complete run there."""
+        if self.every_run:
+            return None
+        names = beside(self.runs, Path(self.master.runs_dir))
+        return beside_line(names, self.master.runs_dir, "search" if self.is_search else "grid", include)
 
 
 def replaced(recorded: list[str], given: list[str]) -> list[str]:
@@ -279,15 +299,18 @@ def select_runs(
     every_run: bool = False,
     every_run_unless_recorded: bool = False,
     master: DictConfig | None = None,
+    current: bool = False,
 ) -> Selection:
     """The grid of `python -m copytask sweep <overrides>`; with no grid overrides (only `runs_dir`,
     `report.*` and the like), the grid of the last sweep recorded in runs_dir (where none is: the
     default grid, or with `every_run_unless_recorded` every complete run there); with `every_run`,
     every complete run in runs_dir, whatever grid it came from. `master`: the config of
-    `sweep <overrides>` where the caller has composed it already.
+    `sweep <overrides>` where the caller has composed it already. `current` (to list or train what a
+    grid lacks): the grid the configs compose now, where they changed since the sweep recorded it.
 
     The grid is composed at most once, and not at all where it is the grid of the sweep recorded in
-    runs_dir: its runs are then named from the record (`store.runs.recorded_runs`)."""
+    runs_dir: its runs are then named from the record (`store.runs.recorded_runs`), even where the
+    configs changed since (the Selection says so), unless `current`."""
     grid_given = [override for override in overrides if is_grid_override(override)]
     if every_run and grid_given:
         raise ConfigError(
@@ -303,12 +326,12 @@ def select_runs(
             master, _ = compose_grid(combined, expand_grid=False)
         command = shlex.join(["python", "-m", "copytask", "sweep", *recorded])
         runs = recorded_grid(master, record, combined)
-        return selection(master, runs, combined, command, recorded_in=master.runs_dir)
+        return selection(master, runs, combined, command, recorded_in=master.runs_dir, record=record, current=current)
     if not grid_given and (every_run or every_run_unless_recorded):
         runs = folder_runs(store.complete_runs(Path(master.runs_dir)))
-        return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs")
+        return Selection(master, runs, [], f"every complete run in {master.runs_dir}: {len(runs)} runs", every_run=True)
     runs = recorded_grid(master, record, overrides) if recorded is not None else None
-    return selection(master, runs, overrides, sweep_command(master))
+    return selection(master, runs, overrides, sweep_command(master), record=record, current=current)
 
 
 def recorded_grid(master: DictConfig, record: dict, overrides: list[str]) -> list[GridRun] | None:
@@ -323,21 +346,43 @@ def recorded_grid(master: DictConfig, record: dict, overrides: list[str]) -> lis
     return recorded_runs(Path(master.runs_dir), record) if same else None
 
 
+# What compare and report say of a recorded sweep's grid whose configs changed since it ran (Selection.configs_changed)
+CONFIGS_CHANGED = (
+    "note: the configs changed since this sweep ran: these are the runs it recorded; compare --missing lists "
+    "the grid they compose now, compare --train-missing trains its missing runs"
+)
+
+
+def configs_changed(master: DictConfig, record: dict) -> bool | None:
+    """Whether the config files changed since the sweep of `record` composed its grid from them (its digest
+    against `configs_digest` of `master`'s search path, today's); None where the record does not say."""
+    if RECORDED_CONFIGS not in record:
+        return None
+    return record[RECORDED_CONFIGS] != configs_digest(master.hydra.searchpath)
+
+
 def selection(
     master: DictConfig,
     runs: list[GridRun] | None,
     overrides: list[str],
     command: str,
     recorded_in: str | None = None,
+    record: dict | None = None,
+    current: bool = False,
 ) -> Selection:
     """The Selection of the grid, or of the search's trials, that `command` sweeps (`runs`, or where
     None the runs of `master`'s grid composed from `overrides`), with its line for the user (which
-    says so when the sweep was the last one recorded in a runs_dir)."""
-    if runs is None:
+    says so when the sweep was the last one recorded in a runs_dir). `runs` named from `record` are the
+    grid the configs compose now unless they changed since (or the record does not say): then, with
+    `current`, the grid is composed anew, and without it the Selection says they changed."""
+    changed = None if runs is None or record is None else configs_changed(master, record)
+    anew = current and runs is not None and changed is not False
+    if runs is None or anew:
         master, runs = compose_grid(overrides, master=master)
     if not proposes_jobs(master.hydra):
         of = f" the last sweep in {recorded_in}: {command}" if recorded_in is not None else f": {command}"
-        return Selection(master, runs, overrides, f"the grid of{of}")
+        now = ", composed from the configs as they are now" if anew else ""
+        return Selection(master, runs, overrides, f"the grid of{of}{now}", configs_changed=bool(changed) and not anew)
     trials = search_trials(master)
     of = f"the last search in {recorded_in}: {command}" if recorded_in is not None else f"the search: {command}"
     return Selection(master, runs, overrides, f"the {len(trials)} trials ({len(runs)} runs) of {of}", trials)

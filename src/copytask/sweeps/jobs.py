@@ -33,16 +33,19 @@ from omegaconf import DictConfig, open_dict
 
 from .. import console, store
 from ..config.checks import analysis_device, remote_launcher
-from ..config.hydra_internals import override_args, own_global_hydra, proposes_jobs
+from ..config.hydra_internals import configs_digest, override_args, own_global_hydra, proposes_jobs
 from ..config.schema import config_dir
 from ..console import TERMINAL_WIDTH, ConfigError
 from ..store.runs import (
     OBJECTIVE,
+    RECORDED_CONFIGS,
     RECORDED_RUNS,
     SWEEP_RECORD,
     TRAINED_BY,
     TRIAL_RECORD,
     GridRun,
+    beside,
+    beside_line,
     grid_record,
     record_failure,
 )
@@ -172,12 +175,13 @@ class SweepSummary(Callback):
         self.started = time.perf_counter()
         self.started_at = time.time()
         searching = proposes_jobs(config.hydra)
+        configs = configs_digest(config.hydra.searchpath)  # before the grid is composed from them
         self.runs = [] if searching else expand(config)
         # Recorded now, so that `compare` and `report` find this grid (or this search's trials so far) even
         # while it runs or if it is cut off, and name its runs without composing them again.
         self.begun = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "started_at": self.started_at}
-        if not searching:
-            self.begun[RECORDED_RUNS] = grid_record(self.runs)
+        if not searching:  # with the configs they were composed from: where those change, the grid is composed anew
+            self.begun |= {RECORDED_RUNS: grid_record(self.runs), RECORDED_CONFIGS: configs}
         record_path = Path(config.runs_dir) / SWEEP_RECORD
         try:  # the sweep before, which may have trained this one's runs (`training_record`)
             self.before = store.read_json(record_path) if record_path.is_file() else {}
@@ -369,6 +373,7 @@ def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictCo
         if trials is not None:
             written = search.write_report(trials, loaded, runs_dir)
         else:
+            others = beside(runs, runs_dir)  # complete runs in runs_dir that are not of the grid
             drawn.forget()
             try:
                 tables.x_column(config.report.x, loaded)
@@ -376,7 +381,8 @@ def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictCo
             except ConfigError as error:
                 console.warn(f"{error}; the report puts task.length on the x axis")
                 x, drawn = "task.length", None  # not the report `report` would draw: left unrecorded
-            written = report.write_report(runs, loaded, runs_dir, x)
+            noted = beside_line(others, runs_dir, "grid", "report --all")
+            written = report.write_report(runs, loaded, runs_dir, x, noted)
             if drawn is not None:
                 drawn.record([results, *written], loaded.missing, loaded.mixed)
         console.log.info(report.written_line(written, time.perf_counter() - started))
@@ -386,6 +392,8 @@ def write_results(runs: list[GridRun], trials: list[dict] | None, config: DictCo
             chance = sorted(set(loaded.table["chance"]))
             console.log.info(tables.narrow_note(list(dict.fromkeys(loaded.table["task"])), chance))
             console.log.info(tables.comparison_table(summary, loaded.settings).to_string(index=False))
+            if note := beside_line(others, runs_dir, "grid", "compare --all"):
+                console.log.info(textwrap.fill(note, TERMINAL_WIDTH, break_long_words=False, break_on_hyphens=False))
             finding = " ".join(report.headline(summary, tables.x_column(x, loaded))).strip()
             console.log.info(textwrap.fill(finding, TERMINAL_WIDTH))
     if trials is not None:

@@ -22,6 +22,7 @@ from copytask.console import ConfigError
 from copytask.sweeps.grid import check_grid, compose_grid
 
 from .test_own_attention import OWN_EXAMPLE, write_own_example
+from .test_own_model import write_own_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -102,8 +103,8 @@ def check_first_job(overrides: list[str]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("where,args", COMMANDS, ids=[where for where, _ in COMMANDS])
 def test_a_documented_command_is_accepted_as_written(where, args, fake_slurm, tmp_path, monkeypatch):
-    if any(name in " ".join(args) for name in OWN_EXAMPLE):  # run from a user's folder with the docs' example
-        monkeypatch.chdir(write_own_example(tmp_path))
+    if any(name in " ".join(args) for name in OWN_EXAMPLE):  # run from a user's folder with the docs' examples
+        monkeypatch.chdir(write_own_model(write_own_example(tmp_path)))
         monkeypatch.syspath_prepend(str(tmp_path))
     try:
         check_command(where, args)

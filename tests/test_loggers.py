@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from copytask import cli, store
+from copytask.config.schema import flatten
 from copytask.store.provenance import COMPUTATION, PROVENANCE_KEYS, RECORDED_KEYS
 from copytask.training import checkpoints, trackers
 from copytask.training.loop import train
@@ -33,7 +34,7 @@ def trained(make_config, *extra: str) -> tuple[dict, pd.DataFrame, dict]:
 def logged_params(cfg, metrics: dict) -> dict:
     """What a tracker is given as hyperparameters: the run's flattened identity and what made it
     (metrics.json's provenance: issue 70), less the null values."""
-    made_by = {key: metrics[key] for key in (*PROVENANCE_KEYS, *RECORDED_KEYS)}
+    made_by = flatten({key: metrics[key] for key in (*PROVENANCE_KEYS, *RECORDED_KEYS)})  # own_code by kind
     return {key: value for key, value in (store.flat_identity(cfg) | made_by).items() if value is not None}
 
 

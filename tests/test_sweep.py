@@ -375,6 +375,7 @@ def test_the_first_look_sweeps_through_the_parallel_launcher_and_ends_saying_wha
     assert re.search(r"^\s+3\s+luong_general\s+2\s", out, flags=re.MULTILINE) and "At length 3" in out
     words = " ".join(out.split())  # the note is wrapped to the terminal: where it breaks depends on runs_dir
     assert words.endswith("minutes on two cores.") and "README's result is the default sweep" in words
+    assert "These numbers are not README's table: this trains a quarter of its budget, with two seeds" in words
     assert f"The figure is {tmp_path}/report/accuracy_vs_length.png." in words  # where this sweep drew it
     # within 100 columns but for the lines that hold this sweep's folder: a path is kept whole, to be copied
     assert max(len(line) for line in out.splitlines() if str(tmp_path) not in line) <= 100

@@ -34,7 +34,7 @@ commands:
              python -m copytask train model=transformer task.length=40   (docs/models.md)
   sweep    train the grid in configs/config.yaml (hydra.sweeper.params), skipping finished runs;
            ends by naming failed jobs (exit status 1), writing runs_dir/results.csv and the report
-             python -m copytask sweep experiment=first_look   (the bottleneck in under a minute)
+             python -m copytask sweep experiment=first_look   (the bottleneck in 30 s; the first run compiles)
              python -m copytask sweep 'attention=none,luong_general' 'seed=0,1'
              python -m copytask sweep hydra/launcher=parallel   (a job per core; docs/sweep.md)
              python -m copytask sweep hparams_search=baseline task.length=40

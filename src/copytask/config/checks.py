@@ -23,8 +23,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from .. import cpu_dispatch
-from ..data.tasks import TASKS, UNIFORM, Sources
-from ..families import FAMILIES, Family, default_attention_option, family_of
+from ..data.tasks import TASKS, UNIFORM, Sources, load_task
+from ..families import FAMILIES, LABEL, LABEL_RULE, Family, builtin_names, default_attention_option, family_of
 from .memory import check_memory
 from .schema import (
     DEVICES,
@@ -41,6 +41,8 @@ from .schema import (
     dotted_keys,
     unknown_key,
 )
+
+BUILT_IN_TASKS = tuple(TASKS)  # registered when data.tasks is imported, before any task of the user's own
 
 
 def validate(cfg: DictConfig) -> None:
@@ -131,10 +133,30 @@ def check_bounds(node: DictConfig, prefix: str = "") -> None:
             raise ConfigError(f"{key} must be an integer from {low} to {MAXIMUM[key]}, got {value!r}")
 
 
+def check_own_task(task: DictConfig) -> None:
+    """A task of the user's own (`task._target_`): a label no built-in has, and a function its module gives
+    (imported: it registers the task in this process)."""
+    if not LABEL.fullmatch(task.name):
+        raise ConfigError(
+            f"task.name must be a plain name ({LABEL_RULE}: it names your task's runs), got {task.name!r}"
+        )
+    if task.name in builtin_names(config_dir()) or task.name in BUILT_IN_TASKS:
+        raise ConfigError(
+            f"task.name={task.name} is the name of one of copytask's own tasks, models, options or architectures: "
+            "give your task a name of its own"
+        )
+    try:
+        load_task(task.name, task._target_)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def check_task(task: DictConfig, train: DictConfig) -> None:
     """A registered task, lengths in order, task.copied where the task reads it (and only there: 1 <= k <
     every length it draws), and room for the held-out sets (`check_heldout`)."""
-    if task.name not in TASKS:
+    if task.get("_target_") is not None:
+        check_own_task(task)
+    elif task.name not in TASKS:
         raise ConfigError(f"task.name must be one of {', '.join(TASKS)}, got {task.name!r}")
     if task.variable_length and task.min_length > task.length:
         raise ConfigError(f"task.min_length ({task.min_length}) must not exceed task.length ({task.length})")

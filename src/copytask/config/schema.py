@@ -57,6 +57,7 @@ class TaskConfig:
     variable_length: bool = MISSING
     min_length: int = MISSING
     copied: int | None = None  # selective copying's k; null for a task that does not read it
+    _target_: str | None = None  # a task of the user's own: its function, module.function (docs/models.md)
 
 
 # model=...: `_target_`, the model's class (`families.family_of`), its label and the keys of every family of the

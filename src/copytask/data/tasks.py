@@ -19,10 +19,11 @@ order, then EOS (`AmongNoise`, `selective_copy`).
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from itertools import combinations
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .vocab import NUM_SPECIAL, noise_token, total_vocab
 
@@ -132,6 +133,35 @@ def task(name: str, sources: Sources = UNIFORM) -> Callable[[Copies], Copies]:
         return copies
 
     return register
+
+
+def load_task(name: str, target: str) -> Task:
+    """A task of the user's own, `task._target_` = `target` (`module.function`, a module on the Python path) under
+    the label `name`: the module imported; the task it registers as `name` with `@task` (sources of its own), else
+    its function registered as `name` with copy's sources. A ValueError, one line naming the module, where there
+    is none."""
+    module, _, function = target.rpartition(".")
+    try:
+        copies = getattr(importlib.import_module(module), function) if module else None
+    except ImportError as error:
+        raise ValueError(
+            f"task._target_={target}: cannot import {module!r} ({error}); a module of your own must be on the Python "
+            "path: run python -m copytask from its folder, or add the folder to PYTHONPATH"
+        ) from None
+    except AttributeError:
+        raise ValueError(f"task._target_={target}: module {module!r} has no {function!r}") from None
+    if not callable(copies):
+        raise ValueError(f"task._target_={target} is not a function, module.function")
+    if name not in TASKS or TASKS[name].copies is not copies:
+        task(name)(copies)
+    return TASKS[name]
+
+
+def task_of(task: Any) -> Task:
+    """A config's task (its `task` node): one of the user's own where it has a `_target_` (`load_task`), else the
+    registered one by name (`get_task`). ValueError, one line, where there is none."""
+    target = task.get("_target_")
+    return load_task(task["name"], target) if target is not None else get_task(task["name"])
 
 
 def get_task(name: str) -> Task:

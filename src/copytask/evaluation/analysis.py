@@ -275,7 +275,7 @@ def analyze_run(
         "seed": cfg.seed,
         "eval_size": eval_size,
         "device": device.type,
-        **provenance(ANALYSIS_COMPUTATION),
+        **provenance(ANALYSIS_COMPUTATION, cfg),
         "length_generalisation": length_generalisation(model, cfg, lengths, eval_size, seen),
     }
     if task.variable_length:

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from .. import store
 from ..config.checks import check_beam_width
 from ..console import ConfigError
-from ..data.tasks import TASKS
+from ..data.tasks import task_of
 from ..data.vocab import EOS, noise_token, parse_symbols, symbol
 
 
@@ -100,9 +100,10 @@ def decode(
         raise DecodeError(str(error)) from None
     cfg = read_run(run_dir)
     task, text = cfg.task, (symbols or "").strip()
-    if task.name not in TASKS:
-        raise DecodeError(f"{run_dir.name} was trained on task {task.name!r}, which is not registered here")
-    sources = TASKS[task.name].sources
+    try:
+        sources = task_of(task).sources
+    except ValueError as error:
+        raise DecodeError(f"{run_dir.name} was trained on a task that is not here: {error}") from None
     if text and random is not None:
         raise DecodeError("give symbols or --random N, not both")
     if random is None:

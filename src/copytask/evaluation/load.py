@@ -8,6 +8,8 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from .. import store
+from ..console import ConfigError
+from ..data.tasks import task_of
 from ..models.build import Model, build_model
 from ..training.devices import resolve_device
 
@@ -20,6 +22,10 @@ def load_run(folder: Path, device: str = "cpu", fused: bool | None = None) -> tu
     which spares a caller that decodes a few sequences the kernels' loading (and torch's compiler stack,
     which their first call imports)."""
     cfg = store.read_config(Path(folder))
+    try:  # a task of the user's own is registered where its module is imported
+        task_of(cfg.task)
+    except ValueError as error:
+        raise ConfigError(f"{Path(folder).name}: {error}") from None
     built = cfg
     if fused is not None:
         built = cfg.copy()

@@ -157,11 +157,12 @@ def attention_option(config_dir: str, name: str) -> DictConfig | None:
 
 @functools.cache
 def builtin_names(config_dir: str) -> frozenset[str]:
-    """Every name a built-in model, option or architecture has: the options of configs/model/, attention/ and
-    architecture/, the families' names and every label their runs can have. No model of the user's own may take
-    one."""
+    """Every name a built-in model, option or architecture has: the options of configs/model/, attention/,
+    architecture/ and task/, the families' names and every label their runs can have. No model or task of the
+    user's own may take one."""
     root = Path(config_dir)
-    names = {path.stem for group in ("model", "attention", "architecture") for path in (root / group).glob("*.yaml")}
+    groups = ("model", "attention", "architecture", "task")
+    names = {path.stem for group in groups for path in (root / group).glob("*.yaml")}
     return frozenset(names | {label for family in FAMILIES.values() for label in family.labels()})
 
 

@@ -56,7 +56,7 @@ class OwnFamily(Family):
             )
 
     def option(self, config: Config) -> str:
-        return f"model={self.name} ({self.target})"
+        return f"model={self.name}"
 
     def describe(self, configs: list[DictConfig], values) -> str:
         keys = ", ".join(f"{key} {values(configs, f'model.{key}')}" for key in self.own_keys(configs[0]))

@@ -156,7 +156,7 @@ def _load(name: str, flags: list[str], directory: Path) -> ModuleType:
     library = directory / f"{name}.so"
     if not library.exists():
         print(
-            f"copytask: compiling the fused CPU kernels into {directory} (once, about a minute)",
+            f"copytask: compiling the fused CPU kernels into {directory} (once: a minute or two)",
             file=sys.stderr,
             flush=True,
         )

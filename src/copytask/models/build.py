@@ -5,6 +5,7 @@ arguments."""
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import torch
 from omegaconf import DictConfig
@@ -43,8 +44,15 @@ def build_model(cfg: DictConfig, kind: type[nn.Module] | None = None) -> nn.Modu
     """The configured model: its family's class, or `kind`, a class with its constructor and interface (the
     benchmark passes `reference.ReferenceSeq2Seq` and `reference.ReferenceTransformer`), given the vocabulary's
     size and the family's arguments (`Family.arguments`)."""
-    kind = kind or model_class(cfg)
-    return kind(vocabulary(cfg.task.name, cfg.task.vocab_size), **family_of(cfg).arguments(cfg))
+    kind, family = kind or model_class(cfg), family_of(cfg)
+    vocab, arguments = vocabulary(cfg.task.name, cfg.task.vocab_size), family.arguments(cfg)
+    try:
+        inspect.signature(kind).bind(vocab, **arguments)
+    except TypeError as error:  # a key its class does not take, or one it needs that its option lacks
+        raise ConfigError(
+            f"{family.option(cfg)}: {family.target}{inspect.signature(kind)} cannot take its config's keys: {error}"
+        ) from None
+    return kind(vocab, **arguments)
 
 
 def check_buildable(cfg: DictConfig) -> None:

@@ -26,7 +26,7 @@ from scipy import special  # not scipy.stats, whose import alone took about a se
 from .. import console, store
 from ..console import ConfigError
 from ..families import Family, family_of
-from ..store.provenance import mixed_line
+from ..store.provenance import mixed_line, own_code_line
 from ..store.runs import GridRun
 from .breakdown_tables import breakdown_columns
 
@@ -151,7 +151,9 @@ def load(grid: list[GridRun]) -> Loaded:
         first = [*COLUMNS, STATE_FLOATS, TARGET_STEP, *ALIGNMENT_COLUMNS, *TEACHER_FORCED, *settings]
         table = table.reindex(columns=[*first, *(c for c in table.columns if c not in first)])
         table[STATE_FLOATS] = table[STATE_FLOATS].astype("Int64")  # a count, empty where a run has none
-    return Loaded(table, runs, missing, analyses, settings, mixed_line({row["run"]: row for row in rows}))
+    made_by = {row["run"]: row for row in rows}
+    mixed = " ".join(filter(None, [mixed_line(made_by), own_code_line(made_by)])) or None
+    return Loaded(table, runs, missing, analyses, settings, mixed)
 
 
 def save(loaded: Loaded, runs_dir: Path) -> Path:

@@ -42,6 +42,7 @@ NEUTRAL = {
     "model.name": "gru",
     "model.selective": True,  # Mamba's own selective SSM
     "task.copied": None,  # a task that does not read it (checks refuse any other value there)
+    "task._target_": None,  # one of copytask's own tasks
 }
 
 

@@ -10,7 +10,9 @@ run that records another one, or none (made before copytask recorded it), is tra
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import subprocess
@@ -18,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import console, cpu_dispatch
-from .folders import METRICS, is_complete, read_json
+from ..console import ConfigError
+from ..families import BY_TARGET, family_of
+from .folders import METRICS, is_complete, read_json, read_resolved
 from .replacement import pending
 
 # The version of what a run computes: training, data, models and scoring. Raise it with any change
@@ -49,13 +53,14 @@ RECORDED_KEYS = (PYTHON_KEY, "cpu", "mkl_enable_instructions", "mkl_cbwr", "oned
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # src/copytask in a checkout
 
 
-def provenance(computation: int = COMPUTATION) -> dict[str, Any]:
+def provenance(computation: int = COMPUTATION, config: Any = None) -> dict[str, Any]:
     """What makes a run trained now (an analysis made now, with `computation` ANALYSIS_COMPUTATION): this
     code's `computation`, the copytask version, the git commit
     and whether tracked files had uncommitted changes (both None where copytask is not run from a
     checkout, as from a wheel), torch's version and build, the Python version, the CPU's model and its
     dispatch in force: torch's CPU capability and MKL's and oneDNN's settings (cpu_dispatch). Where the
-    dispatch is not the one copytask pins, says so once (`dispatch_note`)."""
+    dispatch is not the one copytask pins, says so once (`dispatch_note`). With the run's `config`: the code of
+    the user's own it runs (`own_code`)."""
     import torch  # here: reading a run's provenance needs no torch
 
     commit, dirty = checkout_state(PACKAGE_DIR)
@@ -64,6 +69,7 @@ def provenance(computation: int = COMPUTATION) -> dict[str, Any]:
         say_once(note)
     return {
         "computation": computation,
+        "own_code": {} if config is None else own_code(config),
         "copytask_version": installed_version(),
         "commit": commit,
         "uncommitted_changes": dirty,
@@ -122,6 +128,30 @@ def checkout_state(package_dir: Path) -> tuple[str | None, bool | None]:
         return None, None
 
 
+def own_code(config: Any) -> dict[str, str]:
+    """The code of the user's own a config runs, which copytask's `computation` does not cover: its model class
+    (`model._target_` of no family of the package), attention class (`attention.score=module.Class`) and task
+    (`task._target_`), each `module.Name sha256:<12 digits>` of its module's source file (found, not imported);
+    `sha256:none` where the module is not there. Empty for copytask's own models, attention types and tasks."""
+    family, attention, task = family_of(config), config.get("attention") or {}, config["task"]
+    paths = {
+        "model": None if family.target in BY_TARGET else family.target,
+        "attention": attention.get("score") if family.reads_attention and "." in str(attention.get("score")) else None,
+        "task": task.get("_target_"),
+    }
+    return {kind: f"{path} sha256:{source_digest(path)}" for kind, path in paths.items() if path}
+
+
+def source_digest(path: str) -> str:
+    """The first 12 hex digits of the SHA-256 of the source of `path`'s module (`module.Name`); `none` where it
+    has none to read."""
+    try:
+        spec = importlib.util.find_spec(path.rpartition(".")[0])
+        return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()[:12]
+    except (ImportError, ValueError, AttributeError, TypeError, OSError):  # no such module, or no file behind it
+        return "none"
+
+
 def recorded_computation(folder: Path) -> Any:
     """The `computation` a complete run's metrics.json records; None where it records none."""
     metrics = read_json(folder / METRICS)
@@ -129,8 +159,15 @@ def recorded_computation(folder: Path) -> Any:
 
 
 def computed_here(folder: Path) -> bool:
-    """Whether the complete run in `folder` was computed by this code: it records `COMPUTATION`."""
-    return recorded_computation(folder) == COMPUTATION
+    """Whether the complete run in `folder` was computed by this code: it records `COMPUTATION`, and the code of the
+    user's own it ran is as it is now (`own_code`; a run that records none ran none, or was made before it was
+    recorded: with code of the user's own it is trained again)."""
+    if recorded_computation(folder) != COMPUTATION:
+        return False
+    try:
+        return read_json(folder / METRICS).get("own_code", {}) == own_code(read_resolved(folder))
+    except ConfigError:  # a config.yaml that cannot be read: not known to be this code's
+        return False
 
 
 def reused(folder: Path, retrain: bool) -> bool:
@@ -159,8 +196,11 @@ def retrained_line(folders: list[Path]) -> str | None:
     elsewhere = [folder for folder in folders if is_complete(folder) and not computed_here(folder)]
     if not elsewhere:
         return None
-    what = elsewhere[0].name if len(folders) == 1 else f"{len(elsewhere)} complete runs"
-    why = computed_elsewhere([recorded_computation(folder) for folder in elsewhere])
+    what = elsewhere[0].name if len(folders) == 1 else f"{len(elsewhere)} complete run{'s' * (len(elsewhere) > 1)}"
+    other = [recorded_computation(folder) for folder in elsewhere if recorded_computation(folder) != COMPUTATION]
+    changed = len(elsewhere) - len(other)  # the user's own code they ran has changed since (`own_code`)
+    ran = f"{changed} {'run ran' if changed == 1 else 'runs ran'} code of yours that has changed since"
+    why = "; ".join([computed_elsewhere(other)] * bool(other) + [ran] * bool(changed))
     return f"{what}: computed by other code ({why}): trained again, old results kept until the new ones are complete"
 
 
@@ -180,6 +220,23 @@ def mixed_line(runs: dict[str, dict]) -> str | None:
     )
     made = "under different CPU dispatch" if differ == ["cpu_capability"] else "by different code"
     return f"note: these runs were made {made} ({made_by})"
+
+
+def own_code_line(runs: dict[str, dict]) -> str | None:
+    """run name -> its metrics.json: where runs ran different versions of the same code of the user's own (a
+    class or task by its import path, its module's source since edited: `own_code`), one line that names the runs
+    of each version; None where they agree. Runs of other code, or of none, are no versions of it."""
+    versions: dict[str, dict[str, list[str]]] = {}  # import path -> source digest -> runs
+    for name, metrics in runs.items():
+        for line in (metrics.get("own_code") or {}).values():
+            path, _, digest = line.partition(" ")
+            versions.setdefault(path, {}).setdefault(digest, []).append(name)
+    parts = [
+        f"{path} " + "; ".join(f"{digest}: {named(sorted(names))}" for digest, names in by_digest.items())
+        for path, by_digest in versions.items()
+        if len(by_digest) > 1
+    ]
+    return f"note: these runs ran different versions of your code ({'; '.join(parts)})" if parts else None
 
 
 def named(names: list[str], most: int = 3) -> str:

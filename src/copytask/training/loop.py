@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from .. import store
 from ..config.checks import validate
+from ..config.schema import flatten
 from ..data.batches import Batch
 from ..data.splits import heldout_keys, training_batch
 from ..data.vocab import PAD
@@ -197,8 +198,8 @@ def set_up(
         torch.cuda.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     model = build_model(cfg, model_class).to(device)
-    made_by = provenance()
-    tracker.log_params(store.flat_identity(cfg) | made_by)
+    made_by = provenance(config=cfg)
+    tracker.log_params(store.flat_identity(cfg) | flatten(made_by))  # own_code by kind: own_code.model, ...
     fused = runs_fused(model)  # loads the kernels (builds them on first use) before the clock starts
     test, validation, excluded = heldout_keys(cfg)  # training draws again every sequence of either
     test, validation = test.to(device), validation.to(device)

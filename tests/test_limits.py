@@ -10,11 +10,12 @@ import sys
 import pytest
 import torch
 
-from copytask.config import memory
-from copytask.config.checks import heldout_share, validate
+from copytask.config.checks import validate
 from copytask.console import ConfigError
 from copytask.data import splits
+from copytask.data.heldout import heldout_share
 from copytask.data.splits import heldout_keys, sequence_keys, training_batch
+from copytask.families import memory
 
 from .conftest import ATTENTION_OPTIONS, TINY, pythonpath
 

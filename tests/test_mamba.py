@@ -16,11 +16,11 @@ from omegaconf import OmegaConf
 import copytask
 from copytask import store
 from copytask.config.checks import validate
-from copytask.config.memory import parameter_count
 from copytask.console import ConfigError
 from copytask.data.batches import make_batch
 from copytask.data.splits import sample_batch
 from copytask.data.vocab import BOS, total_vocab
+from copytask.families.memory import parameter_count
 from copytask.kernels import mamba_ops
 from copytask.models.build import build_model, check_buildable
 from copytask.models.mamba import DT_MAX, DT_MIN, LayerState, MambaBlock, MambaLayer, MambaSeq2Seq, selective_scan

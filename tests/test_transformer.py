@@ -12,11 +12,11 @@ from torch import nn
 from copytask import store
 from copytask.bench.reference import ReferenceTransformer, reference_transformer_state
 from copytask.config.checks import validate
-from copytask.config.memory import parameter_count
 from copytask.console import ConfigError
 from copytask.data.batches import length_mask, make_batch
 from copytask.data.vocab import BOS, PAD
 from copytask.evaluation import analysis
+from copytask.families.memory import parameter_count
 from copytask.kernels import ops, transformer_ops
 from copytask.models.build import build_model
 from copytask.models.recurrent import count_parameters

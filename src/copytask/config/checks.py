@@ -1,7 +1,7 @@
 """What a runnable config is: `validate` refuses, before anything is trained or written, every
 value that cannot run (ranges, combinations, a label that is not a plain name of the user's own
 (`families.gru.check_label`), a held-out set that would cover the sequences training draws from, a
-configuration whose memory no machine here holds (`memory`), a device or a tracker this machine
+configuration whose memory no machine here holds (`families.memory`), a device or a tracker this machine
 lacks), each in one ConfigError line that names it. Torch-free, like `schema`, so the command line
 answers at once. Types are the schema's (`schema`, checked by Hydra as it composes).
 What only an attention type's class knows (which `attention.score`s exist, what each takes, its own
@@ -17,15 +17,15 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from .. import cpu_dispatch
-from ..data.tasks import TASKS, UNIFORM, Sources, load_task
+from ..data.heldout import check_heldout
+from ..data.tasks import TASKS, load_task
 from ..families import FAMILIES, LABEL, LABEL_RULE, Family, builtin_names, default_attention_option, family_of
-from .memory import check_memory
+from ..families.memory import check_memory
 from .schema import (
     DEVICES,
     LOGGERS,
@@ -51,9 +51,9 @@ def validate(cfg: DictConfig) -> None:
     the module's docstring), in this order, so that the first bad value is the one named."""
     check_keys(cfg)
     check_task(cfg.task, cfg.train)
-    check_model(cfg)
     check_analysis(cfg.analysis)
     check_training(cfg.train)
+    check_model(cfg)
     check_memory(cfg)
     check_device(cfg.train.device)
     check_cpu_dispatch()
@@ -110,10 +110,10 @@ def family_keys(cfg: DictConfig) -> type | None:
 def check_keys(cfg: DictConfig) -> None:
     """No key the schema lacks, none without a value, and every bounded integer within its bounds
     (MINIMUM, MAXIMUM)."""
-    known = set(SCHEMA_KEYS)
+    given, known = set(dotted_keys(cfg)), set(SCHEMA_KEYS)
     if family_keys(cfg) is None:  # a model of the user's own: its keys are its own option's
         known |= {f"model.{key}" for key in cfg.model}
-    unknown = sorted(set(dotted_keys(cfg)) - known)
+    unknown = sorted(given - known)
     if unknown:  # added with `+key=value`: nothing would read it, yet it would rename the run
         raise ConfigError(unknown_key(unknown[0], SCHEMA_KEYS))
     unset = sorted(OmegaConf.missing_keys(cfg))
@@ -203,88 +203,6 @@ def check_training(train: DictConfig) -> None:
         )
     if not 0 <= train.target_acc <= 1:
         raise ConfigError(f"train.target_acc must be a number in [0, 1], got {train.target_acc!r}")
-
-
-# At most this share of fresh training rows may be held-out sequences: `splits.training_batch` draws
-# those again, about 1 / (1 - share) draws per row.
-MAX_HELDOUT_SHARE = 0.5
-
-
-def heldout_share(
-    length: int,
-    vocab_size: int,
-    eval_size: int,
-    min_length: int | None = None,
-    sources: Sources = UNIFORM,
-    copied: int | None = None,
-) -> float:
-    """An upper bound on the probability that a fresh training row is a held-out sequence.
-
-    Fixed length L: the held-out set holds at most min(eval_size, N_L) of the N_L sources of length L
-    the task draws (`sources.count`, with `copied`: V^L over V symbols for copy, C(L, k) V^k for selective
-    copying). With `min_length` m each length in [m, L] is equally likely, and the held-out set
-    holds at most min(eval_size, N_l) of the N_l sources of length l. Computed in logarithms
-    where N_L is too large to compute; the terms fall geometrically with l, so the sum stops once
-    they no longer count."""
-    lengths = range(length if min_length is None else min_length, length + 1)
-    total = 0.0
-    for size in lengths:
-        log_count = sources.log_count(size, vocab_size, copied)
-        if log_count < 700:  # N_l is a small enough integer: exact, so 4 of 8 is 1/2
-            term = min(1.0, eval_size / sources.count(size, vocab_size, copied))
-        else:
-            term = math.exp(min(0.0, math.log(eval_size) - log_count))
-        total += term
-        if term < 1e-18:
-            break
-    return total / len(lengths)
-
-
-def _smallest(low: int, fits: Callable[[int], bool]) -> int:
-    """The smallest integer >= `low` for which `fits` (monotone: false, then true) holds."""
-    high = low
-    while not fits(high):
-        low, high = high + 1, 2 * high
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (middle + 1, high) if not fits(middle) else (low, middle)
-    return low
-
-
-def check_heldout(
-    length: int,
-    vocab_size: int,
-    eval_size: int,
-    val_size: int,
-    min_length: int | None = None,
-    sources: Sources = UNIFORM,
-    copied: int | None = None,
-) -> None:
-    """ConfigError unless the test and validation sets (`eval_size` + `val_size` sequences, held out
-    of training together) leave enough sequences to train on (`heldout_share` at most
-    MAX_HELDOUT_SHARE; the sources the task draws, `sources` with `copied`): where they hold most of them,
-    excluding them from training cannot work. The message gives the largest train.eval_size +
-    train.val_size, and the smallest task.length and task.vocab_size, that would work, each alone."""
-    given, eval_size = eval_size, eval_size + val_size
-
-    def fits(length=length, vocab_size=vocab_size, eval_size=eval_size) -> bool:
-        return heldout_share(length, vocab_size, eval_size, min_length, sources, copied) <= MAX_HELDOUT_SHARE
-
-    share = heldout_share(length, vocab_size, eval_size, min_length, sources, copied)
-    if share <= MAX_HELDOUT_SHARE:
-        return
-    largest = _smallest(1, lambda size: not fits(eval_size=size + 1))  # share grows with eval_size; 1 always fits
-    lengths = f"task.length={length}" if min_length is None else f"task.min_length={min_length} to task.length={length}"
-    if copied is not None:
-        lengths += f" with task.copied={copied}"
-    raise ConfigError(
-        f"the test and validation sets (train.eval_size={given} + train.val_size={val_size}) can hold up to "
-        f"{share:.0%} of the sequences of {lengths} over task.vocab_size={vocab_size} symbols, and training draws "
-        f"again every held-out one: at most {MAX_HELDOUT_SHARE:.0%} may be held out; use train.eval_size + "
-        f"train.val_size <= {largest}, "
-        f"task.length >= {_smallest(length, lambda value: fits(length=value))} "
-        f"or task.vocab_size >= {_smallest(vocab_size, lambda value: fits(vocab_size=value))}"
-    )
 
 
 def check_logger(logger: DictConfig | None) -> None:

@@ -84,7 +84,7 @@ class Family:
 
     def activations(self, config: DictConfig) -> tuple[bool, dict[str, int]]:
         """Whether its evaluation keeps attention weights (B x T_dec x T_enc), and roughly the bytes of a training
-        step's activations by what needs them (`config.memory.memory_estimate`)."""
+        step's activations by what needs them (`memory.memory_estimate`)."""
         return False, {}
 
     def reads(self, config: Config) -> str:

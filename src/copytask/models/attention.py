@@ -209,7 +209,7 @@ class Attention(nn.Module):
 
     def training_floats(self) -> dict[str, int]:
         """Floats a training step keeps per attention weight (B x T_dec x T_enc) beyond the weights
-        themselves, by what keeps them: the score's entries of `config.memory.memory_estimate`. None here."""
+        themselves, by what keeps them: the score's entries of `families.memory.memory_estimate`. None here."""
         return {}
 
 

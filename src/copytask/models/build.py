@@ -11,12 +11,12 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ..config.memory import check_memory
 from ..config.schema import config_dir
 from ..console import ConfigError
 from ..data.tasks import vocabulary
 from ..families import cannot_import, family_of
 from ..families.gru import check_attention_name
+from ..families.memory import check_memory
 from .attention import ATTENTION_TYPES, attention_type
 from .protocol import Seq2SeqModel
 from .recurrent import count_parameters
@@ -83,7 +83,7 @@ def check_buildable(cfg: DictConfig) -> None:
             model = build_model(cfg)
     except ValueError as error:  # validate has checked the rest: this is a class's own refusal (an attention's)
         raise ConfigError(f"{family.option(cfg)}: {error}") from None
-    attention = model.attention if family.reads_attention else None  # the attention group's own memory
-    check_memory(cfg, count_parameters(model), {} if attention is None else attention.training_floats())
+    parameters, attention = count_parameters(model), model.attention if family.reads_attention else None
+    check_memory(cfg, parameters, {} if attention is None else attention.training_floats())  # its attention's own
     if family.reads_attention:
         check_attention_name(cfg.attention, config_dir())

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from ..console import ConfigError
 from ..data.tasks import vocabulary
-from ..families import FLOAT, LONG, family_of
+from . import FLOAT, LONG, family_of
 
 
 def parameter_count(cfg: DictConfig) -> int | None:

@@ -409,6 +409,8 @@ def test_a_learned_table_covers_max_length_and_no_more(make_config):
         (["model=transformer", "model.layers=0"], "model.layers must be an integer >= 1"),
         (["model=transformer", "model.d_model=null"], "model.d_model must not be null with model=transformer"),
         (["model.hidden_size=null"], "model.hidden_size must not be null with model=gru"),
+        (["model=transformer", "model.name=gru"], "model.name must be transformer with model._target_="),
+        (["model.name=transformer"], "model.name must be gru with model._target_=copytask.models.recurrent.Seq2Seq"),
         (["analysis.lengths=[0,5]"], "analysis.lengths must be null or a list of integers >= 1"),
     ],
 )

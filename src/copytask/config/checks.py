@@ -88,14 +88,20 @@ def check_model(cfg: DictConfig) -> None:
 
 
 def model_family(cfg: DictConfig) -> Family:
-    """The family of `cfg`'s model; ConfigError where `model.name` names none."""
+    """The family of `cfg`'s model; ConfigError where `model.name` names none, or is not the name of the family of
+    the package its `_target_` names (the label of a model of the user's own is its own: `families.own`)."""
     try:
-        return family_of(cfg)
+        family = family_of(cfg)
     except KeyError:
         raise ConfigError(
             f"model.name must be one of {', '.join(FAMILIES)}, got {cfg.model.name!r} "
             f"(choose a model with model={'|'.join(FAMILIES)})"
         ) from None
+    if family.keys is not None and cfg.model.name != family.name:  # a family of the package, under another name
+        raise ConfigError(
+            f"model.name must be {family.name} with model._target_={family.target}, got {cfg.model.name!r}"
+        )
+    return family
 
 
 def family_keys(cfg: DictConfig) -> type | None:
